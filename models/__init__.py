@@ -1,0 +1,1 @@
+"""Model definitions, weight loading and tokenization."""

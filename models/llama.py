@@ -1,0 +1,125 @@
+"""The Llama-family forward pass, written top to bottom as a sequence of backend ops.
+
+One call runs one engine step: any mix of prefill chunks and decode tokens from many sequences,
+flattened into T tokens, against the paged KV cache (layouts: tests/reference.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from models.config import ModelConfig
+from models.weights import ModelWeights
+
+
+@dataclass
+class StepInput:
+    tokens: np.ndarray          # [T] int32 token ids
+    positions: np.ndarray       # [T] int32 position of each token in its sequence
+    token_seq: np.ndarray       # [T] int32 row of block_tables that token t belongs to
+    slot_mapping: np.ndarray    # [T] int64 cache slot (block * block_size + offset) for token t's K/V
+    block_tables: np.ndarray    # [S, max_blocks] int32
+    logits_indices: np.ndarray  # [S'] int32 tokens whose next-token logits are wanted
+
+
+class RunState:
+    """Scratch activations for up to `capacity` tokens, allocated once and reused every step."""
+
+    def __init__(self, backend, cfg: ModelConfig, capacity: int):
+        z = backend.zeros
+        qkv = cfg.q_size + 2 * cfg.kv_size
+        self.capacity = capacity
+        self.h = z((capacity, cfg.hidden_size))                    # residual stream
+        self.x = z((capacity, cfg.hidden_size))                    # normed input of a block
+        self.qkv = z((capacity, qkv))                              # q | k | v
+        self.attn = z((capacity, cfg.q_size))                      # attention output
+        self.gate_up = z((capacity, 2 * cfg.intermediate_size))    # gate | up
+        self.mlp = z((capacity, cfg.intermediate_size))            # silu(gate) * up
+
+
+class LlamaModel:
+    def __init__(self, weights: ModelWeights, backend):
+        cfg = self.config = weights.config
+        b = self.backend = backend
+        self.embed = b.linear([weights.embed])
+        self.lm_head = self.embed if weights.lm_head is None else b.linear([weights.lm_head])
+        self.layers = [
+            _Layer(
+                attn_norm=b.vector(lw.attn_norm),
+                qkv=b.linear([lw.q, lw.k, lw.v]),
+                o=b.linear([lw.o]),
+                ffn_norm=b.vector(lw.ffn_norm),
+                gate_up=b.linear([lw.gate, lw.up]),
+                down=b.linear([lw.down]),
+            )
+            for lw in weights.layers
+        ]
+        self.final_norm = b.vector(weights.final_norm)
+        self.rope_cos, self.rope_sin = b.rope_tables(cfg.max_position, cfg.head_dim, cfg.rope_theta)
+        self.scale = cfg.head_dim ** -0.5
+        self.nbytes = sum(m.nbytes for m in self._linears()) + 4 * cfg.hidden_size * (2 * cfg.num_layers + 1)
+        self._state: RunState | None = None
+
+    def _linears(self):
+        seen = {id(self.embed): self.embed, id(self.lm_head): self.lm_head}
+        for ly in self.layers:
+            for m in (ly.qkv, ly.o, ly.gate_up, ly.down):
+                seen[id(m)] = m
+        return seen.values()
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        c = self.config
+        return (c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim)
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        c = self.config
+        return 2 * 4 * c.num_layers * block_size * c.num_kv_heads * c.head_dim
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int):
+        shape = self.kv_cache_shape(num_blocks, block_size)
+        return self.backend.zeros(shape), self.backend.zeros(shape)
+
+    def _run_state(self, ntok: int) -> RunState:
+        if self._state is None or self._state.capacity < ntok:
+            self._state = RunState(self.backend, self.config, max(ntok, 16))
+        return self._state
+
+    def forward(self, step: StepInput, k_cache, v_cache):
+        """Logits [len(logits_indices), V] for one engine step; writes the step's K/V into the cache."""
+        b, cfg = self.backend, self.config
+        t = len(step.tokens)
+        rs = self._run_state(t)
+        h, x, qkv, attn, gate_up, mlp = (a[:t] for a in (rs.h, rs.x, rs.qkv, rs.attn, rs.gate_up, rs.mlp))
+        H, Hkv, eps = cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps
+
+        b.embedding(self.embed, step.tokens, h)                                    # h = E[tokens]
+        for i, ly in enumerate(self.layers):
+            b.rmsnorm(h, ly.attn_norm, eps, x)                                     # x = rmsnorm(h)
+            b.matmul(x, ly.qkv, qkv)                                               # q|k|v = x Wqkv^T
+            b.rope_store_kv(qkv, step.positions, self.rope_cos, self.rope_sin,     # RoPE(q, k); cache k, v
+                            k_cache[i], v_cache[i], step.slot_mapping, H, Hkv)
+            b.attention(qkv, k_cache[i], v_cache[i], step.block_tables,            # softmax(q K^T / sqrt(d)) V
+                        step.positions, step.token_seq, H, Hkv, self.scale, attn)
+            b.matmul(attn, ly.o, h, accumulate=True)                               # h += attn Wo^T
+            b.rmsnorm(h, ly.ffn_norm, eps, x)                                      # x = rmsnorm(h)
+            b.matmul(x, ly.gate_up, gate_up)                                       # gate|up = x Wgu^T
+            b.silu_mul(gate_up, mlp)                                               # m = silu(gate) * up
+            b.matmul(mlp, ly.down, h, accumulate=True)                             # h += m Wdown^T
+
+        last = h[step.logits_indices]
+        normed = b.zeros(last.shape)
+        b.rmsnorm(last, self.final_norm, eps, normed)                              # final norm
+        logits = b.zeros((len(step.logits_indices), cfg.vocab_size))
+        b.matmul(normed, self.lm_head, logits)                                     # logits = x E^T (tied)
+        return logits
+
+
+@dataclass
+class _Layer:
+    attn_norm: object
+    qkv: object
+    o: object
+    ffn_norm: object
+    gate_up: object
+    down: object

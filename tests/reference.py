@@ -1,0 +1,110 @@
+"""numpy float64 reference of every op and of the whole Llama forward pass.
+
+This is the contract every backend is checked against. Layouts (shared by all backends):
+  activations      [T, features] row-major, T = tokens in the step (all sequences flattened)
+  weights          [out, in] (Hugging Face orientation); y = x @ W.T
+  qkv              [T, (H + 2*Hkv) * Dh]: q heads, then k heads, then v heads
+  KV cache         k_cache, v_cache of one layer: [num_blocks, block_size, Hkv, Dh]
+  slot_mapping     [T] int64: block * block_size + offset where token t's K/V is written
+  block_tables     [S, max_blocks] int32, seq_lens [S] (context length after this step),
+  query_start_loc  [S + 1] int32: sequence s owns tokens query_start_loc[s] : query_start_loc[s+1],
+                   which are its last (query_len) positions; a token attends to every position <= its own.
+RoPE is the rotate-half form of Hugging Face Llama (pairs (i, i + Dh/2)).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def rmsnorm(x, w, eps):
+    x = np.asarray(x, np.float64)
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * np.asarray(w, np.float64)
+
+
+def rope_cos_sin(positions, head_dim, theta):
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    ang = np.asarray(positions, np.float64)[:, None] * inv_freq[None, :]
+    return np.cos(ang), np.sin(ang)  # [T, Dh/2]
+
+
+def rope(x, positions, theta):
+    """x: [T, heads, Dh]."""
+    x = np.asarray(x, np.float64)
+    half = x.shape[-1] // 2
+    cos, sin = rope_cos_sin(positions, x.shape[-1], theta)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def silu_mul(gate_up):
+    """gate_up: [T, 2F] = [gate | up]."""
+    g, u = np.split(np.asarray(gate_up, np.float64), 2, axis=-1)
+    return g / (1.0 + np.exp(-g)) * u
+
+
+def causal_attention(q, k, v, scale):
+    """q: [Tq, H, Dh] at the last Tq positions of k/v: [Tk, Hkv, Dh]."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    tq, h, _ = q.shape
+    tk, hkv, _ = k.shape
+    group = h // hkv
+    out = np.zeros_like(q)
+    for head in range(h):
+        kh, vh = k[:, head // group], v[:, head // group]
+        s = q[:, head] @ kh.T * scale  # [Tq, Tk]
+        qpos = np.arange(tk - tq, tk)[:, None]
+        s = np.where(np.arange(tk)[None, :] <= qpos, s, -np.inf)
+        s = np.exp(s - s.max(axis=1, keepdims=True))
+        out[:, head] = (s / s.sum(axis=1, keepdims=True)) @ vh
+    return out
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale):
+    """The paged form: gathers each sequence's K/V through its block table."""
+    q = np.asarray(q, np.float64)
+    out = np.zeros_like(q)
+    bs = k_cache.shape[1]
+    for s in range(len(seq_lens)):
+        n = int(seq_lens[s])
+        nblk = -(-n // bs)
+        blocks = block_tables[s, :nblk]
+        k = k_cache[blocks].reshape(-1, *k_cache.shape[2:])[:n]
+        v = v_cache[blocks].reshape(-1, *v_cache.shape[2:])[:n]
+        a, b = query_start_loc[s], query_start_loc[s + 1]
+        out[a:b] = causal_attention(q[a:b], k, v, scale)
+    return out
+
+
+def forward(weights, tokens, positions=None):
+    """Reference Llama forward for one sequence from position 0; returns logits [T, V] (float64).
+
+    `weights` is models.weights.ModelWeights; every matrix is dequantized to float64 here.
+    """
+    cfg = weights.config
+    tokens = np.asarray(tokens)
+    t = len(tokens)
+    positions = np.arange(t) if positions is None else np.asarray(positions)
+    dense = lambda qt: qt.dequantize().astype(np.float64)  # noqa: E731
+    x = dense(weights.embed)[tokens]
+    h, hkv, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    for lw in weights.layers:
+        a = rmsnorm(x, lw.attn_norm, cfg.rms_norm_eps)
+        q = (a @ dense(lw.q).T).reshape(t, h, dh)
+        k = (a @ dense(lw.k).T).reshape(t, hkv, dh)
+        v = (a @ dense(lw.v).T).reshape(t, hkv, dh)
+        q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
+        o = causal_attention(q, k, v, dh ** -0.5).reshape(t, h * dh)
+        x = x + o @ dense(lw.o).T
+        m = rmsnorm(x, lw.ffn_norm, cfg.rms_norm_eps)
+        gu = np.concatenate([m @ dense(lw.gate).T, m @ dense(lw.up).T], axis=-1)
+        x = x + silu_mul(gu) @ dense(lw.down).T
+    x = rmsnorm(x, weights.final_norm, cfg.rms_norm_eps)
+    head = weights.lm_head if weights.lm_head is not None else weights.embed
+    return x @ dense(head).T
+
+
+def log_softmax(logits):
+    z = np.asarray(logits, np.float64)
+    z = z - z.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
