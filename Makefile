@@ -42,7 +42,7 @@ test: install model
 	NUMBA_ENABLE_CUDASIM=1 $(VPY) -m pytest -m simulator
 	$(MAKE) kernels
 
-test-fast: install
+test-fast: install model
 	$(VPY) -m pytest
 
 test-slow: install model

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gguf
 import numpy as np
+from gguf import GGUFValueType
 
 from models.config import ModelConfig
 from models.quant import QuantTensor, format_of_ggml
@@ -41,14 +42,63 @@ def unpermute_rope_rows(t: QuantTensor, num_heads: int) -> QuantTensor:
     return t.rows(index)
 
 
+class FastGGUFReader(gguf.GGUFReader):
+    """gguf.GGUFReader with a one-pass parser for metadata arrays of strings and numbers.
+
+    The base class reads each array element with two numpy views built one at a time; here the string
+    lengths are read from one memoryview and the parts are sliced from one base array. The resulting
+    ReaderFields are identical (same parts, dtypes, data indexes and types), so contents() and all other
+    uses behave the same.
+    """
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int):
+        if raw_type != GGUFValueType.ARRAY or self.byte_order != "I":
+            return super()._get_field_parts(orig_offs, raw_type)
+        raw_itype = self._get(orig_offs, np.uint32)
+        alen = self._get(orig_offs + 4, np.uint64)
+        itype, n = GGUFValueType(int(raw_itype[0])), int(alen[0])
+        offs = orig_offs + int(raw_itype.nbytes + alen.nbytes)
+        parts: list = [raw_itype, alen]
+        base = self.data.view(np.ndarray)
+        if itype == GGUFValueType.STRING:
+            mv = memoryview(base)
+            u64 = np.dtype(np.uint64)
+            for _ in range(n):
+                length = int.from_bytes(mv[offs:offs + 8], "little")
+                parts.append(base[offs:offs + 8].view(u64))
+                parts.append(base[offs + 8:offs + 8 + length])
+                offs += 8 + length
+            if offs > len(base):
+                raise ValueError("string array runs past the end of the file")
+            idxs = list(range(3, 2 + 2 * n, 2))
+        else:
+            nptype = self.gguf_scalar_to_np.get(itype)
+            if nptype is None:  # nested arrays: the general parser
+                return super()._get_field_parts(orig_offs, raw_type)
+            size = np.dtype(nptype).itemsize
+            if offs + n * size > len(base):
+                raise ValueError("array runs past the end of the file")
+            arr = base[offs:offs + n * size].view(nptype)
+            parts += [arr[i:i + 1] for i in range(n)]
+            offs += n * size
+            idxs = list(range(2, 2 + n))
+        types = [GGUFValueType.ARRAY] + ([itype] if n else [])
+        return offs - orig_offs, parts, idxs, types
+
+
+def open_gguf(path: str) -> FastGGUFReader:
+    """A reader over a GGUF file; ModelFileError naming the file when it is not one."""
+    try:
+        return FastGGUFReader(path)
+    except (FileNotFoundError, IsADirectoryError):
+        raise
+    except Exception as e:
+        raise ModelFileError(f"{path}: not a GGUF model file ({e})") from None
+
+
 def read_gguf(path: str) -> tuple[ModelWeights, dict]:
     """Returns the weights and the GGUF metadata the tokenizer needs."""
-    try:
-        reader = gguf.GGUFReader(path)
-    except FileNotFoundError:
-        raise
-    except Exception as e:  # the gguf package raises ValueError/struct errors on a foreign file
-        raise ModelFileError(f"{path}: not a GGUF model file ({e})") from None
+    reader = open_gguf(path)
 
     arch = _field(reader, "general.architecture")
     if arch not in ("llama",):
