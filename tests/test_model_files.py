@@ -13,8 +13,8 @@ import pytest
 from safetensors.numpy import save_file
 
 from models import convert
-from models.gguf_file import ModelFileError, read_gguf, unpermute_rope_rows
-from models.loader import FastGGUFReader, default_model_path, load_model, load_tokenizer, read_gguf_fields
+from models.gguf_file import FastGGUFReader, ModelFileError, read_gguf, unpermute_rope_rows
+from models.loader import default_model_path, load_model, load_tokenizer, read_gguf_fields
 from models.quant import FORMATS, QuantTensor, UnsupportedFormat
 from models.safetensors_file import QUANT_METADATA_KEY, read_safetensors_dir, write_safetensors_dir
 from models.weights import ModelWeights
