@@ -1,0 +1,65 @@
+"""The gateway: a synchronous Flask app (served by gunicorn through wsgi.py).
+
+`create_app(config=None)` builds it: defaults from config/default.toml (or ZEN_CONFIG),
+secrets from the environment, then test overrides (`config` may be a GatewayConfig or a
+dict merged over the file). Extensions are created bare and bound here, in the order
+their request hooks must run: request id → auth → rate limits → the views.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from flask import Flask, g, request
+
+from app.catalog import Catalog
+from app.config import GatewayConfig, load_config
+
+
+def create_app(config: GatewayConfig | Mapping[str, Any] | None = None) -> Flask:
+    from app import api, auth, health, limits, metrics, openapi
+    from app.errors import register_error_handlers
+    from app.logs import configure_logging, init_request_logging
+    from app.node_client import NodeClient
+    from app.router import NodePool
+
+    cfg = config if isinstance(config, GatewayConfig) else load_config(overrides=config or None)
+    app = Flask(__name__)
+    app.config["MAX_CONTENT_LENGTH"] = cfg.server.max_body_bytes
+    app.json.sort_keys = False
+    app.extensions["zen.config"] = cfg
+    app.extensions["zen.catalog"] = Catalog(cfg.models)
+    configure_logging(cfg.server.log_level)
+
+    register_error_handlers(app)
+    init_request_logging(app)           # 1. request id
+    auth.init_auth(app, cfg)            # 2. g.caller from the bearer token
+    limits.init_limits(app, cfg)        # 3. requests per minute (flask-limiter), token bucket
+    gateway_metrics = metrics.init_metrics(app, cfg)
+
+    pool = NodePool(cfg.nodes, cfg.routing)
+    client = NodeClient(pool, pool_size=max(8, cfg.server.threads * 2))
+    client.on_failover = gateway_metrics.failover
+    app.extensions["zen.nodes"] = client
+
+    app.register_blueprint(api.bp)
+    app.register_blueprint(openapi.bp)
+    app.register_blueprint(health.bp)
+
+    @app.after_request
+    def _count_request(response):
+        if request.blueprint == api.bp.name and not response.is_streamed:
+            org = g.get("org")
+            gateway_metrics.request_done(org, request.endpoint or "none", response.status_code)
+            if response.status_code == 429:
+                gateway_metrics.limited(org, g.get("limited_by", "requests"))
+        return response
+
+    return app
+
+
+def close_app(app: Flask) -> None:
+    """Stop what create_app started (node poller, HTTP sessions)."""
+    client = app.extensions.get("zen.nodes")
+    if client is not None:
+        client.pool.close()
+        client.close()

@@ -1,0 +1,262 @@
+"""The OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions, /v1/models.
+
+A generation request goes: authenticate (app/auth) → requests-per-minute (flask-limiter,
+before the view) → validate the body (app/params) → resolve the model (app/catalog) →
+latency class (app/priority) → reserve tokens (app/limits) → pick a node and forward,
+failing over before the first token (app/router, app/node_client) → answer as JSON or as
+server-sent events → settle the token reservation with the real usage and record metrics.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any, Mapping
+
+from flask import Blueprint, Response, current_app, g, jsonify, request
+
+from app import params
+from app.auth import login_required
+from app.catalog import Catalog
+from app.config import GatewayConfig
+from app.errors import APIError, bad_request, sse_error_event
+from app.inference import InferenceRequest, PromptInput, SamplingParams
+from app.limits import TokenLimiter, token_headers
+from app.metrics import GatewayMetrics
+from app.node_client import NodeClient, NodeResult, NodeStream, NodeStreamError
+from app.priority import LATENCY_CLASS_HEADER, latency_class_for
+from app.responses import (CHAT, COMPLETIONS, SSE_DONE, ChunkWriter, chat_completion,
+                           text_completion, usage_of)
+
+log = logging.getLogger("zen.gateway")
+bp = Blueprint("api", __name__, url_prefix="/v1")
+
+
+def _config() -> GatewayConfig:
+    return current_app.extensions["zen.config"]
+
+
+def _catalog() -> Catalog:
+    return current_app.extensions["zen.catalog"]
+
+
+def _tokens() -> TokenLimiter:
+    return current_app.extensions["zen.tokens"]
+
+
+def _metrics() -> GatewayMetrics:
+    return current_app.extensions["zen.metrics"]
+
+
+def _nodes() -> NodeClient:
+    return current_app.extensions["zen.nodes"]
+
+
+def read_json_body() -> Mapping[str, Any]:
+    """The request's JSON object; 400 when it is not one, 413 when it is too large."""
+    raw = request.get_data(cache=False)      # werkzeug raises 413 past MAX_CONTENT_LENGTH
+    if not raw:
+        raise bad_request("The request body is empty; send a JSON object", None, "invalid_json")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise bad_request("We could not parse the JSON body of your request", None,
+                          "invalid_json") from None
+    return params.check_object(body)
+
+
+# -- models --------------------------------------------------------------------------------------
+
+@bp.get("/models")
+@login_required
+def list_models():
+    models = _catalog().visible_to(g.caller.tier)
+    return jsonify({"object": "list", "data": [Catalog.model_object(m) for m in models]})
+
+
+@bp.get("/models/<path:model>")
+@login_required
+def retrieve_model(model: str):
+    return jsonify(Catalog.model_object(_catalog().resolve(model, g.caller.tier)))
+
+
+# -- generation ----------------------------------------------------------------------------------
+
+@bp.post("/chat/completions")
+@login_required
+def chat_completions():
+    return _generate(read_json_body(), CHAT)
+
+
+@bp.post("/completions")
+@login_required
+def completions():
+    return _generate(read_json_body(), COMPLETIONS)
+
+
+def build_request(body: Mapping[str, Any], kind: str) -> tuple[InferenceRequest, bool, int | None]:
+    """Validate `body` into r = (m, x, θ, τ); also (include_usage, logprobs_top)."""
+    caller = g.caller
+    config = _config()
+    params.check_unsupported(body, kind)
+    alias = params.require_model(body)
+    if kind == CHAT:
+        inputs = PromptInput(messages=params.messages(body))
+        logprobs = params.chat_logprobs(body)
+    else:
+        text, ids = params.prompt(body)
+        inputs = PromptInput(prompt=text) if ids is None else PromptInput(prompt_token_ids=ids)
+        logprobs = params.completion_logprobs(body)
+    stream, include_usage = params.stream_flags(body)
+    n = params.number(body, "n", maximum=config.server.max_n)
+    if kind == COMPLETIONS and body.get("best_of") is not None and body.get("best_of") != n:
+        raise bad_request("`best_of` other than `n` is not supported", "best_of",
+                          "unsupported_parameter")
+    sampling = {f: params.number(body, f) for f in
+                ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty", "seed")}
+    stop = params.stop_sequences(body)
+    stop_ids = params.stop_token_ids(body)
+    bias = params.logit_bias(body)
+    ignore_eos = params.boolean(body, "ignore_eos")
+    params.string(body, "user")
+
+    model = _catalog().resolve(alias, caller.tier)
+    max_tokens, max_param = params.max_tokens(body, model.max_context, model.default_max_tokens)
+    min_tokens = params.number(body, "min_tokens", maximum=max_tokens)
+    if inputs.prompt_token_ids is not None and \
+            len(inputs.prompt_token_ids) + max_tokens > model.max_context:
+        raise APIError(400, f"This model's maximum context length is {model.max_context} tokens. "
+                            f"However, you requested {len(inputs.prompt_token_ids) + max_tokens} "
+                            f"tokens ({len(inputs.prompt_token_ids)} in the prompt, {max_tokens} "
+                            f"in the completion).", param="prompt", code="context_length_exceeded")
+    try:
+        latency_class = latency_class_for(request.headers.get(LATENCY_CLASS_HEADER),
+                                          caller.max_latency_class, caller.default_latency_class)
+    except ValueError as exc:
+        raise bad_request(f"`{LATENCY_CLASS_HEADER}` header {exc}", LATENCY_CLASS_HEADER) from None
+    theta = SamplingParams(max_tokens=max_tokens, min_tokens=min_tokens, stop=stop,
+                           stop_token_ids=stop_ids, logit_bias=bias, ignore_eos=ignore_eos,
+                           n=n, logprobs=logprobs, **sampling)
+    req = InferenceRequest(model=model, inputs=inputs, params=theta, latency_class=latency_class,
+                           org=caller.org, request_id=g.request_id, stream=stream)
+    return req, include_usage, logprobs
+
+
+def _generate(body: Mapping[str, Any], kind: str) -> Response:
+    req, include_usage, logprobs_top = build_request(body, kind)
+    g.log_fields.update(model=req.model.alias, latency_class=req.latency_class.value,
+                        stream=req.stream)
+    try:
+        reservation = _tokens().reserve(req.org, g.caller.tier, req.token_cost())
+    except APIError as exc:
+        if exc.status == 429:
+            g.limited_by = "tokens"
+        raise
+    g.token_limit_headers = token_headers(reservation.result)
+    started = g.started
+    try:
+        outcome = _nodes().dispatch(req)
+    except APIError as exc:
+        _tokens().settle(reservation, 0)
+        if exc.code == "context_length_exceeded" or exc.param in ("prompt", "messages",
+                                                                  "prompt_token_ids"):
+            exc.param = "messages" if kind == CHAT else "prompt"
+        raise
+    except BaseException:
+        _tokens().settle(reservation, 0)
+        raise
+    g.log_fields.update(node=outcome.node, node_attempts=outcome.attempts)
+    if isinstance(outcome, NodeResult):
+        return _answer_json(req, kind, outcome, reservation, logprobs_top, started)
+    return _answer_stream(req, kind, outcome, reservation, include_usage, logprobs_top, started)
+
+
+def _answer_json(req: InferenceRequest, kind: str, outcome: NodeResult, reservation,
+                 logprobs_top: int | None, started: float) -> Response:
+    build = chat_completion if kind == CHAT else text_completion
+    m = req.model
+    body = build(req.request_id, m.alias, m.model, m.quantization, outcome.body, logprobs_top)
+    usage = body["usage"]
+    _tokens().settle(reservation, usage["total_tokens"])
+    metrics = _metrics()
+    metrics.usage(req.org, m.alias, usage["prompt_tokens"], usage["completion_tokens"])
+    timings = outcome.body.get("timings") if isinstance(outcome.body.get("timings"), dict) else {}
+    metrics.latency(m.alias, req.latency_class.value,
+                    ttft_s=_float(timings.get("ttft_s")), itl_s=_float(timings.get("mean_itl_s")),
+                    e2e_s=time.perf_counter() - started)
+    g.log_fields.update(prompt_tokens=usage["prompt_tokens"],
+                        completion_tokens=usage["completion_tokens"])
+    resp = jsonify(body)
+    resp.headers["x-latency-class"] = req.latency_class.value
+    return resp
+
+
+def _float(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _answer_stream(req: InferenceRequest, kind: str, outcome: NodeStream, reservation,
+                   include_usage: bool, logprobs_top: int | None, started: float) -> Response:
+    m = req.model
+    writer = ChunkWriter(kind, req.request_id, m.alias, m.model, m.quantization, req.params.n,
+                         include_usage, logprobs_top)
+    tokens, metrics = _tokens(), _metrics()
+    endpoint = request.endpoint
+    log_fields = {"event": "request", "method": request.method, "path": request.path,
+                  "request_id": req.request_id, "org": req.org, **g.log_fields}
+
+    def generate():
+        status: int | str = 200
+        usage = None
+        completion_tokens = 0
+        last_token_at = None
+        try:
+            yield from writer.start()
+            for event in outcome.events():
+                kind_ = event.get("type")
+                if kind_ == "token":
+                    now = time.perf_counter()
+                    if completion_tokens == 0:
+                        metrics.latency(m.alias, req.latency_class.value, ttft_s=now - started)
+                    elif event.get("index", 0) == 0 and last_token_at is not None:
+                        metrics.latency(m.alias, req.latency_class.value, itl_s=now - last_token_at)
+                    if event.get("index", 0) == 0:
+                        last_token_at = now
+                    completion_tokens += 1
+                    yield writer.token(event)
+                elif kind_ == "done":
+                    usage = usage_of(event.get("usage"))
+                    yield from writer.done(event)
+            yield SSE_DONE
+        except NodeStreamError as exc:
+            status = "stream"
+            log.warning("engine stream failed after the first token", extra={
+                "event": "stream_error", "request_id": req.request_id, "org": req.org,
+                "node": outcome.node, "error": str(exc)})
+            yield sse_error_event(f"The engine node failed during generation: {exc}",
+                                  code="engine_error")
+            yield SSE_DONE
+        except GeneratorExit:
+            status = "disconnect"
+            raise
+        finally:
+            outcome.close()
+            if usage is None:
+                usage = {"prompt_tokens": req.inputs.estimated_tokens(),
+                         "completion_tokens": completion_tokens}
+                usage["total_tokens"] = usage["prompt_tokens"] + completion_tokens
+            tokens.settle(reservation, usage["total_tokens"])
+            metrics.usage(req.org, m.alias, usage["prompt_tokens"], usage["completion_tokens"])
+            metrics.latency(m.alias, req.latency_class.value, e2e_s=time.perf_counter() - started)
+            metrics.request_done(req.org, endpoint, status)
+            log.info("request", extra={
+                **log_fields, "status": status,
+                "duration_ms": round((time.perf_counter() - started) * 1e3, 3),
+                "prompt_tokens": usage["prompt_tokens"],
+                "completion_tokens": usage["completion_tokens"]})
+
+    resp = Response(generate(), mimetype="text/event-stream",
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                             "x-latency-class": req.latency_class.value})
+    return resp

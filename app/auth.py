@@ -1,0 +1,206 @@
+"""Authentication: `Authorization: Bearer <JWT>` → the calling organization.
+
+Tokens are verified with pyjwt against an allow-list of algorithms. The algorithm family
+picks the key: HS* tokens are checked only against the configured secret, RS*/ES*/EdDSA
+tokens only against the public keys of the JWKS (file or URL), so a token can never get an
+HMAC check with a public key, and `none` is never allowed. `exp` is required; `nbf`, `iss`
+and `aud` are checked when present/configured. The org is the `owner` claim.
+
+A `before_app_request` hook puts the caller in `g.caller` (and `g.org`); `login_required`
+guards the API routes and answers 401 in OpenAI's shape with what is wrong.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jwt
+from flask import Blueprint, Flask, current_app, g, request
+from jwt import PyJWK, PyJWKClient, PyJWKSet
+
+from app.config import AuthConfig, GatewayConfig, TierConfig
+from app.errors import unauthorized
+from app.priority import LatencyClass
+
+EXTENSION_KEY = "zen.auth"
+_ORG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_KEY_TYPES = {"RS": "RSA", "PS": "RSA", "ES": "EC", "Ed": "OKP"}
+
+bp = Blueprint("auth", __name__)
+
+
+class AuthError(Exception):
+    """A token was refused; the message says why (never which key was tried)."""
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who is calling: the org (JWT `owner`), its tier and SLA."""
+
+    org: str
+    tier: TierConfig
+    max_latency_class: LatencyClass
+    default_latency_class: LatencyClass
+    configured: bool          # the org has its own entry in the config
+    subject: str | None = None
+
+
+class TokenVerifier:
+    """Verifies JWTs and turns their claims into a Caller."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self._config = config
+        self._auth: AuthConfig = config.auth
+        self._jwks: PyJWKSet | None = None
+        self._jwks_client: PyJWKClient | None = None
+        if self._auth.jwks_file:
+            with open(self._auth.jwks_file, encoding="utf-8") as fh:
+                self._jwks = PyJWKSet.from_dict(json.load(fh))
+        elif self._auth.jwks_url:
+            self._jwks_client = PyJWKClient(self._auth.jwks_url, cache_jwk_set=True, lifespan=300,
+                                            timeout=5)
+
+    # -- keys -----------------------------------------------------------------------------
+
+    def _public_key(self, alg: str, kid: str | None) -> Any:
+        """The JWKS key for a public-key algorithm: by kid, or the only key of its type."""
+        want_kty = _KEY_TYPES.get(alg[:2])
+        if self._jwks_client is not None:
+            try:
+                keys = ([self._jwks_client.get_signing_key(kid)] if kid
+                        else self._jwks_client.get_signing_keys())
+            except jwt.PyJWKClientError:
+                raise AuthError("token is signed with an unknown key") from None
+        elif self._jwks is not None:
+            keys = list(self._jwks.keys)
+            if kid is not None:
+                keys = [k for k in keys if k.key_id == kid]
+        else:
+            keys = []
+        keys = [k for k in keys if k.key_type == want_kty and k.key_type != "oct"]
+        if kid is None and len(keys) > 1:
+            raise AuthError("token has no key id (kid) and several keys could verify it")
+        if not keys:
+            raise AuthError("token is signed with an unknown key")
+        jwk: PyJWK = keys[0]
+        if jwk.algorithm_name and jwk.algorithm_name != alg and alg != "EdDSA":
+            # A key published for one algorithm is not used with another.
+            raise AuthError("token algorithm does not match its key")
+        return jwk.key
+
+    def _key_for(self, alg: str, kid: str | None) -> Any:
+        if alg.startswith("HS"):
+            return self._auth.hs256_secret.encode()
+        return self._public_key(alg, kid)
+
+    # -- verification ---------------------------------------------------------------------
+
+    def verify(self, token: str) -> dict:
+        """The verified claims of `token`; AuthError with the reason otherwise."""
+        if len(token) > self._auth.max_token_bytes:
+            raise AuthError("token is too large")
+        try:
+            header = jwt.get_unverified_header(token)
+        except jwt.PyJWTError:
+            raise AuthError("token is malformed") from None
+        alg = header.get("alg")
+        if not isinstance(alg, str) or alg not in self._auth.algorithms:
+            raise AuthError(f"token algorithm {str(alg)[:16]!r} is not allowed")
+        kid = header.get("kid")
+        if kid is not None and not isinstance(kid, str):
+            raise AuthError("token is malformed")
+        key = self._key_for(alg, kid)
+        try:
+            return jwt.decode(
+                token, key, algorithms=[alg],
+                audience=self._auth.audience or None,
+                issuer=self._auth.issuer or None,
+                leeway=self._auth.leeway_s,
+                options={"require": ["exp"], "verify_aud": bool(self._auth.audience)},
+            )
+        except jwt.ExpiredSignatureError:
+            raise AuthError("token has expired") from None
+        except jwt.ImmatureSignatureError:
+            raise AuthError("token is not yet valid") from None
+        except jwt.InvalidIssuerError:
+            raise AuthError("token issuer is not accepted") from None
+        except jwt.InvalidAudienceError:
+            raise AuthError("token audience is not accepted") from None
+        except jwt.MissingRequiredClaimError as exc:
+            raise AuthError(f"token is missing the required `{exc.claim}` claim") from None
+        except (jwt.InvalidSignatureError, jwt.InvalidKeyError):
+            raise AuthError("token signature is invalid") from None
+        except jwt.InvalidAlgorithmError:
+            raise AuthError(f"token algorithm {alg!r} is not allowed") from None
+        except jwt.DecodeError:
+            raise AuthError("token is malformed") from None
+        except jwt.PyJWTError:
+            raise AuthError("token is invalid") from None
+
+    def caller_for(self, claims: dict) -> Caller:
+        """The Caller the verified `claims` name; AuthError when they name none."""
+        org = claims.get("owner")
+        if not isinstance(org, str) or not org:
+            raise AuthError("token is missing the `owner` claim")
+        if not _ORG_RE.match(org):
+            raise AuthError("token `owner` claim is not a valid organization id")
+        sub = claims.get("sub") if isinstance(claims.get("sub"), str) else None
+        org_cfg = self._config.orgs.get(org)
+        if org_cfg is not None:
+            tier = self._config.tiers[org_cfg.tier]
+            return Caller(org, tier, org_cfg.max_latency_class, org_cfg.default_latency_class,
+                          configured=True, subject=sub)
+        if not self._auth.allow_unconfigured_orgs:
+            raise AuthError(f"organization `{org}` is not enabled on this gateway")
+        claimed = claims.get("tier")
+        tier_name = claimed if isinstance(claimed, str) and claimed in self._config.tiers \
+            else self._auth.default_tier
+        tier = self._config.tiers[tier_name]
+        return Caller(org, tier, tier.max_latency_class, tier.default_latency_class,
+                      configured=False, subject=sub)
+
+    def authenticate(self, authorization: str | None) -> Caller:
+        """The Caller of an Authorization header value; AuthError otherwise."""
+        if not authorization:
+            raise AuthError("missing bearer token: send `Authorization: Bearer <token>`")
+        scheme, _, token = authorization.strip().partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise AuthError("authorization header must be `Bearer <token>`")
+        return self.caller_for(self.verify(token.strip()))
+
+
+def init_auth(app: Flask, config: GatewayConfig) -> None:
+    app.extensions[EXTENSION_KEY] = TokenVerifier(config)
+    app.register_blueprint(bp)
+
+
+@bp.before_app_request
+def load_caller() -> None:
+    """Put the authenticated caller in g.caller/g.org, or the reason in g.auth_error."""
+    g.caller = None
+    g.org = None
+    g.auth_error = None
+    header = request.headers.get("Authorization")
+    if header is None:
+        g.auth_error = "missing bearer token: send `Authorization: Bearer <token>`"
+        return
+    try:
+        g.caller = current_app.extensions[EXTENSION_KEY].authenticate(header)
+        g.org = g.caller.org
+    except AuthError as exc:
+        g.auth_error = str(exc)
+
+
+def login_required(view: Callable) -> Callable:
+    """Guard a view: 401 in OpenAI's shape unless a valid token named the caller."""
+
+    @functools.wraps(view)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if g.get("caller") is None:
+            raise unauthorized(g.get("auth_error") or "authentication required")
+        return view(*args, **kwargs)
+
+    return wrapped

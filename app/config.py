@@ -1,0 +1,348 @@
+"""The gateway's configuration: one dataclass, built once.
+
+Order of precedence (later wins): the shipped defaults in config/default.toml (or the file
+named by ZEN_CONFIG), environment variables for secrets and addresses (PORT, JWT_SECRET,
+REDIS_URL, ZEN_NODES, NODE_SECRET), then test overrides (a nested dict). Everything is
+validated in __post_init__, so a bad file fails at start-up, not on the first request.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+from urllib.parse import urlparse
+
+from app.priority import LatencyClass
+
+DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "config" / "default.toml"
+QUANTIZATIONS = ("q4_0", "q4_1", "q8_0", "f16", "bf16", "f32")
+JWT_ALGORITHMS = ("HS256", "HS384", "HS512", "RS256", "RS384", "RS512",
+                  "ES256", "ES384", "ES512", "PS256", "PS384", "PS512", "EdDSA")
+FAILURE_POLICIES = ("open", "closed")
+RATE_LIMIT_STRATEGIES = ("fixed-window", "moving-window", "sliding-window-counter")
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message names the offending key."""
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_body_bytes: int = 1_048_576
+    max_n: int = 8
+    log_level: str = "INFO"
+    workers: int = 2
+    threads: int = 16
+
+    def __post_init__(self) -> None:
+        _require(0 < self.port < 65536, f"server.port out of range: {self.port}")
+        _require(self.max_body_bytes >= 1024, "server.max_body_bytes must be >= 1024")
+        _require(1 <= self.max_n <= 128, "server.max_n must be in [1, 128]")
+        _require(self.workers >= 1 and self.threads >= 1, "server.workers/threads must be >= 1")
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    algorithms: tuple[str, ...] = ("HS256",)
+    hs256_secret: str = ""
+    jwks_file: str = ""
+    jwks_url: str = ""
+    issuer: str = ""
+    audience: str = ""
+    leeway_s: float = 5.0
+    max_token_bytes: int = 8192
+    allow_unconfigured_orgs: bool = True
+    default_tier: str = "free"
+    dev_token_ttl_s: int = 86400
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "algorithms", tuple(self.algorithms))
+        _require(len(self.algorithms) > 0, "auth.algorithms must not be empty")
+        for alg in self.algorithms:
+            _require(alg in JWT_ALGORITHMS, f"auth.algorithms: unsupported algorithm {alg!r}")
+        if any(a.startswith("HS") for a in self.algorithms):
+            _require(len(self.hs256_secret.encode()) >= 32,
+                     "auth.hs256_secret (JWT_SECRET) must be at least 32 bytes when an HS* "
+                     "algorithm is allowed")
+        if any(not a.startswith("HS") for a in self.algorithms) and not (
+                self.jwks_file or self.jwks_url):
+            # Public-key algorithms without keys simply never verify; drop them so that the
+            # allow-list says what can actually be accepted.
+            object.__setattr__(self, "algorithms",
+                               tuple(a for a in self.algorithms if a.startswith("HS")))
+            _require(len(self.algorithms) > 0,
+                     "auth: RS*/ES* algorithms need auth.jwks_file or auth.jwks_url")
+        _require(self.leeway_s >= 0, "auth.leeway_s must be >= 0")
+        _require(self.max_token_bytes >= 256, "auth.max_token_bytes must be >= 256")
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    storage_url: str = "memory://"
+    strategy: str = "moving-window"
+    redis_failure_policy: str = "open"
+    redis_retry_s: float = 5.0
+    redis_timeout_s: float = 0.5
+    burst_seconds: float = 60.0
+
+    def __post_init__(self) -> None:
+        scheme = urlparse(self.storage_url).scheme
+        _require(scheme in ("memory", "redis", "rediss"),
+                 f"limits.storage_url must be memory:// or redis://, got {self.storage_url!r}")
+        _require(self.strategy in RATE_LIMIT_STRATEGIES,
+                 f"limits.strategy must be one of {RATE_LIMIT_STRATEGIES}")
+        _require(self.redis_failure_policy in FAILURE_POLICIES,
+                 f"limits.redis_failure_policy must be one of {FAILURE_POLICIES}")
+        _require(self.redis_retry_s > 0 and self.redis_timeout_s > 0,
+                 "limits.redis_retry_s and redis_timeout_s must be > 0")
+        _require(self.burst_seconds > 0, "limits.burst_seconds must be > 0")
+
+    @property
+    def uses_redis(self) -> bool:
+        return self.storage_url.startswith(("redis://", "rediss://"))
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    name: str
+    requests_per_minute: int
+    tokens_per_second: float
+    burst_tokens: int
+    models: tuple[str, ...]
+    max_latency_class: LatencyClass = LatencyClass.STANDARD
+    default_latency_class: LatencyClass = LatencyClass.STANDARD
+
+    def __post_init__(self) -> None:
+        _require(self.requests_per_minute >= 1, f"tiers.{self.name}.requests_per_minute must be >= 1")
+        _require(self.tokens_per_second > 0, f"tiers.{self.name}.tokens_per_second must be > 0")
+        _require(self.burst_tokens >= 1, f"tiers.{self.name}.burst_tokens must be >= 1")
+        object.__setattr__(self, "models", tuple(self.models))
+
+
+@dataclass(frozen=True)
+class OrgConfig:
+    id: str
+    tier: str
+    max_latency_class: LatencyClass
+    default_latency_class: LatencyClass
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    alias: str
+    model: str
+    quantization: str
+    max_context: int = 8192
+    default_max_tokens: int = 512
+    cold_load_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        _require(bool(self.model), f"models.{self.alias}.model must not be empty")
+        _require(self.quantization in QUANTIZATIONS,
+                 f"models.{self.alias}.quantization must be one of {QUANTIZATIONS}")
+        _require(self.max_context >= 16, f"models.{self.alias}.max_context must be >= 16")
+        _require(1 <= self.default_max_tokens <= self.max_context,
+                 f"models.{self.alias}.default_max_tokens must be in [1, max_context]")
+        _require(self.cold_load_s >= 0, f"models.{self.alias}.cold_load_s must be >= 0")
+
+
+@dataclass(frozen=True)
+class NodesConfig:
+    urls: tuple[str, ...] = ()
+    secret: str = ""
+    poll_interval_s: float = 1.0
+    state_ttl_s: float = 5.0
+    max_temperature_c: float = 85.0
+    connect_timeout_s: float = 2.0
+    read_timeout_s: float = 600.0
+    max_attempts: int = 3
+
+    def __post_init__(self) -> None:
+        urls = tuple(u.strip().rstrip("/") for u in self.urls if u.strip())
+        object.__setattr__(self, "urls", urls)
+        for url in urls:
+            parsed = urlparse(url)
+            _require(parsed.scheme in ("http", "https") and bool(parsed.netloc),
+                     f"nodes.urls: not an http(s) URL: {url!r}")
+        _require(len(set(urls)) == len(urls), "nodes.urls has duplicates")
+        _require(self.poll_interval_s > 0, "nodes.poll_interval_s must be > 0")
+        _require(self.state_ttl_s >= self.poll_interval_s,
+                 "nodes.state_ttl_s must be >= nodes.poll_interval_s")
+        _require(self.connect_timeout_s > 0 and self.read_timeout_s > 0,
+                 "nodes.connect_timeout_s/read_timeout_s must be > 0")
+        _require(self.max_attempts >= 1, "nodes.max_attempts must be >= 1")
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    alpha: float = 1.0
+    beta: float = 1.0
+    gamma: float = 1.0
+    default_prefill_tokens_per_s: float = 500.0
+    default_decode_tokens_per_s: float = 20.0
+
+    def __post_init__(self) -> None:
+        _require(min(self.alpha, self.beta, self.gamma) >= 0, "routing weights must be >= 0")
+        _require(self.default_prefill_tokens_per_s > 0 and self.default_decode_tokens_per_s > 0,
+                 "routing default rates must be > 0")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Everything the gateway reads, validated as a whole."""
+
+    server: ServerConfig = field(default_factory=ServerConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    nodes: NodesConfig = field(default_factory=NodesConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    tiers: Mapping[str, TierConfig] = field(default_factory=dict)
+    orgs: Mapping[str, OrgConfig] = field(default_factory=dict)
+    models: Mapping[str, ModelConfig] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _require(len(self.tiers) > 0, "at least one tier must be configured")
+        _require(len(self.models) > 0, "at least one model must be configured")
+        for tier in self.tiers.values():
+            for alias in tier.models:
+                _require(alias in self.models,
+                         f"tiers.{tier.name}.models: unknown model alias {alias!r}")
+        for org in self.orgs.values():
+            _require(org.tier in self.tiers, f"orgs.{org.id}.tier: unknown tier {org.tier!r}")
+            _require(org.default_latency_class.rank >= org.max_latency_class.rank,
+                     f"orgs.{org.id}: default_latency_class is above its max_latency_class")
+        _require(self.auth.default_tier in self.tiers,
+                 f"auth.default_tier: unknown tier {self.auth.default_tier!r}")
+
+    def replace(self, **changes: Any) -> "GatewayConfig":
+        return dataclasses.replace(self, **changes)
+
+
+# -- building -----------------------------------------------------------------------------
+
+def _latency(value: Any, where: str) -> LatencyClass:
+    try:
+        return LatencyClass.parse(str(value))
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def _section(cls: type, data: Mapping[str, Any], where: str) -> Any:
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - known
+    _require(not unknown, f"[{where}] unknown keys: {sorted(unknown)}")
+    return cls(**data)
+
+
+def _build(data: Mapping[str, Any]) -> GatewayConfig:
+    top_known = {"server", "auth", "limits", "nodes", "routing", "tiers", "orgs", "models"}
+    unknown = set(data) - top_known
+    _require(not unknown, f"unknown config sections: {sorted(unknown)}")
+    limits = _section(LimitsConfig, data.get("limits", {}), "limits")
+
+    tiers = {}
+    for name, t in data.get("tiers", {}).items():
+        t = dict(t)
+        rate = float(t.pop("tokens_per_second", 0))
+        burst = int(t.pop("burst_tokens", round(rate * limits.burst_seconds)))
+        tiers[name] = TierConfig(
+            name=name,
+            requests_per_minute=int(t.pop("requests_per_minute", 0)),
+            tokens_per_second=rate,
+            burst_tokens=burst,
+            models=tuple(t.pop("models", ())),
+            max_latency_class=_latency(t.pop("max_latency_class", "standard"),
+                                       f"tiers.{name}.max_latency_class"),
+            default_latency_class=_latency(t.pop("default_latency_class", "standard"),
+                                           f"tiers.{name}.default_latency_class"),
+        )
+        _require(not t, f"[tiers.{name}] unknown keys: {sorted(t)}")
+
+    orgs = {}
+    for org_id, o in data.get("orgs", {}).items():
+        o = dict(o)
+        tier_name = o.pop("tier", None)
+        _require(tier_name in tiers, f"orgs.{org_id}.tier: unknown tier {tier_name!r}")
+        tier = tiers[tier_name]
+        max_cls = _latency(o.pop("max_latency_class", tier.max_latency_class.value),
+                           f"orgs.{org_id}.max_latency_class")
+        default_cls = _latency(o.pop("default_latency_class", tier.default_latency_class.value),
+                               f"orgs.{org_id}.default_latency_class")
+        _require(not o, f"[orgs.{org_id}] unknown keys: {sorted(o)}")
+        orgs[org_id] = OrgConfig(org_id, tier_name, max_cls, default_cls)
+
+    models = {alias: _section(ModelConfig, {"alias": alias, **m}, f"models.{alias}")
+              for alias, m in data.get("models", {}).items()}
+
+    return GatewayConfig(
+        server=_section(ServerConfig, data.get("server", {}), "server"),
+        auth=_section(AuthConfig, data.get("auth", {}), "auth"),
+        limits=limits,
+        nodes=_section(NodesConfig, data.get("nodes", {}), "nodes"),
+        routing=_section(RoutingConfig, data.get("routing", {}), "routing"),
+        tiers=tiers,
+        orgs=orgs,
+        models=models,
+    )
+
+
+def _merge(base: dict, overrides: Mapping[str, Any]) -> dict:
+    """Deep-merge `overrides` into a copy of `base` (tables merge, other values replace)."""
+    out = copy.deepcopy(base)
+    for key, value in overrides.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _env_overrides(env: Mapping[str, str]) -> dict:
+    over: dict[str, dict] = {}
+    if env.get("PORT"):
+        try:
+            over.setdefault("server", {})["port"] = int(env["PORT"])
+        except ValueError:
+            raise ConfigError(f"PORT is not an integer: {env['PORT']!r}") from None
+    if env.get("JWT_SECRET"):
+        over.setdefault("auth", {})["hs256_secret"] = env["JWT_SECRET"]
+    if env.get("REDIS_URL"):
+        over.setdefault("limits", {})["storage_url"] = env["REDIS_URL"]
+    if env.get("ZEN_NODES"):
+        over.setdefault("nodes", {})["urls"] = [u for u in env["ZEN_NODES"].split(",") if u.strip()]
+    if env.get("NODE_SECRET"):
+        over.setdefault("nodes", {})["secret"] = env["NODE_SECRET"]
+    return over
+
+
+def load_config(path: str | os.PathLike | None = None, *,
+                env: Mapping[str, str] | None = None,
+                overrides: Mapping[str, Any] | None = None) -> GatewayConfig:
+    """Build the configuration: TOML file, then environment, then `overrides`."""
+    env = os.environ if env is None else env
+    path = Path(path or env.get("ZEN_CONFIG") or DEFAULT_CONFIG_PATH)
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    data = _merge(data, _env_overrides(env))
+    if overrides:
+        data = _merge(data, overrides)
+    try:
+        return _build(data)
+    except TypeError as exc:  # a wrong type that the dataclass constructor refused
+        raise ConfigError(f"{path}: {exc}") from None

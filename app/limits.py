@@ -1,0 +1,381 @@
+"""Per-org rate limits: requests per minute and a token bucket on LLM tokens.
+
+Requests per minute go through flask-limiter, keyed by the org of the JWT, with one
+counter shared by every API route. LLM tokens go through a token bucket per org: its
+capacity (the burst) and refill rate come from the org's tier. A request reserves its
+prompt tokens plus max_tokens when admitted and is settled with its real usage when it
+ends (the unused part goes back into the bucket).
+
+Storage is shared by all workers: `memory://` (one process) or Redis, where the bucket is
+updated by one Lua script so that concurrent workers and replicas never over-admit. If
+Redis fails, the configured policy applies: "open" keeps serving with per-process
+in-memory limits until Redis answers again, "closed" answers 503. Both are logged.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+
+import flask_limiter
+import limits.errors
+import redis
+from flask import Flask, Response, g, request
+from flask_limiter import Limiter, RateLimitExceeded
+
+from app.config import GatewayConfig, LimitsConfig, TierConfig
+from app.errors import APIError
+
+log = logging.getLogger("zen.gateway")
+EXTENSION_KEY = "zen.tokens"
+
+
+# -- token bucket arithmetic ----------------------------------------------------------------
+
+def refill(tokens: float, last: float, now: float, capacity: float, rate: float) -> float:
+    """Tokens in a bucket last seen holding `tokens` at `last`, at time `now`."""
+    return min(capacity, tokens + max(0.0, now - last) * rate)
+
+
+@dataclass(frozen=True)
+class BucketResult:
+    """The outcome of one bucket operation."""
+
+    admitted: bool
+    tokens: float            # tokens left after the operation
+    capacity: int
+    rate: float              # refill, tokens per second
+    retry_after_s: float     # 0 when admitted; math.inf when the cost exceeds the capacity
+
+    @property
+    def reset_s(self) -> float:
+        """Seconds until the bucket is full again."""
+        return max(0.0, (self.capacity - self.tokens) / self.rate)
+
+
+class MemoryTokenBuckets:
+    """Token buckets in this process's memory."""
+
+    def __init__(self, clock=time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._buckets: dict[str, tuple[float, float]] = {}   # key -> (tokens, last update)
+
+    def _apply(self, key: str, amount: float, capacity: int, rate: float,
+               reserve: bool) -> BucketResult:
+        with self._lock:
+            now = self._clock()
+            tokens, last = self._buckets.get(key, (float(capacity), now))
+            tokens = refill(tokens, last, now, capacity, rate)
+            admitted, wait = True, 0.0
+            if reserve:
+                if amount > capacity:
+                    admitted, wait = False, math.inf
+                elif tokens >= amount:
+                    tokens -= amount
+                else:
+                    admitted, wait = False, (amount - tokens) / rate
+            else:
+                tokens = min(float(capacity), tokens + amount)
+            self._buckets[key] = (tokens, now)
+            return BucketResult(admitted, tokens, capacity, rate, wait)
+
+    def reserve(self, key: str, cost: int, capacity: int, rate: float) -> BucketResult:
+        """Take `cost` tokens if the bucket holds them."""
+        return self._apply(key, cost, capacity, rate, reserve=True)
+
+    def settle(self, key: str, refund: float, capacity: int, rate: float) -> BucketResult:
+        """Give back `refund` tokens (negative: charge more; the bucket may go below 0)."""
+        return self._apply(key, refund, capacity, rate, reserve=False)
+
+
+# KEYS[1] = bucket; ARGV = capacity, rate, amount, mode ("reserve" | "settle").
+# Redis's own clock is the time source, so every worker and replica agrees on it.
+_BUCKET_LUA = """
+local capacity = tonumber(ARGV[1])
+local rate = tonumber(ARGV[2])
+local amount = tonumber(ARGV[3])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local state = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
+local tokens = tonumber(state[1])
+local ts = tonumber(state[2])
+if tokens == nil or ts == nil then
+  tokens = capacity
+  ts = now
+end
+if now > ts then tokens = tokens + (now - ts) * rate end
+if tokens > capacity then tokens = capacity end
+local admitted = 1
+local wait = 0
+if ARGV[4] == 'reserve' then
+  if amount > capacity then
+    admitted = 0
+    wait = -1
+  elseif tokens >= amount then
+    tokens = tokens - amount
+  else
+    admitted = 0
+    wait = (amount - tokens) / rate
+  end
+else
+  tokens = math.min(capacity, tokens + amount)
+end
+redis.call('HSET', KEYS[1], 'tokens', string.format('%.6f', tokens), 'ts', string.format('%.6f', now))
+redis.call('PEXPIRE', KEYS[1], math.ceil((capacity / rate) * 1000) + 60000)
+return {admitted, string.format('%.6f', tokens), string.format('%.6f', wait)}
+"""
+
+
+class RedisTokenBuckets:
+    """Token buckets in Redis, each operation one atomic Lua script."""
+
+    def __init__(self, url: str, timeout_s: float, prefix: str = "zen:tokens:") -> None:
+        self._redis = redis.Redis.from_url(url, socket_timeout=timeout_s,
+                                           socket_connect_timeout=timeout_s)
+        self._script = self._redis.register_script(_BUCKET_LUA)
+        self._prefix = prefix
+
+    def _run(self, key: str, amount: float, capacity: int, rate: float, mode: str) -> BucketResult:
+        admitted, tokens, wait = self._script(keys=[self._prefix + key],
+                                              args=[capacity, repr(float(rate)),
+                                                    repr(float(amount)), mode])
+        wait_s = float(wait)
+        return BucketResult(bool(int(admitted)), float(tokens), capacity, rate,
+                            math.inf if wait_s < 0 else wait_s)
+
+    def reserve(self, key: str, cost: int, capacity: int, rate: float) -> BucketResult:
+        return self._run(key, cost, capacity, rate, "reserve")
+
+    def settle(self, key: str, refund: float, capacity: int, rate: float) -> BucketResult:
+        return self._run(key, refund, capacity, rate, "settle")
+
+
+# -- the token limiter: reservations and the failure policy ----------------------------------
+
+@dataclass
+class Reservation:
+    """Tokens held for one request until it is settled."""
+
+    org: str
+    tier: TierConfig
+    cost: int
+    result: BucketResult
+    settled: bool = field(default=False)
+
+
+class TokenLimiter:
+    """Reserve-then-settle on the org's token bucket, with Redis failure handling."""
+
+    def __init__(self, config: LimitsConfig) -> None:
+        self._config = config
+        self._memory = MemoryTokenBuckets()
+        self._redis = (RedisTokenBuckets(config.storage_url, config.redis_timeout_s)
+                       if config.uses_redis else None)
+        self._redis_down_since: float | None = None
+        self._lock = threading.Lock()
+
+    def _backend(self):
+        """Redis unless it failed less than redis_retry_s ago (then the fallback)."""
+        if self._redis is None:
+            return self._memory
+        with self._lock:
+            down = self._redis_down_since
+            if down is not None and time.monotonic() - down < self._config.redis_retry_s:
+                return None
+        return self._redis
+
+    def _call(self, op: str, org: str, amount: float, tier: TierConfig) -> BucketResult:
+        capacity, rate = tier.burst_tokens, tier.tokens_per_second
+        backend = self._backend()
+        if backend is not None:
+            try:
+                result = getattr(backend, op)(org, amount, capacity, rate)
+                if backend is self._redis and self._redis_down_since is not None:
+                    with self._lock:
+                        self._redis_down_since = None
+                    log.warning("token-bucket storage recovered: using Redis again",
+                                extra={"event": "limits_storage_recovered"})
+                return result
+            except redis.RedisError as exc:
+                with self._lock:
+                    first = self._redis_down_since is None
+                    self._redis_down_since = time.monotonic()
+                if first:
+                    log.error("token-bucket storage (Redis) unavailable: %s; policy %s",
+                              exc.__class__.__name__, self._config.redis_failure_policy,
+                              extra={"event": "limits_storage_down"})
+        # Redis is down (now or recently).
+        if self._config.redis_failure_policy == "closed":
+            raise APIError(503, "Rate limiting is temporarily unavailable; retry shortly.",
+                           code="service_unavailable", headers={"Retry-After": "1"})
+        return getattr(self._memory, op)(org, amount, capacity, rate)
+
+    def reserve(self, org: str, tier: TierConfig, cost: int) -> Reservation:
+        """Hold `cost` tokens for a request, or raise a 429 APIError."""
+        result = self._call("reserve", org, cost, tier)
+        if not result.admitted:
+            raise token_limit_error(org, tier, cost, result)
+        return Reservation(org, tier, cost, result)
+
+    def settle(self, reservation: Reservation, used_tokens: int) -> None:
+        """Charge the real usage: give back what the request reserved but did not use."""
+        if reservation.settled:
+            return
+        reservation.settled = True
+        refund = reservation.cost - max(0, used_tokens)
+        if refund == 0:
+            return
+        try:
+            self._call("settle", reservation.org, refund, reservation.tier)
+        except APIError:
+            pass  # fail-closed with Redis down: the reservation stays charged
+
+
+# -- headers and 429 bodies -------------------------------------------------------------------
+
+def format_duration(seconds: float) -> str:
+    """OpenAI's reset format: `250ms`, `1.5s`, `6m0s`, `1h2m3s`."""
+    seconds = max(0.0, seconds)
+    if seconds < 1:
+        return f"{int(math.ceil(seconds * 1000))}ms"
+    if seconds < 60:
+        return f"{seconds:.3g}s"
+    total = int(math.ceil(seconds))
+    hours, rest = divmod(total, 3600)
+    minutes, secs = divmod(rest, 60)
+    return (f"{hours}h" if hours else "") + f"{minutes}m{secs}s"
+
+
+def token_headers(result: BucketResult) -> dict[str, str]:
+    return {
+        "x-ratelimit-limit-tokens": str(result.capacity),
+        "x-ratelimit-remaining-tokens": str(max(0, int(result.tokens))),
+        "x-ratelimit-reset-tokens": format_duration(result.reset_s),
+    }
+
+
+def request_headers(limit: int, remaining: int, reset_s: float) -> dict[str, str]:
+    return {
+        "x-ratelimit-limit-requests": str(limit),
+        "x-ratelimit-remaining-requests": str(max(0, remaining)),
+        "x-ratelimit-reset-requests": format_duration(reset_s),
+    }
+
+
+def retry_headers(seconds: float) -> dict[str, str]:
+    return {"retry-after": str(max(1, int(math.ceil(seconds)))),
+            "retry-after-ms": str(max(1, int(math.ceil(seconds * 1000))))}
+
+
+def token_limit_error(org: str, tier: TierConfig, cost: int, result: BucketResult) -> APIError:
+    headers = token_headers(result)
+    if math.isinf(result.retry_after_s):
+        headers["x-should-retry"] = "false"
+        message = (f"Request too large for organization {org} on tokens: it needs {cost} tokens "
+                   f"(prompt + max_tokens), more than the tier's burst of {tier.burst_tokens}. "
+                   f"Lower max_tokens or shorten the prompt.")
+    else:
+        headers.update(retry_headers(result.retry_after_s))
+        message = (f"Rate limit reached for organization {org} on tokens: limit "
+                   f"{tier.burst_tokens}, remaining {max(0, int(result.tokens))}, requested "
+                   f"{cost}. Please try again in {format_duration(result.retry_after_s)}.")
+    return APIError(429, message, type="tokens", code="rate_limit_exceeded", headers=headers)
+
+
+def is_storage_error(exc: BaseException) -> bool:
+    return isinstance(exc, (limits.errors.StorageError, redis.RedisError))
+
+
+# -- flask-limiter: requests per minute per org ------------------------------------------------
+
+def _org_key() -> str:
+    caller = g.get("caller")
+    return caller.org if caller is not None else ""
+
+
+def _requests_per_minute() -> str:
+    caller = g.get("caller")
+    return f"{caller.tier.requests_per_minute} per 1 minute" if caller is not None else "1 per 1 minute"
+
+
+def _exempt() -> bool:
+    """Only authenticated calls to the API blueprint count against requests per minute."""
+    return g.get("caller") is None or request.blueprint != "api"
+
+
+def build_request_limiter(config: LimitsConfig) -> Limiter:
+    """flask-limiter, created bare: requests per minute per org, shared by all API routes."""
+    fail_open = config.redis_failure_policy == "open"
+    return Limiter(
+        key_func=_org_key,
+        default_limits=[flask_limiter.Limit(
+            limit_provider=_requests_per_minute, key_function=_org_key, shared=True,
+            scope="requests", exempt_when=_exempt)],
+        strategy=config.strategy,
+        storage_uri=config.storage_url,
+        storage_options=({"socket_timeout": config.redis_timeout_s,
+                          "socket_connect_timeout": config.redis_timeout_s,
+                          "wrap_exceptions": True} if config.uses_redis else {}),
+        in_memory_fallback_enabled=fail_open and config.uses_redis,
+        swallow_errors=False,
+        headers_enabled=False,       # the OpenAI-style headers are written below
+        key_prefix="zen",
+    )
+
+
+def init_limits(app: Flask, config: GatewayConfig) -> Limiter:
+    """Bind both limiters to `app`; call after auth (its hook must run first)."""
+    limiter = build_request_limiter(config.limits)
+    limiter.init_app(app)
+    app.extensions[EXTENSION_KEY] = TokenLimiter(config.limits)
+
+    @app.before_request
+    def _request_limit_headers():
+        # Runs after flask-limiter's check: remember the requests-per-minute state.
+        if g.get("caller") is None:
+            return
+        current = limiter.current_limit
+        if current is None:
+            return
+        try:
+            g.request_limit_headers = request_headers(
+                current.limit.amount, current.remaining, current.reset_at - time.time())
+        except Exception:  # storage trouble: headers are best effort
+            g.request_limit_headers = {}
+
+    @app.after_request
+    def _add_limit_headers(response: Response) -> Response:
+        for key, value in g.get("request_limit_headers", {}).items():
+            response.headers.setdefault(key, value)
+        for key, value in g.get("token_limit_headers", {}).items():
+            response.headers.setdefault(key, value)
+        return response
+
+    @app.errorhandler(RateLimitExceeded)
+    def _too_many_requests(exc: RateLimitExceeded):
+        caller = g.get("caller")
+        org = caller.org if caller is not None else "unknown"
+        g.limited_by = "requests"
+        amount = exc.limit.limit.amount
+        reset_s = 60.0
+        current = limiter.current_limit
+        if current is not None:
+            try:
+                reset_s = max(0.0, current.reset_at - time.time())
+            except Exception:
+                pass
+        headers = request_headers(amount, 0, reset_s)
+        headers.update(retry_headers(reset_s))
+        return APIError(
+            429, f"Rate limit reached for organization {org} on requests per minute: limit "
+                 f"{amount}. Please try again in {format_duration(reset_s)}.",
+            type="requests", code="rate_limit_exceeded", headers=headers).response()
+
+    return limiter
+
+
+def token_limiter(app: Flask) -> TokenLimiter:
+    return app.extensions[EXTENSION_KEY]

@@ -1,0 +1,84 @@
+"""Structured logs: one JSON object a line, carrying the request id and org.
+
+Inside a request the id and org come from flask.g (set by the request-id hook and auth);
+code running outside one (a stream's generator, the node poller) passes them as `extra`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import sys
+import time
+import uuid
+
+from flask import Flask, g, has_request_context, request
+
+LOGGER_NAME = "zen.gateway"
+_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+# LogRecord attributes that are not ours to print.
+_STANDARD_ATTRS = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
+
+
+class JsonFormatter(logging.Formatter):
+    """Formats a record as one JSON line; `extra` fields become keys."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "ts": round(record.created, 6),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if has_request_context():
+            out.setdefault("request_id", getattr(g, "request_id", None))
+            caller = getattr(g, "caller", None)
+            out.setdefault("org", caller.org if caller is not None else None)
+        for key, value in vars(record).items():
+            if key not in _STANDARD_ATTRS and not key.startswith("_"):
+                out[key] = value
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def configure_logging(level: str = "INFO") -> logging.Logger:
+    """Send the gateway's logs (and flask-limiter's) to stderr as JSON lines."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    for name in (LOGGER_NAME, "flask-limiter"):
+        logger = logging.getLogger(name)
+        logger.handlers = [handler]
+        logger.setLevel(level.upper())
+        logger.propagate = False
+    return logging.getLogger(LOGGER_NAME)
+
+
+def new_request_id() -> str:
+    return "req_" + uuid.uuid4().hex
+
+
+def init_request_logging(app: Flask) -> None:
+    """Give every request an id (the client's X-Request-Id when sane) and log its end."""
+    log = logging.getLogger(LOGGER_NAME)
+
+    @app.before_request
+    def _assign_request_id():
+        incoming = request.headers.get("X-Request-Id", "")
+        g.request_id = incoming if _REQUEST_ID_RE.match(incoming) else new_request_id()
+        g.started = time.perf_counter()
+        g.log_fields = {}
+
+    @app.after_request
+    def _log_request(response):
+        rid = getattr(g, "request_id", None)
+        if rid:
+            response.headers["x-request-id"] = rid
+        if request.path != "/metrics" and not response.is_streamed:
+            log.info("request", extra={
+                "event": "request", "method": request.method, "path": request.path,
+                "status": response.status_code,
+                "duration_ms": round((time.perf_counter() - g.get("started", time.perf_counter())) * 1e3, 3),
+                **g.get("log_fields", {}),
+            })
+        return response

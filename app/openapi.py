@@ -1,0 +1,201 @@
+"""GET /openapi.json: the gateway's API described in OpenAPI 3.0.
+
+The parameter ranges come from the same table the validator uses (app/params.py), so the
+description and the checks cannot drift apart. Schemathesis (issue 7) fuzzes against it.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from flask import Blueprint, current_app, jsonify
+
+from app import params
+from app.priority import LATENCY_CLASS_HEADER, LatencyClass
+
+bp = Blueprint("openapi", __name__)
+
+_NULLABLE_STRING = {"type": "string", "nullable": True}
+
+
+def _number_schema(f: params.NumberField, max_n: int) -> dict:
+    schema: dict[str, Any] = {"type": "integer" if f.integer else "number", "nullable": True,
+                              "description": f.description}
+    if f.minimum is not None:
+        schema["minimum"] = f.minimum
+        if f.exclusive_minimum:
+            schema["exclusiveMinimum"] = True
+    maximum = max_n if f.name == "n" else f.maximum
+    if maximum is not None:
+        schema["maximum"] = maximum
+    return schema
+
+
+def _error(description: str) -> dict:
+    return {"description": description,
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+
+
+def _request_schema(kind: str, max_n: int) -> dict:
+    props: dict[str, Any] = {"model": {"type": "string", "minLength": 1,
+                                       "description": "A model alias from GET /v1/models."}}
+    for f in params.SAMPLING_FIELDS:
+        props[f.name] = _number_schema(f, max_n)
+    props.update({
+        "stream": {"type": "boolean", "nullable": True},
+        "stream_options": {"type": "object", "nullable": True,
+                           "properties": {"include_usage": {"type": "boolean"}},
+                           "description": "Only with stream: true."},
+        "stop": {"nullable": True, "oneOf": [
+            {"type": "string", "minLength": 1},
+            {"type": "array", "maxItems": params.MAX_STOP,
+             "items": {"type": "string", "minLength": 1}}]},
+        "stop_token_ids": {"type": "array", "nullable": True, "maxItems": params.MAX_STOP_TOKEN_IDS,
+                           "items": {"type": "integer", "minimum": 0, "maximum": 2 ** 31 - 1}},
+        "logit_bias": {"type": "object", "nullable": True,
+                       "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+                       "description": "Token id (as a string of digits) → bias."},
+        "ignore_eos": {"type": "boolean", "nullable": True},
+        "user": {"type": "string", "nullable": True},
+    })
+    if kind == params.CHAT:
+        props["messages"] = {"type": "array", "minItems": 1, "maxItems": params.MAX_MESSAGES,
+                             "items": {"$ref": "#/components/schemas/Message"}}
+        props["logprobs"] = {"type": "boolean", "nullable": True}
+        props["top_logprobs"] = {"type": "integer", "nullable": True, "minimum": 0,
+                                 "maximum": params.MAX_CHAT_TOP_LOGPROBS,
+                                 "description": "Requires logprobs: true."}
+        required = ["model", "messages"]
+    else:
+        props["prompt"] = {"oneOf": [
+            {"type": "string"},
+            {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string"}},
+            {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0,
+                                                       "maximum": 2 ** 31 - 1}},
+            {"type": "array", "minItems": 1, "maxItems": 1,
+             "items": {"type": "array", "minItems": 1,
+                       "items": {"type": "integer", "minimum": 0, "maximum": 2 ** 31 - 1}}}]}
+        props["logprobs"] = {"type": "integer", "nullable": True, "minimum": 0,
+                             "maximum": params.MAX_COMPLETION_LOGPROBS}
+        props["echo"] = {"type": "boolean", "nullable": True, "description": "Only false."}
+        props["best_of"] = {"type": "integer", "nullable": True, "description": "Only equal to n."}
+        required = ["model", "prompt"]
+    return {"type": "object", "required": required, "properties": props,
+            "additionalProperties": True}
+
+
+def build_openapi(max_n: int) -> dict:
+    latency_header = {
+        "name": LATENCY_CLASS_HEADER, "in": "header", "required": False,
+        "description": "Requested latency class; capped by the org's SLA.",
+        "schema": {"type": "string", "enum": [c.value for c in LatencyClass]},
+    }
+    generation_responses = {
+        "200": {"description": "The completion (JSON), or with stream: true server-sent events "
+                               "ending with `data: [DONE]`.",
+                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Completion"}},
+                            "text/event-stream": {"schema": {"type": "string"}}}},
+        "400": _error("Invalid request; `param` names the parameter."),
+        "401": _error("Missing or invalid bearer token."),
+        "404": _error("Unknown model, or one the caller's tier may not use."),
+        "413": _error("Request body too large."),
+        "429": _error("Rate limit (requests or tokens) reached; see retry-after."),
+        "503": _error("No engine node available, or rate-limit storage down (fail-closed)."),
+    }
+
+    def generation(kind: str, summary: str) -> dict:
+        schema = "ChatCompletionRequest" if kind == params.CHAT else "CompletionRequest"
+        return {"post": {
+            "summary": summary, "security": [{"bearerAuth": []}],
+            "parameters": [latency_header],
+            "requestBody": {"required": True, "content": {"application/json": {
+                "schema": {"$ref": f"#/components/schemas/{schema}"}}}},
+            "responses": generation_responses,
+        }}
+
+    return {
+        "openapi": "3.0.3",
+        "info": {"title": "zen inference gateway", "version": "0.1.0",
+                 "description": "OpenAI-compatible API in front of engine nodes."},
+        "paths": {
+            "/v1/chat/completions": generation(params.CHAT, "Create a chat completion"),
+            "/v1/completions": generation(params.COMPLETIONS, "Create a text completion"),
+            "/v1/models": {"get": {
+                "summary": "Models the caller's org may use", "security": [{"bearerAuth": []}],
+                "responses": {
+                    "200": {"description": "Model list", "content": {"application/json": {
+                        "schema": {"$ref": "#/components/schemas/ModelList"}}}},
+                    "401": _error("Missing or invalid bearer token."),
+                    "429": _error("Rate limit reached."),
+                    "503": _error("Rate-limit storage down (fail-closed)."),
+                }}},
+            "/v1/models/{model}": {"get": {
+                "summary": "One model", "security": [{"bearerAuth": []}],
+                "parameters": [{"name": "model", "in": "path", "required": True,
+                                "schema": {"type": "string"}}],
+                "responses": {
+                    "200": {"description": "Model", "content": {"application/json": {
+                        "schema": {"$ref": "#/components/schemas/Model"}}}},
+                    "401": _error("Missing or invalid bearer token."),
+                    "404": _error("Unknown model."),
+                    "429": _error("Rate limit reached."),
+                    "503": _error("Rate-limit storage down (fail-closed)."),
+                }}},
+            "/health": {"get": {"summary": "Gateway liveness", "responses": {
+                "200": {"description": "Alive", "content": {"application/json": {"schema": {
+                    "type": "object", "required": ["status"],
+                    "properties": {"status": {"type": "string"},
+                                   "nodes_up": {"type": "integer"},
+                                   "nodes": {"type": "integer"}}}}}}}}},
+        },
+        "components": {
+            "securitySchemes": {"bearerAuth": {"type": "http", "scheme": "bearer",
+                                               "bearerFormat": "JWT"}},
+            "schemas": {
+                "Error": {"type": "object", "required": ["error"], "properties": {"error": {
+                    "type": "object", "required": ["message", "type", "param", "code"],
+                    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                                   "param": _NULLABLE_STRING, "code": _NULLABLE_STRING}}}},
+                "Message": {"type": "object", "required": ["role", "content"], "properties": {
+                    "role": {"type": "string", "enum": list(params.CHAT_ROLES)},
+                    "content": {"oneOf": [
+                        {"type": "string"},
+                        {"type": "array", "items": {
+                            "type": "object", "required": ["type", "text"],
+                            "properties": {"type": {"type": "string", "enum": ["text"]},
+                                           "text": {"type": "string"}}}}]},
+                    "name": {"type": "string"}}},
+                "ChatCompletionRequest": _request_schema(params.CHAT, max_n),
+                "CompletionRequest": _request_schema(params.COMPLETIONS, max_n),
+                "Usage": {"type": "object",
+                          "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+                          "properties": {k: {"type": "integer"} for k in
+                                         ("prompt_tokens", "completion_tokens", "total_tokens")}},
+                "Completion": {"type": "object", "required": ["id", "object", "created", "model",
+                                                              "choices", "usage"],
+                               "properties": {
+                                   "id": {"type": "string"},
+                                   "object": {"type": "string",
+                                              "enum": ["chat.completion", "text_completion"]},
+                                   "created": {"type": "integer"},
+                                   "model": {"type": "string"},
+                                   "system_fingerprint": {"type": "string"},
+                                   "choices": {"type": "array", "items": {"type": "object"}},
+                                   "usage": {"$ref": "#/components/schemas/Usage"}}},
+                "Model": {"type": "object", "required": ["id", "object", "created", "owned_by"],
+                          "properties": {"id": {"type": "string"}, "object": {"type": "string"},
+                                         "created": {"type": "integer"},
+                                         "owned_by": {"type": "string"},
+                                         "root": {"type": "string"},
+                                         "quantization": {"type": "string"},
+                                         "max_model_len": {"type": "integer"}}},
+                "ModelList": {"type": "object", "required": ["object", "data"], "properties": {
+                    "object": {"type": "string"},
+                    "data": {"type": "array", "items": {"$ref": "#/components/schemas/Model"}}}},
+            },
+        },
+    }
+
+
+@bp.get("/openapi.json")
+def openapi_json():
+    return jsonify(build_openapi(current_app.extensions["zen.config"].server.max_n))

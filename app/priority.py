@@ -1,0 +1,53 @@
+"""Latency classes: which one a request gets.
+
+The class comes from the `X-Latency-Class` request header, is capped by the org's SLA
+(an org without realtime asking for realtime gets standard) and defaults per org.
+"""
+from __future__ import annotations
+
+import enum
+
+LATENCY_CLASS_HEADER = "X-Latency-Class"
+
+
+class LatencyClass(str, enum.Enum):
+    """A request's latency class; REALTIME is served first, BATCH last."""
+
+    REALTIME = "realtime"
+    STANDARD = "standard"
+    BATCH = "batch"
+
+    @property
+    def rank(self) -> int:
+        """0 for the most urgent class."""
+        return _RANK[self]
+
+    @classmethod
+    def parse(cls, value: str) -> "LatencyClass":
+        """The class named by `value` (case-insensitive); ValueError if none is."""
+        try:
+            return cls(value.strip().lower())
+        except ValueError:
+            names = ", ".join(c.value for c in cls)
+            raise ValueError(f"must be one of {names}") from None
+
+
+_RANK = {LatencyClass.REALTIME: 0, LatencyClass.STANDARD: 1, LatencyClass.BATCH: 2}
+
+
+def cap_latency_class(wanted: LatencyClass, sla_max: LatencyClass) -> LatencyClass:
+    """`wanted`, but never more urgent than the SLA allows."""
+    return wanted if wanted.rank >= sla_max.rank else sla_max
+
+
+def latency_class_for(header_value: str | None, sla_max: LatencyClass,
+                      default: LatencyClass) -> LatencyClass:
+    """The latency class of a request: header value (or the org default) capped by the SLA.
+
+    Raises ValueError when the header names no class.
+    """
+    if header_value is None or not header_value.strip():
+        wanted = default
+    else:
+        wanted = LatencyClass.parse(header_value)
+    return cap_latency_class(wanted, sla_max)

@@ -1,0 +1,187 @@
+"""OpenAI response objects built from the engine node's answers.
+
+Non-streaming: `chat_completion` / `text_completion` from a node's JSON body. Streaming:
+`ChunkWriter` turns node events (token, done) into OpenAI chunks (`chat.completion.chunk`
+or `text_completion`) as server-sent events, ending with `data: [DONE]`.
+"""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Iterable
+
+CHAT = "chat"
+COMPLETIONS = "completions"
+
+
+def sse(data: Any) -> str:
+    return "data: " + json.dumps(data, separators=(",", ":"), ensure_ascii=False) + "\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def _token_bytes(token: str) -> list[int]:
+    return list(token.encode("utf-8", errors="replace"))
+
+
+def chat_logprob_content(entries: Iterable[dict], top_n: int) -> list[dict]:
+    """Node logprob entries → OpenAI chat `logprobs.content`."""
+    out = []
+    for e in entries:
+        token = str(e.get("token", ""))
+        out.append({
+            "token": token,
+            "logprob": e.get("logprob"),
+            "bytes": _token_bytes(token),
+            "top_logprobs": [
+                {"token": str(t.get("token", "")), "logprob": t.get("logprob"),
+                 "bytes": _token_bytes(str(t.get("token", "")))}
+                for t in (e.get("top") or [])[:top_n]
+            ],
+        })
+    return out
+
+
+def completion_logprobs(entries: list[dict], top_n: int, text_offset_start: int = 0) -> dict:
+    """Node logprob entries → OpenAI completions `logprobs`."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    offset = text_offset_start
+    for e in entries:
+        token = str(e.get("token", ""))
+        tokens.append(token)
+        token_logprobs.append(e.get("logprob"))
+        top.append({str(t.get("token", "")): t.get("logprob") for t in (e.get("top") or [])[:top_n]})
+        offsets.append(offset)
+        offset += len(token)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
+            "text_offset": offsets}
+
+
+def usage_of(node_usage: Any) -> dict:
+    u = node_usage if isinstance(node_usage, dict) else {}
+    prompt = int(u.get("prompt_tokens") or 0)
+    completion = int(u.get("completion_tokens") or 0)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": int(u.get("total_tokens") or prompt + completion)}
+
+
+def _fingerprint(model_id: str, quantization: str) -> str:
+    return f"{model_id}-{quantization}"
+
+
+def chat_completion(rid: str, alias: str, model_id: str, quantization: str, body: dict,
+                    logprobs_top: int | None) -> dict:
+    choices = []
+    for c in sorted(body.get("choices", []), key=lambda c: c.get("index", 0)):
+        logprobs = None
+        if logprobs_top is not None:
+            logprobs = {"content": chat_logprob_content(c.get("logprobs") or [], logprobs_top)}
+        choices.append({
+            "index": c.get("index", 0),
+            "message": {"role": "assistant", "content": c.get("text", "")},
+            "logprobs": logprobs,
+            "finish_reason": c.get("finish_reason"),
+        })
+    return {
+        "id": f"chatcmpl-{rid}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": alias,
+        "system_fingerprint": _fingerprint(model_id, quantization),
+        "choices": choices,
+        "usage": usage_of(body.get("usage")),
+    }
+
+
+def text_completion(rid: str, alias: str, model_id: str, quantization: str, body: dict,
+                    logprobs_top: int | None) -> dict:
+    choices = []
+    for c in sorted(body.get("choices", []), key=lambda c: c.get("index", 0)):
+        logprobs = None
+        if logprobs_top is not None:
+            logprobs = completion_logprobs(c.get("logprobs") or [], logprobs_top)
+        choices.append({
+            "index": c.get("index", 0),
+            "text": c.get("text", ""),
+            "logprobs": logprobs,
+            "finish_reason": c.get("finish_reason"),
+        })
+    return {
+        "id": f"cmpl-{rid}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": alias,
+        "system_fingerprint": _fingerprint(model_id, quantization),
+        "choices": choices,
+        "usage": usage_of(body.get("usage")),
+    }
+
+
+class ChunkWriter:
+    """Node stream events → OpenAI chunks (SSE strings) for one request."""
+
+    def __init__(self, kind: str, rid: str, alias: str, model_id: str, quantization: str,
+                 n: int, include_usage: bool, logprobs_top: int | None) -> None:
+        self.kind = kind
+        self.id = f"chatcmpl-{rid}" if kind == CHAT else f"cmpl-{rid}"
+        self.object = "chat.completion.chunk" if kind == CHAT else "text_completion"
+        self.created = int(time.time())
+        self.alias = alias
+        self.fingerprint = _fingerprint(model_id, quantization)
+        self.n = n
+        self.include_usage = include_usage
+        self.logprobs_top = logprobs_top
+        self.text_offsets = [0] * n
+        self.finished: set[int] = set()
+
+    def _chunk(self, choices: list[dict], usage: dict | None = None) -> str:
+        out = {"id": self.id, "object": self.object, "created": self.created,
+               "model": self.alias, "system_fingerprint": self.fingerprint, "choices": choices}
+        if self.include_usage:
+            out["usage"] = usage
+        return sse(out)
+
+    def start(self) -> list[str]:
+        """Opening chunks: the assistant role of every chat choice."""
+        if self.kind != CHAT:
+            return []
+        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}]) for i in range(self.n)]
+
+    def token(self, event: dict) -> str:
+        index = int(event.get("index", 0))
+        text = str(event.get("text", ""))
+        lp = None
+        entry = event.get("logprobs")
+        if self.logprobs_top is not None and isinstance(entry, dict):
+            if self.kind == CHAT:
+                lp = {"content": chat_logprob_content([entry], self.logprobs_top)}
+            else:
+                lp = completion_logprobs([entry], self.logprobs_top,
+                                         self.text_offsets[index] if index < self.n else 0)
+        if index < self.n:
+            self.text_offsets[index] += len(text)
+        if self.kind == CHAT:
+            choice = {"index": index, "delta": {"content": text}, "logprobs": lp,
+                      "finish_reason": None}
+        else:
+            choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": None}
+        return self._chunk([choice])
+
+    def done(self, event: dict) -> list[str]:
+        """Closing chunks: each choice's finish reason, then usage if asked for."""
+        out = []
+        for c in sorted(event.get("choices") or [], key=lambda c: c.get("index", 0)):
+            index = int(c.get("index", 0))
+            self.finished.add(index)
+            if self.kind == CHAT:
+                choice = {"index": index, "delta": {}, "logprobs": None,
+                          "finish_reason": c.get("finish_reason")}
+            else:
+                choice = {"index": index, "text": "", "logprobs": None,
+                          "finish_reason": c.get("finish_reason")}
+            out.append(self._chunk([choice]))
+        if self.include_usage:
+            out.append(self._chunk([], usage_of(event.get("usage"))))
+        return out

@@ -1,0 +1,345 @@
+"""The router: a live view of every engine node, and the choice of node for a request.
+
+Each node's state σ_g = (M_g, U_g, Q_g, T_g) is polled from GET {node}/state in the
+background (per worker process, started on first use) and expires after a short TTL; a
+node whose poll fails, or that refuses a connection, is down until a poll succeeds.
+A request r for model m goes to
+
+    g* = argmin_g  α·L̂(r,g) + β·U_g + γ·1[m ∉ M_g]·C_load
+
+where L̂ estimates queue wait + prefill + decode from the node's queue and its measured
+rates, and C_load is the model's measured (or configured) cold-load time. Unhealthy, stale,
+down, too hot, and nodes that cannot load m at all are skipped; nodes whose queue is full
+are tried last. The ranked list is what failover walks (app/node_client.py).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import requests
+
+from app.catalog import ResolvedModel
+from app.config import NodesConfig, RoutingConfig
+
+log = logging.getLogger("zen.gateway")
+
+
+# -- node state --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ResidentModel:
+    """A model resident on a node, with its measured rates (0: not measured yet)."""
+
+    id: str
+    quantization: str
+    version: str = ""
+    bytes: int = 0
+    load_time_s: float | None = None
+    prefill_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0     # per sequence, as one stream sees it
+    running: int = 0
+    waiting: int = 0
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.id, self.quantization)
+
+
+@dataclass(frozen=True)
+class NodeState:
+    """σ_g as reported by GET {node}/state."""
+
+    node_id: str
+    healthy: bool
+    models: tuple[ResidentModel, ...]
+    available_models: tuple[str, ...]
+    utilization: float
+    waiting: int
+    running: int
+    max_waiting: int
+    temperature_c: float | None
+    power_w: float | None = None
+    kv_cache_usage: float = 0.0
+
+    @property
+    def queue_full(self) -> bool:
+        return self.max_waiting > 0 and self.waiting >= self.max_waiting
+
+    def resident(self, key: tuple[str, str]) -> ResidentModel | None:
+        return next((m for m in self.models if m.key == key), None)
+
+    def can_load(self, model_id: str) -> bool:
+        """Whether the node can serve the model at all (resident or loadable)."""
+        return (not self.available_models or model_id in self.available_models
+                or any(m.id == model_id for m in self.models))
+
+
+def _num(value: Any, default: float = 0.0) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return default
+    return float(value)
+
+
+def parse_state(data: Mapping[str, Any]) -> NodeState:
+    """A NodeState from a /state body; tolerant of missing optional fields."""
+    if not isinstance(data, Mapping):
+        raise ValueError("state is not an object")
+    models = []
+    for m in data.get("models") or []:
+        if not isinstance(m, Mapping) or not isinstance(m.get("id"), str):
+            continue
+        load = m.get("load_time_s")
+        models.append(ResidentModel(
+            id=m["id"], quantization=str(m.get("quantization") or ""),
+            version=str(m.get("version") or ""), bytes=int(_num(m.get("bytes"))),
+            load_time_s=_num(load) if load is not None else None,
+            prefill_tokens_per_s=max(0.0, _num(m.get("prefill_tokens_per_s"))),
+            decode_tokens_per_s=max(0.0, _num(m.get("decode_tokens_per_s"))),
+            running=int(_num(m.get("running"))), waiting=int(_num(m.get("waiting")))))
+    queue = data.get("queue") if isinstance(data.get("queue"), Mapping) else {}
+    temp = data.get("temperature_c")
+    power = data.get("power_w")
+    return NodeState(
+        node_id=str(data.get("node_id") or ""),
+        healthy=data.get("healthy") is True,
+        models=tuple(models),
+        available_models=tuple(a for a in data.get("available_models") or [] if isinstance(a, str)),
+        utilization=min(1.0, max(0.0, _num(data.get("utilization")))),
+        waiting=max(0, int(_num(queue.get("waiting")))),
+        running=max(0, int(_num(queue.get("running")))),
+        max_waiting=max(0, int(_num(queue.get("max_waiting")))),
+        temperature_c=_num(temp) if temp is not None else None,
+        power_w=_num(power) if power is not None else None,
+        kv_cache_usage=min(1.0, max(0.0, _num(data.get("kv_cache_usage")))),
+    )
+
+
+# -- scoring -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Score:
+    """One node's score for one request, with its terms (for logs and tests)."""
+
+    url: str
+    total: float
+    latency_s: float          # L̂(r, g)
+    utilization: float        # U_g
+    cold_load_s: float        # C_load if m ∉ M_g, else 0
+    queue_full: bool
+
+
+def estimate_latency(state: NodeState, prompt_tokens: int, max_tokens: int,
+                     prefill_rate: float, decode_rate: float) -> float:
+    """L̂(r,g): queue wait + prefill + decode, in seconds.
+
+    The request's own service time is prefill (prompt / prefill rate) plus decode
+    (max_tokens / per-sequence decode rate). Each waiting request ahead of it is assumed
+    to need as long, and the running sequences free slots in parallel, so the wait is
+    waiting × service / max(1, running).
+    """
+    service = prompt_tokens / prefill_rate + max_tokens / decode_rate
+    wait = state.waiting * service / max(1, state.running)
+    return wait + service
+
+
+def score_node(url: str, state: NodeState, model: ResolvedModel, prompt_tokens: int,
+               max_tokens: int, weights: RoutingConfig,
+               known_rates: Mapping[tuple[str, str], tuple[float, float]],
+               known_load_s: Mapping[tuple[str, str], float]) -> Score:
+    """α·L̂ + β·U + γ·1[m ∉ M]·C_load for one node."""
+    resident = state.resident(model.key)
+    fallback_prefill, fallback_decode = known_rates.get(
+        model.key, (weights.default_prefill_tokens_per_s, weights.default_decode_tokens_per_s))
+    prefill = (resident.prefill_tokens_per_s if resident and resident.prefill_tokens_per_s > 0
+               else fallback_prefill)
+    decode = (resident.decode_tokens_per_s if resident and resident.decode_tokens_per_s > 0
+              else fallback_decode)
+    latency = estimate_latency(state, prompt_tokens, max_tokens, prefill, decode)
+    cold = 0.0 if resident else known_load_s.get(model.key, model.cold_load_s)
+    total = weights.alpha * latency + weights.beta * state.utilization + weights.gamma * cold
+    return Score(url, total, latency, state.utilization, cold, state.queue_full)
+
+
+def skip_reason(state: NodeState | None, fresh: bool, down: bool, model: ResolvedModel,
+                max_temperature_c: float) -> str | None:
+    """Why a node cannot take the request now (None: it can)."""
+    if down:
+        return "down"
+    if state is None or not fresh:
+        return "no fresh state"
+    if not state.healthy:
+        return "unhealthy"
+    if state.temperature_c is not None and state.temperature_c > max_temperature_c:
+        return "too hot"
+    if not state.can_load(model.model):
+        return "cannot load model"
+    return None
+
+
+def rank_nodes(candidates: Sequence[tuple[str, NodeState]], model: ResolvedModel,
+               prompt_tokens: int, max_tokens: int, weights: RoutingConfig,
+               known_rates: Mapping[tuple[str, str], tuple[float, float]] | None = None,
+               known_load_s: Mapping[tuple[str, str], float] | None = None) -> list[Score]:
+    """Scores of the usable nodes, best first; full queues after all others."""
+    scores = [score_node(url, st, model, prompt_tokens, max_tokens, weights,
+                         known_rates or {}, known_load_s or {}) for url, st in candidates]
+    return sorted(scores, key=lambda s: (s.queue_full, s.total, s.url))
+
+
+# -- the live view -----------------------------------------------------------------------------
+
+@dataclass
+class NodeView:
+    """What the gateway knows about one node."""
+
+    url: str
+    state: NodeState | None = None
+    fetched_at: float = 0.0           # monotonic time of the last good poll
+    down: bool = True                 # until the first good poll
+    last_error: str | None = None
+
+
+class NodePool:
+    """The configured nodes' states, polled in the background; ranks nodes for a request."""
+
+    def __init__(self, nodes: NodesConfig, routing: RoutingConfig,
+                 session: requests.Session | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = nodes
+        self.routing = routing
+        self._clock = clock
+        self._session = session or requests.Session()
+        self._views = {url: NodeView(url) for url in nodes.urls}
+        self._lock = threading.Lock()
+        self._refresh_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pid: int | None = None
+        self._executor: ThreadPoolExecutor | None = None
+
+    # -- polling ---------------------------------------------------------------------------
+
+    def _fetch(self, url: str) -> None:
+        timeout = min(self.config.connect_timeout_s, max(0.2, self.config.state_ttl_s / 2))
+        try:
+            resp = self._session.get(url + "/state", timeout=(timeout, timeout),
+                                     headers={"X-Node-Secret": self.config.secret})
+            if resp.status_code != 200:
+                raise ValueError(f"GET /state answered {resp.status_code}")
+            state = parse_state(resp.json())
+        except (requests.RequestException, ValueError) as exc:
+            self._set_down(url, f"{exc.__class__.__name__}: {str(exc)[:200]}")
+            return
+        with self._lock:
+            view = self._views[url]
+            if view.down:
+                log.info("node up", extra={"event": "node_up", "node": url,
+                                           "node_id": state.node_id})
+            view.state, view.fetched_at, view.down, view.last_error = state, self._clock(), False, None
+
+    def _set_down(self, url: str, reason: str) -> None:
+        with self._lock:
+            view = self._views[url]
+            was_down = view.down
+            view.down, view.last_error = True, reason
+        if not was_down:
+            log.warning("node down", extra={"event": "node_down", "node": url, "reason": reason})
+
+    def mark_down(self, url: str, reason: str) -> None:
+        """A request could not reach the node: skip it until a poll succeeds."""
+        self._set_down(url, reason)
+
+    def refresh(self) -> None:
+        """Poll every node once, concurrently."""
+        if not self._views:
+            return
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=min(16, len(self._views)),
+                                                thread_name_prefix="zen-node-poll")
+        list(self._executor.map(self._fetch, list(self._views)))
+
+    def _poll_loop(self) -> None:
+        while not self._stop.wait(self.config.poll_interval_s):
+            try:
+                self.refresh()
+            except Exception:  # the poller must survive anything
+                log.exception("node poll failed", extra={"event": "poll_error"})
+
+    def start(self) -> None:
+        """Start the background poller in this process (again after a fork)."""
+        if self._thread is not None and self._pid == os.getpid() and self._thread.is_alive():
+            return
+        with self._refresh_lock:
+            if self._thread is not None and self._pid == os.getpid() and self._thread.is_alive():
+                return
+            self._pid = os.getpid()
+            self._executor = None          # an executor inherited across fork has no threads
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._poll_loop, name="zen-node-poller",
+                                            daemon=True)
+            self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread.is_alive():
+            self._thread.join(timeout=5)
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+        self._session.close()
+
+    # -- views -----------------------------------------------------------------------------
+
+    def _fresh(self, view: NodeView, now: float) -> bool:
+        return view.state is not None and now - view.fetched_at <= self.config.state_ttl_s
+
+    def snapshot(self) -> list[NodeView]:
+        with self._lock:
+            return [NodeView(v.url, v.state, v.fetched_at, v.down, v.last_error)
+                    for v in self._views.values()]
+
+    def _ensure_fresh(self) -> None:
+        """Start polling; poll now if no node has a fresh state (first request, stale)."""
+        self.start()
+        now = self._clock()
+        if any(not v.down and self._fresh(v, now) for v in self.snapshot()):
+            return
+        with self._refresh_lock:
+            now = self._clock()
+            if not any(not v.down and self._fresh(v, now) for v in self.snapshot()):
+                self.refresh()
+
+    def learned(self) -> tuple[dict, dict]:
+        """Measured (prefill, decode) rates and load times per model, over all nodes."""
+        rates: dict[tuple[str, str], list[tuple[float, float]]] = {}
+        loads: dict[tuple[str, str], float] = {}
+        for view in self.snapshot():
+            if view.state is None:
+                continue
+            for m in view.state.models:
+                if m.prefill_tokens_per_s > 0 and m.decode_tokens_per_s > 0:
+                    rates.setdefault(m.key, []).append((m.prefill_tokens_per_s, m.decode_tokens_per_s))
+                if m.load_time_s is not None and m.load_time_s > 0:
+                    loads[m.key] = max(loads.get(m.key, 0.0), m.load_time_s)
+        mean_rates = {k: (sum(p for p, _ in v) / len(v), sum(d for _, d in v) / len(v))
+                      for k, v in rates.items()}
+        return mean_rates, loads
+
+    def rank(self, model: ResolvedModel, prompt_tokens: int, max_tokens: int) -> list[Score]:
+        """Usable nodes for a request, best first."""
+        self._ensure_fresh()
+        now = self._clock()
+        usable = []
+        for view in self.snapshot():
+            reason = skip_reason(view.state, self._fresh(view, now), view.down, model,
+                                 self.config.max_temperature_c)
+            if reason is None:
+                usable.append((view.url, view.state))
+        rates, loads = self.learned()
+        return rank_nodes(usable, model, prompt_tokens, max_tokens, self.routing, rates, loads)

@@ -1,0 +1,63 @@
+"""gunicorn settings for the gateway: `gunicorn -c config/gunicorn.conf.py wsgi:app`.
+
+Threaded workers (gthread), so that one worker carries many concurrent token streams.
+Prometheus multiprocess mode: PROMETHEUS_MULTIPROC_DIR is set here, in the master, before
+any worker imports prometheus_client; it is emptied at start and a dead worker's files
+are marked dead so that /metrics on any worker reports the sum over all of them.
+Bind address and counts come from the gateway config ([server], PORT), and can be
+overridden with GATEWAY_WORKERS / GATEWAY_THREADS.
+"""
+import os
+import shutil
+import tempfile
+
+from app.config import load_config
+
+_cfg = load_config()
+
+bind = f"{_cfg.server.host}:{_cfg.server.port}"
+workers = int(os.environ.get("GATEWAY_WORKERS", _cfg.server.workers))
+threads = int(os.environ.get("GATEWAY_THREADS", _cfg.server.threads))
+worker_class = "gthread"
+timeout = 120            # heartbeat of the worker process, not a limit on stream length
+graceful_timeout = 30
+keepalive = 5
+accesslog = None         # the app logs each request as JSON
+errorlog = "-"
+logconfig_dict = {       # gunicorn's own messages as JSON lines too
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"json": {"()": "app.logs.JsonFormatter"}},
+    "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "json",
+                            "stream": "ext://sys.stderr"}},
+    "root": {"level": "WARNING", "handlers": ["stderr"]},
+    "loggers": {
+        "gunicorn.error": {"level": "INFO", "handlers": ["stderr"], "propagate": False},
+        "gunicorn.access": {"level": "INFO", "handlers": ["stderr"], "propagate": False},
+    },
+}
+# gunicorn >= 27 opens a control socket at one fixed path per user; several gateways (or a
+# gateway and an engine node) on one host would fight over it.
+control_socket_disable = True
+
+if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="zen-gateway-metrics-")
+_metrics_dir = os.environ["PROMETHEUS_MULTIPROC_DIR"]
+
+
+def on_starting(server):
+    os.makedirs(_metrics_dir, exist_ok=True)
+    for name in os.listdir(_metrics_dir):
+        path = os.path.join(_metrics_dir, name)
+        if os.path.isfile(path) and name.endswith(".db"):
+            os.remove(path)
+
+
+def child_exit(server, worker):
+    from prometheus_client import multiprocess
+    multiprocess.mark_process_dead(worker.pid)
+
+
+def on_exit(server):
+    if _metrics_dir.startswith(tempfile.gettempdir()) and "zen-gateway-metrics-" in _metrics_dir:
+        shutil.rmtree(_metrics_dir, ignore_errors=True)

@@ -1,0 +1,117 @@
+"""Configuration, latency classes and the model catalog of the gateway."""
+from __future__ import annotations
+
+import pytest
+
+from app.catalog import Catalog
+from app.config import DEFAULT_CONFIG_PATH, ConfigError, load_config
+from app.errors import APIError
+from app.priority import LatencyClass, cap_latency_class, latency_class_for
+
+
+def test_shipped_default_config_loads():
+    cfg = load_config(DEFAULT_CONFIG_PATH, env={})
+    assert cfg.server.port == 8000
+    assert cfg.models["zen-small"].model == "SmolLM2-135M-Instruct"
+    assert cfg.models["zen-small"].quantization == "q4_1"
+    assert cfg.models["zen-small"].max_context == 8192
+    assert {m.quantization for m in cfg.models.values()} == {"q4_1", "q8_0", "f16"}
+    # burst proportional to the tier: tokens_per_second * burst_seconds
+    for tier in cfg.tiers.values():
+        assert tier.burst_tokens == round(tier.tokens_per_second * cfg.limits.burst_seconds)
+    assert cfg.tiers["pro"].burst_tokens > cfg.tiers["free"].burst_tokens
+    assert cfg.orgs["globex"].max_latency_class is LatencyClass.STANDARD
+    assert cfg.limits.storage_url == "memory://"
+
+
+def test_environment_overrides_secrets_and_addresses():
+    env = {"PORT": "9123", "JWT_SECRET": "x" * 40, "REDIS_URL": "redis://127.0.0.1:6390/1",
+           "ZEN_NODES": "http://10.0.0.1:8001, http://10.0.0.2:8001/", "NODE_SECRET": "s3"}
+    cfg = load_config(env=env)
+    assert cfg.server.port == 9123
+    assert cfg.auth.hs256_secret == "x" * 40
+    assert cfg.limits.storage_url == "redis://127.0.0.1:6390/1" and cfg.limits.uses_redis
+    assert cfg.nodes.urls == ("http://10.0.0.1:8001", "http://10.0.0.2:8001")
+    assert cfg.nodes.secret == "s3"
+
+
+def test_test_overrides_win_over_env():
+    cfg = load_config(env={"PORT": "9123"}, overrides={"server": {"port": 9999}})
+    assert cfg.server.port == 9999
+
+
+def test_config_file_from_env(tmp_path):
+    text = DEFAULT_CONFIG_PATH.read_text().replace("port = 8000", "port = 8111")
+    path = tmp_path / "gw.toml"
+    path.write_text(text)
+    assert load_config(env={"ZEN_CONFIG": str(path)}).server.port == 8111
+
+
+@pytest.mark.parametrize("overrides, words", [
+    ({"server": {"port": 0}}, "server.port"),
+    ({"auth": {"hs256_secret": "short"}}, "hs256_secret"),
+    ({"auth": {"algorithms": ["none"]}}, "unsupported algorithm"),
+    ({"limits": {"storage_url": "mongodb://x"}}, "storage_url"),
+    ({"limits": {"redis_failure_policy": "maybe"}}, "redis_failure_policy"),
+    ({"tiers": {"free": {"models": ["nope"]}}}, "unknown model alias"),
+    ({"orgs": {"acme": {"tier": "platinum"}}}, "unknown tier"),
+    ({"orgs": {"globex": {"default_latency_class": "realtime"}}}, "above its max_latency_class"),
+    ({"orgs": {"acme": {"max_latency_class": "urgent"}}}, "must be one of"),
+    ({"models": {"zen-small": {"quantization": "q3_k"}}}, "quantization"),
+    ({"nodes": {"urls": ["ftp://x"]}}, "nodes.urls"),
+    ({"server": {"bogus": 1}}, "unknown keys"),
+    ({"bogus": {}}, "unknown config sections"),
+])
+def test_invalid_config_is_refused_naming_the_key(overrides, words):
+    with pytest.raises(ConfigError, match=words):
+        load_config(env={}, overrides=overrides)
+
+
+def test_bad_port_env_is_a_config_error():
+    with pytest.raises(ConfigError, match="PORT"):
+        load_config(env={"PORT": "eighty"})
+
+
+# -- latency classes ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("header, sla, default, expected", [
+    (None, "realtime", "standard", "standard"),        # the org default
+    ("", "realtime", "batch", "batch"),
+    ("realtime", "realtime", "standard", "realtime"),
+    ("REALTIME", "standard", "standard", "standard"),  # capped: no realtime in the SLA
+    ("realtime", "batch", "batch", "batch"),
+    ("batch", "realtime", "standard", "batch"),        # asking for less is always fine
+    ("standard", "batch", "batch", "batch"),
+])
+def test_latency_class_capped_by_sla(header, sla, default, expected):
+    got = latency_class_for(header, LatencyClass(sla), LatencyClass(default))
+    assert got is LatencyClass(expected)
+
+
+def test_unknown_latency_class_is_refused():
+    with pytest.raises(ValueError, match="realtime, standard, batch"):
+        latency_class_for("urgent", LatencyClass.REALTIME, LatencyClass.STANDARD)
+
+
+def test_cap_never_raises_priority():
+    for wanted in LatencyClass:
+        for sla in LatencyClass:
+            assert cap_latency_class(wanted, sla).rank >= sla.rank
+
+
+# -- catalog -----------------------------------------------------------------------------------
+
+def test_catalog_resolves_aliases_and_enforces_tiers():
+    cfg = load_config(env={})
+    cat = Catalog(cfg.models)
+    free, pro = cfg.tiers["free"], cfg.tiers["pro"]
+    m = cat.resolve("zen-small", free)
+    assert (m.model, m.quantization) == ("SmolLM2-135M-Instruct", "q4_1")
+    assert cat.resolve("zen-small-f16", pro).quantization == "f16"
+    for alias, tier in [("zen-small-f16", free), ("gpt-4", pro), ("SmolLM2-135M-Instruct", pro)]:
+        with pytest.raises(APIError) as err:
+            cat.resolve(alias, tier)
+        assert err.value.status == 404 and err.value.code == "model_not_found"
+        assert err.value.param == "model"
+    assert [m.alias for m in cat.visible_to(free)] == ["zen-small"]
+    assert [m.alias for m in cat.visible_to(pro)] == ["zen-small", "zen-small-q8", "zen-small-f16"]

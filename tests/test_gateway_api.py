@@ -1,0 +1,495 @@
+"""The OpenAI-compatible API against a stand-in node: answers, streaming, parameters sent
+to the node, failover, stream errors, bad input, error shapes, metrics and logs."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import pytest
+
+from app import close_app, create_app
+from tests.test_gateway_support import (MODEL_ID, TOKENS, StandInNode, auth, bearer,  # noqa: F401
+                                        client, gateway, make_config, node)
+
+FULL_TEXT = "".join(p for _, p in TOKENS)
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+def chat_body(**over):
+    body = {"model": "zen-small", "messages": [{"role": "user", "content": "Say hello"}]}
+    body.update(over)
+    return body
+
+
+def sse_events(text: str) -> list:
+    out = []
+    for block in text.split("\n\n"):
+        block = block.strip()
+        if not block:
+            continue
+        assert block.startswith("data: "), block
+        data = block[len("data: "):]
+        out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def assert_error(resp, status: int, param=..., code=...):
+    assert resp.status_code == status, resp.get_data(as_text=True)
+    body = resp.get_json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    assert "Traceback" not in err["message"]
+    if param is not ...:
+        assert err["param"] == param, err
+    if code is not ...:
+        assert err["code"] == code, err
+    return err
+
+
+# -- answers -------------------------------------------------------------------------------------
+
+def test_chat_completion(client, auth, node):
+    r = client.post(CHAT, headers=auth, json=chat_body())
+    assert r.status_code == 200, r.get_json()
+    body = r.get_json()
+    assert body["object"] == "chat.completion" and body["model"] == "zen-small"
+    assert body["id"].startswith("chatcmpl-")
+    choice = body["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": FULL_TEXT}
+    assert choice["finish_reason"] == "stop" and choice["logprobs"] is None
+    u = body["usage"]
+    assert u["completion_tokens"] == len(TOKENS)
+    assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+    assert r.headers["x-request-id"] and r.headers["x-latency-class"] == "standard"
+    assert "x-ratelimit-remaining-tokens" in r.headers
+
+
+def test_parameters_reach_the_node_as_its_protocol_says(client, gateway, node):
+    cfg = gateway[1]
+    body = chat_body(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, presence_penalty=0.5,
+                     frequency_penalty=-0.5, repetition_penalty=1.1, seed=1234,
+                     logit_bias={"50256": -100, "17": 2.5}, stop=["\n\n", "END"], n=2,
+                     max_tokens=7, logprobs=True, top_logprobs=3, min_tokens=2, ignore_eos=True,
+                     stop_token_ids=[2], user="u-1")
+    body["messages"] = [{"role": "developer", "content": "Be brief."},
+                        {"role": "user", "content": [{"type": "text", "text": "Hi"},
+                                                     {"type": "text", "text": "there"}]}]
+    r = client.post(CHAT, headers={**bearer(cfg, "acme"), "X-Latency-Class": "realtime",
+                                   "X-Request-Id": "my-req-1"}, json=body)
+    assert r.status_code == 200, r.get_json()
+    sent = node.received[-1]
+    assert sent["request_id"] == "my-req-1" and r.headers["x-request-id"] == "my-req-1"
+    assert sent["model"] == MODEL_ID and sent["quantization"] == "q4_1"
+    assert sent["org"] == "acme" and sent["latency_class"] == "realtime"
+    assert sent["messages"] == [{"role": "system", "content": "Be brief."},
+                                {"role": "user", "content": "Hi\nthere"}]
+    assert "prompt" not in sent and "prompt_token_ids" not in sent and sent["stream"] is False
+    assert sent["sampling"] == {
+        "max_tokens": 7, "temperature": 0.7, "top_p": 0.9, "top_k": 40, "min_p": 0.05,
+        "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.1,
+        "logit_bias": {"50256": -100.0, "17": 2.5}, "seed": 1234, "stop": ["\n\n", "END"],
+        "stop_token_ids": [2], "min_tokens": 2, "ignore_eos": True, "n": 2, "logprobs": 3}
+    out = r.get_json()
+    assert [c["index"] for c in out["choices"]] == [0, 1]
+    assert all(c["finish_reason"] == "length" for c in out["choices"])
+    content = out["choices"][0]["logprobs"]["content"]
+    assert len(content) == 7 and content[0]["token"] == "Hello"
+    assert content[0]["bytes"] == list(b"Hello") and len(content[0]["top_logprobs"]) == 3
+
+
+def test_defaults_sent_to_the_node(client, auth, node):
+    client.post(CHAT, headers=auth, json=chat_body())
+    s = node.received[-1]["sampling"]
+    assert s["max_tokens"] == 512 and s["n"] == 1 and s["logprobs"] is None
+    assert s["temperature"] == 1.0 and s["top_k"] == -1 and s["seed"] is None
+
+
+def test_max_completion_tokens_wins_and_stop_applies(client, auth, node):
+    r = client.post(CHAT, headers=auth, json=chat_body(max_tokens=100, max_completion_tokens=3))
+    assert r.get_json()["choices"][0]["message"]["content"] == "Hello, world"
+    assert r.get_json()["choices"][0]["finish_reason"] == "length"
+    r = client.post(CHAT, headers=auth, json=chat_body(stop="!"))
+    choice = r.get_json()["choices"][0]
+    assert choice["message"]["content"] == "Hello, world" and choice["finish_reason"] == "stop"
+
+
+def test_text_completion_with_text_and_token_prompts(client, auth, node):
+    r = client.post(COMPLETIONS, headers=auth,
+                    json={"model": "zen-small", "prompt": "Once", "max_tokens": 4, "logprobs": 2})
+    body = r.get_json()
+    assert r.status_code == 200 and body["object"] == "text_completion"
+    c = body["choices"][0]
+    assert c["text"] == "Hello, world!" and c["finish_reason"] == "length"
+    assert c["logprobs"]["tokens"] == ["Hello", ",", " world", "!"]
+    assert c["logprobs"]["text_offset"] == [0, 5, 6, 12]
+    assert len(c["logprobs"]["top_logprobs"][0]) == 2
+    assert node.received[-1]["prompt"] == "Once"
+    for prompt in ([1, 2, 3], [[1, 2, 3]]):
+        r = client.post(COMPLETIONS, headers=auth, json={"model": "zen-small", "prompt": prompt,
+                                                          "max_tokens": 2})
+        assert r.status_code == 200
+        assert node.received[-1]["prompt_token_ids"] == [1, 2, 3]
+        assert r.get_json()["usage"]["prompt_tokens"] == 3
+
+
+def test_models_endpoints(client, auth):
+    data = client.get("/v1/models", headers=auth).get_json()
+    assert data["object"] == "list" and data["data"][0]["id"] == "zen-small"
+    assert client.get("/v1/models/zen-small-q8", headers=auth).get_json()["quantization"] == "q8_0"
+    assert_error(client.get("/v1/models/gpt-4", headers=auth), 404, "model", "model_not_found")
+
+
+# -- streaming -----------------------------------------------------------------------------------
+
+def test_chat_streaming_with_usage(client, auth, node):
+    r = client.post(CHAT, headers=auth, json=chat_body(stream=True, max_tokens=5,
+                                                       stream_options={"include_usage": True}))
+    assert r.status_code == 200 and r.mimetype == "text/event-stream"
+    events = sse_events(r.get_data(as_text=True))
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == "Hello, world! How"
+    finish = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert len(finish) == 1 and finish[0]["choices"][0]["finish_reason"] == "length"
+    usage_chunk = chunks[-1]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 5
+    assert all(c["usage"] is None for c in chunks[:-1])
+    assert node.received[-1]["stream"] is True
+
+
+def test_chat_streaming_without_usage_and_with_n(client, auth):
+    r = client.post(CHAT, headers=auth, json=chat_body(stream=True, max_tokens=2, n=2))
+    chunks = sse_events(r.get_data(as_text=True))[:-1]
+    assert all("usage" not in c for c in chunks)
+    for i in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == i]
+        assert mine[0]["delta"]["role"] == "assistant"
+        assert "".join(ch["delta"].get("content", "") for ch in mine) == "Hello,"
+        assert mine[-1]["finish_reason"] == "length"
+
+
+def test_completion_streaming(client, auth):
+    r = client.post(COMPLETIONS, headers=auth,
+                    json={"model": "zen-small", "prompt": "x", "max_tokens": 3, "stream": True,
+                          "logprobs": 1, "stream_options": {"include_usage": True}})
+    events = sse_events(r.get_data(as_text=True))
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == "Hello, world"
+    assert chunks[0]["choices"][0]["logprobs"]["tokens"] == ["Hello"]
+    assert chunks[1]["choices"][0]["logprobs"]["text_offset"] == [5]
+    assert chunks[-1]["usage"]["completion_tokens"] == 3
+
+
+def test_client_disconnect_closes_the_node_stream(client, auth, node):
+    node.token_delay_s = 0.05
+    r = client.post(CHAT, headers=auth, json=chat_body(stream=True, max_tokens=200,
+                                                       extra_ignored_field=1))
+    it = r.response
+    next(it), next(it)                    # role chunk, first token
+    r.close()                             # the client goes away
+    deadline = time.monotonic() + 5
+    while node.client_disconnects < 1:
+        assert time.monotonic() < deadline, "node never saw the disconnect"
+        time.sleep(0.02)
+
+
+# -- failover and stream errors ------------------------------------------------------------------
+
+@pytest.fixture
+def two_nodes():
+    a, b = StandInNode(node_id="a").start(), StandInNode(node_id="b").start()
+    cfg = make_config([a.url, b.url])
+    app = create_app(cfg)
+    yield app, cfg, a, b
+    close_app(app)
+    a.stop()
+    b.stop()
+
+
+def _first_choice(app, cfg):
+    """Which node the router prefers now (both idle: ties break by URL)."""
+    return app.extensions["zen.nodes"].pool
+
+
+def test_failover_on_503_and_on_a_dead_node(two_nodes):
+    app, cfg, a, b = two_nodes
+    c, h = app.test_client(), bearer(cfg)
+    first, second = sorted([a, b], key=lambda n: n.url)
+    first.busy = True
+    r = c.post(CHAT, headers=h, json=chat_body(max_tokens=2))
+    assert r.status_code == 200
+    assert len(first.received) == 1 and len(second.received) == 1
+    first.busy = False
+    first.stop()                                   # killed: connection refused from now on
+    r = c.post(CHAT, headers=h, json=chat_body(max_tokens=2, stream=True))
+    assert r.status_code == 200 and sse_events(r.get_data(as_text=True))[-1] == "[DONE]"
+    assert len(second.received) == 2
+    metrics = c.get("/metrics").get_data(as_text=True)
+    assert "zen_gateway_node_failovers_total" in metrics and 'reason="busy"' in metrics
+
+
+def test_all_nodes_busy_is_a_503_with_retry_after(two_nodes):
+    app, cfg, a, b = two_nodes
+    a.busy = b.busy = True
+    r = app.test_client().post(CHAT, headers=bearer(cfg), json=chat_body())
+    err = assert_error(r, 503, None, "no_node_available")
+    assert "busy" in err["message"] and r.headers["Retry-After"] == "2"
+
+
+def test_stream_that_breaks_before_the_first_token_fails_over(two_nodes):
+    app, cfg, a, b = two_nodes
+    first, second = sorted([a, b], key=lambda n: n.url)
+    first.fail_after_tokens = 0
+    r = app.test_client().post(CHAT, headers=bearer(cfg), json=chat_body(stream=True, max_tokens=3))
+    events = sse_events(r.get_data(as_text=True))
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1] if e["choices"])
+    assert text == "Hello, world" and len(second.received) == 1
+
+
+@pytest.mark.parametrize("knob", ["fail_after_tokens", "error_after_tokens"])
+def test_failure_after_the_first_token_is_an_error_event(client, auth, node, knob):
+    setattr(node, knob, 3)
+    r = client.post(CHAT, headers=auth, json=chat_body(stream=True, max_tokens=10))
+    assert r.status_code == 200
+    events = sse_events(r.get_data(as_text=True))
+    assert events[-1] == "[DONE]"
+    err = events[-2]["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == "engine_error"
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-2])
+    assert text == "Hello, world"                  # the 3 tokens before the failure
+    assert len(node.received) == 1                 # no failover after the first token
+
+
+def test_no_node_configured_is_a_503(auth):
+    cfg = make_config([])
+    app = create_app(cfg)
+    try:
+        assert_error(app.test_client().post(CHAT, headers=auth, json=chat_body()), 503,
+                     code="no_node_available")
+    finally:
+        close_app(app)
+
+
+# -- priority ------------------------------------------------------------------------------------
+
+def test_latency_class_header_is_capped_by_the_sla(client, gateway, node):
+    cfg = gateway[1]
+    r = client.post(CHAT, headers={**bearer(cfg, "globex"), "X-Latency-Class": "realtime"},
+                    json=chat_body())
+    assert r.status_code == 200 and node.received[-1]["latency_class"] == "standard"
+    assert r.headers["x-latency-class"] == "standard"
+    client.post(CHAT, headers=bearer(cfg, "globex"), json=chat_body())
+    assert node.received[-1]["latency_class"] == "batch"            # globex's default
+    assert_error(client.post(CHAT, headers={**bearer(cfg, "acme"), "X-Latency-Class": "asap"},
+                             json=chat_body()), 400, "X-Latency-Class")
+
+
+# -- bad input -----------------------------------------------------------------------------------
+
+BAD_CHAT = [
+    ({"messages": [{"role": "user", "content": "x"}]}, "model"),
+    (chat_body(model=5), "model"),
+    (chat_body(model=""), "model"),
+    ({"model": "zen-small"}, "messages"),
+    (chat_body(messages=[]), "messages"),
+    (chat_body(messages="hi"), "messages"),
+    (chat_body(messages=[{"role": "wizard", "content": "x"}]), "messages"),
+    (chat_body(messages=[{"role": "user"}]), "messages"),
+    (chat_body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]), "messages"),
+    (chat_body(messages=["hi"]), "messages"),
+    (chat_body(temperature="hot"), "temperature"),
+    (chat_body(temperature=2.5), "temperature"),
+    (chat_body(temperature=True), "temperature"),
+    (chat_body(top_p=0), "top_p"),
+    (chat_body(top_k=-5), "top_k"),
+    (chat_body(top_k=1.5), "top_k"),
+    (chat_body(min_p=2), "min_p"),
+    (chat_body(presence_penalty=3), "presence_penalty"),
+    (chat_body(frequency_penalty=-3), "frequency_penalty"),
+    (chat_body(repetition_penalty=0), "repetition_penalty"),
+    (chat_body(n=0), "n"),
+    (chat_body(n=1000), "n"),
+    (chat_body(max_tokens=10 ** 9), "max_tokens"),
+    (chat_body(max_tokens=0), "max_tokens"),
+    (chat_body(max_tokens="5"), "max_tokens"),
+    (chat_body(max_completion_tokens=10 ** 12), "max_completion_tokens"),
+    (chat_body(min_tokens=-1), "min_tokens"),
+    (chat_body(min_tokens=600), "min_tokens"),
+    (chat_body(stop=["a", "b", "c", "d", "e"]), "stop"),
+    (chat_body(stop=[""]), "stop"),
+    (chat_body(stop=5), "stop"),
+    (chat_body(stop_token_ids=[-1]), "stop_token_ids"),
+    (chat_body(logit_bias={"abc": 1}), "logit_bias"),
+    (chat_body(logit_bias={"5": 500}), "logit_bias"),
+    (chat_body(logit_bias=[1]), "logit_bias"),
+    (chat_body(seed="x"), "seed"),
+    (chat_body(seed=2 ** 70), "seed"),
+    (chat_body(top_logprobs=2), "top_logprobs"),
+    (chat_body(logprobs=True, top_logprobs=50), "top_logprobs"),
+    (chat_body(logprobs=3), "logprobs"),
+    (chat_body(stream="yes"), "stream"),
+    (chat_body(stream_options={"include_usage": True}), "stream_options"),
+    (chat_body(stream=True, stream_options=[1]), "stream_options"),
+    (chat_body(ignore_eos="no"), "ignore_eos"),
+    (chat_body(user=7), "user"),
+    (chat_body(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    (chat_body(response_format={"type": "json_object"}), "response_format"),
+]
+
+
+@pytest.mark.parametrize("body, param", BAD_CHAT)
+def test_bad_chat_input_names_the_parameter(client, auth, node, body, param):
+    assert_error(client.post(CHAT, headers=auth, json=body), 400, param)
+    assert node.received == []                     # nothing reached the node
+
+
+BAD_COMPLETIONS = [
+    ({"model": "zen-small"}, "prompt"),
+    ({"model": "zen-small", "prompt": 5}, "prompt"),
+    ({"model": "zen-small", "prompt": [1, "a"]}, "prompt"),
+    ({"model": "zen-small", "prompt": ["a", "b"]}, "prompt"),
+    ({"model": "zen-small", "prompt": [-1]}, "prompt"),
+    ({"model": "zen-small", "prompt": []}, "prompt"),
+    ({"model": "zen-small", "prompt": "x", "logprobs": 50}, "logprobs"),
+    ({"model": "zen-small", "prompt": "x", "logprobs": True}, "logprobs"),
+    ({"model": "zen-small", "prompt": "x", "echo": True}, "echo"),
+    ({"model": "zen-small", "prompt": "x", "best_of": 3}, "best_of"),
+    ({"model": "zen-small", "prompt": "x", "suffix": "y"}, "suffix"),
+]
+
+
+@pytest.mark.parametrize("body, param", BAD_COMPLETIONS)
+def test_bad_completion_input_names_the_parameter(client, auth, body, param):
+    assert_error(client.post(COMPLETIONS, headers=auth, json=body), 400, param)
+
+
+@pytest.mark.parametrize("raw", [b"{", b"not json", b"", b"\xff\xfe", b"[1, 2]", b"null", b'"x"',
+                                 b"[" * 100_000 + b"]" * 100_000])
+def test_malformed_bodies_are_400(client, auth, raw):
+    r = client.post(CHAT, headers={**auth, "Content-Type": "application/json"}, data=raw)
+    assert_error(r, 400, None)
+
+
+def test_nan_and_infinity_are_refused(client, auth):
+    raw = b'{"model": "zen-small", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}'
+    assert_error(client.post(CHAT, headers=auth, data=raw, content_type="application/json"),
+                 400, "temperature")
+
+
+def test_unknown_and_forbidden_models_are_404(client, gateway):
+    cfg = gateway[1]
+    assert_error(client.post(CHAT, headers=bearer(cfg, "acme"), json=chat_body(model="gpt-4")),
+                 404, "model", "model_not_found")
+    assert_error(client.post(CHAT, headers=bearer(cfg, "globex"),
+                             json=chat_body(model="zen-small-f16")), 404, "model", "model_not_found")
+
+
+def test_prompt_over_the_context(client, auth, node):
+    err = assert_error(client.post(COMPLETIONS, headers=auth, json={
+        "model": "zen-small", "prompt": list(range(8000)), "max_tokens": 500}),
+        400, "prompt", "context_length_exceeded")
+    assert "8192" in err["message"]
+    assert node.received == []
+    # text the node finds too long: its 400 comes back, naming the chat parameter
+    r = client.post(CHAT, headers=auth, json=chat_body(messages=[{"role": "user", "content": "x" * 40000}]))
+    assert_error(r, 400, "messages", "context_length_exceeded")
+
+
+def test_oversized_body_is_413():
+    cfg = make_config([], server={"max_body_bytes": 2048})
+    app = create_app(cfg)
+    try:
+        r = app.test_client().post(CHAT, headers=bearer(cfg), json=chat_body(
+            messages=[{"role": "user", "content": "x" * 5000}]))
+        assert_error(r, 413, None, "request_too_large")
+    finally:
+        close_app(app)
+
+
+def test_unknown_route_and_method_in_openai_shape(client, auth):
+    assert_error(client.post("/v1/nope", headers=auth), 404, None, "not_found")
+    r = client.get(CHAT, headers=auth)
+    assert_error(r, 405, None, "method_not_allowed")
+    assert "POST" in r.headers["Allow"]
+
+
+def test_unexpected_errors_are_a_500_without_a_trace(client, auth, monkeypatch):
+    def boom(*a, **k):
+        raise RuntimeError("secret internals")
+    monkeypatch.setattr("app.api.build_request", boom)
+    r = client.post(CHAT, headers=auth, json=chat_body())
+    err = assert_error(r, 500, None, "internal_error")
+    assert "secret internals" not in r.get_data(as_text=True)
+    assert r.headers["x-request-id"] in err["message"]
+
+
+# -- openapi, metrics, logs ----------------------------------------------------------------------
+
+def test_openapi_description(client):
+    doc = client.get("/openapi.json").get_json()
+    assert doc["openapi"].startswith("3.0")
+    assert set(doc["paths"]) >= {"/v1/chat/completions", "/v1/completions", "/v1/models",
+                                 "/v1/models/{model}", "/health"}
+    chat = doc["components"]["schemas"]["ChatCompletionRequest"]
+    assert chat["required"] == ["model", "messages"]
+    assert chat["properties"]["temperature"]["maximum"] == 2.0
+    assert chat["properties"]["n"]["maximum"] == 8
+    assert "429" in doc["paths"]["/v1/chat/completions"]["post"]["responses"]
+
+
+def test_metrics_per_org_and_latency(client, gateway, node):
+    cfg = gateway[1]
+    client.post(CHAT, headers=bearer(cfg, "acme"), json=chat_body(max_tokens=4))
+    client.post(CHAT, headers=bearer(cfg, "acme"), json=chat_body(max_tokens=4, stream=True)).get_data()
+    client.post(CHAT, headers=bearer(cfg, "unlisted-org"), json=chat_body(max_tokens=2))
+    client.post(CHAT, json=chat_body())
+    text = client.get("/metrics").get_data(as_text=True)
+    assert 'zen_gateway_org_requests_total{endpoint="api.chat_completions",org="acme",status="200"} 2.0' in text
+    assert 'zen_gateway_org_completion_tokens_total{model="zen-small",org="acme"} 8.0' in text
+    assert 'zen_gateway_org_completion_tokens_total{model="zen-small",org="other"} 2.0' in text
+    assert 'unlisted-org' not in text                          # bounded label values
+    assert 'zen_gateway_org_errors_total{org="anonymous",status="401"} 1.0' in text
+    assert 'zen_gateway_time_to_first_token_seconds_count{latency_class="standard",model="zen-small"} 3.0' in text
+    assert 'zen_gateway_inter_token_latency_seconds_count{latency_class="standard",model="zen-small"}' in text
+    assert 'zen_gateway_e2e_request_latency_seconds_bucket{latency_class="standard",le="480.0",model="zen-small"} 3.0' in text
+    assert "zen_gateway_flask_http_request_total" in text
+
+
+def test_logs_are_json_with_request_id_and_org(node):
+    cfg = make_config([node.url], server={"log_level": "INFO"})
+    app = create_app(cfg)
+    lines = []
+
+    class Capture(logging.Handler):
+        def emit(self, record):
+            lines.append(self.format(record))
+
+    logger = logging.getLogger("zen.gateway")
+    handler = Capture()
+    handler.setFormatter(logger.handlers[0].formatter)
+    logger.addHandler(handler)
+    try:
+        c, h = app.test_client(), bearer(cfg, "acme")
+        c.post(CHAT, headers={**h, "X-Request-Id": "trace-42"}, json=chat_body(max_tokens=2))
+        c.post(CHAT, headers={**h, "X-Request-Id": "trace-43"},
+               json=chat_body(max_tokens=2, stream=True)).get_data()
+    finally:
+        logger.removeHandler(handler)
+        close_app(app)
+    records = [json.loads(line) for line in lines]
+    done = {r["request_id"]: r for r in records if r.get("event") == "request"}
+    for rid in ("trace-42", "trace-43"):
+        assert done[rid]["org"] == "acme" and done[rid]["status"] == 200
+        assert done[rid]["model"] == "zen-small" and done[rid]["node"] == node.url
+        assert done[rid]["path"] == CHAT and done[rid]["duration_ms"] > 0
+    assert done["trace-43"]["completion_tokens"] == 2 and done["trace-43"]["stream"] is True

@@ -1,0 +1,237 @@
+"""Per-org rate limits: token-bucket arithmetic, reserve-then-settle, flask-limiter per org,
+the 429 body and headers, Redis storage and the failure policy."""
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+
+from app import close_app, create_app
+from app.config import LimitsConfig, TierConfig
+from app.errors import APIError
+from app.limits import (MemoryTokenBuckets, RedisTokenBuckets, TokenLimiter, format_duration,
+                        refill)
+from tests.test_gateway_support import (bearer, free_port, make_config, node,  # noqa: F401
+                                        redis_url)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _tier(rate=10.0, burst=100, rpm=1000):
+    return TierConfig("t", rpm, rate, burst, ("zen-small",))
+
+
+# -- arithmetic ----------------------------------------------------------------------------------
+
+def test_refill_arithmetic():
+    assert refill(0, 10.0, 12.5, capacity=100, rate=10) == 25.0
+    assert refill(90, 0.0, 5.0, capacity=100, rate=10) == 100       # capped at the burst
+    assert refill(-30, 0.0, 1.0, capacity=100, rate=10) == -20       # debt is paid back first
+    assert refill(40, 5.0, 4.0, capacity=100, rate=10) == 40         # clock going back: no change
+
+
+def test_memory_bucket_reserve_and_settle():
+    clock = FakeClock()
+    b = MemoryTokenBuckets(clock)
+    r = b.reserve("acme", 60, 100, 10.0)                 # a new bucket starts full
+    assert r.admitted and r.tokens == 40 and r.retry_after_s == 0
+    r = b.reserve("acme", 50, 100, 10.0)
+    assert not r.admitted and r.tokens == 40 and r.retry_after_s == pytest.approx(1.0)
+    clock.now += 1.0
+    r = b.reserve("acme", 50, 100, 10.0)
+    assert r.admitted and r.tokens == pytest.approx(0.0)
+    assert r.reset_s == pytest.approx(10.0)
+    r = b.settle("acme", 30, 100, 10.0)                  # 30 reserved but unused
+    assert r.tokens == pytest.approx(30.0)
+    r = b.settle("acme", 500, 100, 10.0)                 # never above the burst
+    assert r.tokens == 100
+    r = b.reserve("acme", 101, 100, 10.0)                # can never fit
+    assert not r.admitted and math.isinf(r.retry_after_s) and r.tokens == 100
+    other = b.reserve("globex", 100, 100, 10.0)          # buckets are per org
+    assert other.admitted
+
+
+def test_token_limiter_reserves_then_settles_with_real_usage():
+    limiter = TokenLimiter(LimitsConfig())
+    tier = _tier(rate=0.001, burst=1000)
+    res = limiter.reserve("acme", tier, 600)
+    assert res.result.tokens == pytest.approx(400, abs=0.1)
+    with pytest.raises(APIError) as err:
+        limiter.reserve("acme", tier, 500)
+    assert err.value.status == 429 and err.value.type == "tokens"
+    assert err.value.code == "rate_limit_exceeded"
+    assert int(err.value.headers["retry-after"]) >= 1
+    limiter.settle(res, 150)                  # used 150 of 600: 450 come back
+    limiter.settle(res, 150)                  # settling twice changes nothing
+    again = limiter.reserve("acme", tier, 800)
+    assert again.result.tokens == pytest.approx(50, abs=0.1)
+
+
+@pytest.mark.parametrize("seconds, text", [(0.25, "250ms"), (1.5, "1.5s"), (59, "59s"),
+                                           (60, "1m0s"), (361, "6m1s"), (3723, "1h2m3s"),
+                                           (-1, "0ms")])
+def test_reset_durations_in_openai_format(seconds, text):
+    assert format_duration(seconds) == text
+
+
+# -- requests per minute (flask-limiter, per org) -------------------------------------------------
+
+def test_requests_per_minute_per_org_with_openai_429():
+    cfg = make_config([], tiers={"free": {"requests_per_minute": 3}})
+    app = create_app(cfg)
+    try:
+        c = app.test_client()
+        globex, acme = bearer(cfg, "globex"), bearer(cfg, "acme")      # free, pro
+        for i in range(3):
+            r = c.get("/v1/models", headers=globex)
+            assert r.status_code == 200
+            assert r.headers["x-ratelimit-limit-requests"] == "3"
+            assert r.headers["x-ratelimit-remaining-requests"] == str(2 - i)
+        r = c.get("/v1/models", headers=globex)
+        assert r.status_code == 429
+        err = r.get_json()["error"]
+        assert err["code"] == "rate_limit_exceeded" and err["type"] == "requests"
+        assert "globex" in err["message"] and err["param"] is None
+        assert r.headers["x-ratelimit-limit-requests"] == "3"
+        assert r.headers["x-ratelimit-remaining-requests"] == "0"
+        assert r.headers["x-ratelimit-reset-requests"].endswith("s")
+        assert 1 <= int(r.headers["retry-after"]) <= 61
+        # another org has its own counter; public endpoints are not limited
+        assert c.get("/v1/models", headers=acme).status_code == 200
+        assert c.get("/health", headers=globex).status_code == 200
+        # a new token for the same org shares the org's counter
+        assert c.get("/v1/models", headers=bearer(cfg, "globex")).status_code == 429
+        metrics = c.get("/metrics").get_data(as_text=True)
+        assert 'zen_gateway_org_rate_limited_total{limit="requests",org="globex"} 2.0' in metrics
+    finally:
+        close_app(app)
+
+
+# -- token bucket through the API -----------------------------------------------------------------
+
+def test_token_bucket_through_the_api(node):  # noqa: F811
+    cfg = make_config([node.url], tiers={"free": {"tokens_per_second": 0.001, "burst_tokens": 200}})
+    app = create_app(cfg)
+    try:
+        c = app.test_client()
+        h = bearer(cfg, "globex")
+        body = {"model": "zen-small", "prompt": "Say hi", "max_tokens": 100}
+        r = c.post("/v1/completions", headers=h, json=body)
+        assert r.status_code == 200, r.get_json()
+        # reserved prompt estimate + 100, then settled with the real usage (14 tokens + prompt)
+        assert r.headers["x-ratelimit-limit-tokens"] == "200"
+        usage = r.get_json()["usage"]
+        remaining = int(r.headers["x-ratelimit-remaining-tokens"])
+        assert remaining < 100                   # while the request ran: prompt + 100 reserved
+        r = c.post("/v1/completions", headers=h, json={**body, "max_tokens": 150})
+        assert r.status_code == 200               # the unused reservation came back
+        assert int(r.headers["x-ratelimit-remaining-tokens"]) == pytest.approx(
+            200 - usage["total_tokens"] - 2 - 150, abs=2)
+        r = c.post("/v1/completions", headers=h, json={**body, "max_tokens": 190})
+        assert r.status_code == 429
+        err = r.get_json()["error"]
+        assert err["type"] == "tokens" and err["code"] == "rate_limit_exceeded"
+        assert r.headers["x-ratelimit-limit-tokens"] == "200"
+        assert int(r.headers["retry-after"]) > 1
+        assert "x-ratelimit-limit-requests" in r.headers
+        # more than the whole burst can never be admitted: do not retry
+        r = c.post("/v1/completions", headers=h, json={**body, "max_tokens": 1000})
+        assert r.status_code == 429 and r.headers["x-should-retry"] == "false"
+        assert "burst" in r.get_json()["error"]["message"]
+    finally:
+        close_app(app)
+
+
+def test_failed_dispatch_gives_the_reservation_back(node):  # noqa: F811
+    cfg = make_config([node.url], tiers={"free": {"tokens_per_second": 0.001, "burst_tokens": 200}})
+    app = create_app(cfg)
+    try:
+        c = app.test_client()
+        h = bearer(cfg, "globex")
+        node.busy = True
+        body = {"model": "zen-small", "prompt": "Say hi", "max_tokens": 150}
+        for _ in range(3):
+            assert c.post("/v1/completions", headers=h, json=body).status_code == 503
+        node.busy = False
+        assert c.post("/v1/completions", headers=h, json=body).status_code == 200
+    finally:
+        close_app(app)
+
+
+# -- Redis ----------------------------------------------------------------------------------------
+
+def test_redis_bucket_matches_the_arithmetic(redis_url):  # noqa: F811
+    b = RedisTokenBuckets(redis_url, timeout_s=1.0)
+    r = b.reserve("acme", 60, 100, 0.001)
+    assert r.admitted and r.tokens == pytest.approx(40, abs=0.01)
+    r = b.reserve("acme", 50, 100, 0.001)
+    assert not r.admitted and r.retry_after_s == pytest.approx(10_000, rel=0.01)
+    assert b.settle("acme", 30, 100, 0.001).tokens == pytest.approx(70, abs=0.01)
+    assert b.settle("acme", 300, 100, 0.001).tokens == pytest.approx(100)
+    r = b.reserve("acme", 101, 100, 0.001)
+    assert not r.admitted and math.isinf(r.retry_after_s)
+
+
+def test_redis_storage_for_both_limits(redis_url):  # noqa: F811
+    cfg = make_config([], limits={"storage_url": redis_url},
+                      tiers={"free": {"requests_per_minute": 2}})
+    apps = [create_app(cfg), create_app(cfg)]          # two "workers" sharing Redis
+    try:
+        h = bearer(cfg, "globex")
+        codes = [apps[i % 2].test_client().get("/v1/models", headers=h).status_code
+                 for i in range(4)]
+        assert codes == [200, 200, 429, 429]
+    finally:
+        for a in apps:
+            close_app(a)
+
+
+@pytest.mark.parametrize("policy, status", [("open", 200), ("closed", 503)])
+def test_redis_down_follows_the_failure_policy(policy, status, caplog):
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    cfg = make_config([], limits={"storage_url": dead, "redis_failure_policy": policy,
+                                  "redis_timeout_s": 0.2})
+    app = create_app(cfg)
+    try:
+        c = app.test_client()
+        r = c.get("/v1/models", headers=bearer(cfg, "acme"))
+        assert r.status_code == status, r.get_json()
+        if status == 503:
+            assert r.get_json()["error"]["code"] == "service_unavailable"
+    finally:
+        close_app(app)
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+def test_token_bucket_redis_down_policies():
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    records = _Records()
+    logging.getLogger("zen.gateway").addHandler(records)
+    for policy, status in (("open", 200), ("closed", 503)):
+        limiter = TokenLimiter(LimitsConfig(storage_url=dead, redis_failure_policy=policy,
+                                            redis_timeout_s=0.2))
+        if status == 200:
+            res = limiter.reserve("acme", _tier(), 10)
+            assert res.result.admitted
+        else:
+            with pytest.raises(APIError) as err:
+                limiter.reserve("acme", _tier(), 10)
+            assert err.value.status == 503
+    logging.getLogger("zen.gateway").removeHandler(records)
+    down = [r.getMessage() for r in records.records if getattr(r, "event", "") == "limits_storage_down"]
+    assert any("policy open" in m for m in down) and any("policy closed" in m for m in down)
