@@ -76,16 +76,42 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
     return out
 
 
+class _Dense:
+    """A matrix dequantized to float64 once, with QuantTensor's dequantize() interface."""
+
+    def __init__(self, qt):
+        self.value = qt.dequantize().astype(np.float64)
+
+    def dequantize(self):
+        return self.value
+
+
+def densify(weights):
+    """The same ModelWeights with every matrix dequantized to float64 once (for repeated forwards)."""
+    import copy
+
+    d = copy.copy(weights)
+    d.embed = _Dense(weights.embed)
+    d.lm_head = None if weights.lm_head is None else _Dense(weights.lm_head)
+    d.layers = []
+    for lw in weights.layers:
+        c = copy.copy(lw)
+        for name in ("q", "k", "v", "o", "gate", "up", "down"):
+            setattr(c, name, _Dense(getattr(lw, name)))
+        d.layers.append(c)
+    return d
+
+
 def forward(weights, tokens, positions=None):
     """Reference Llama forward for one sequence from position 0; returns logits [T, V] (float64).
 
-    `weights` is models.weights.ModelWeights; every matrix is dequantized to float64 here.
+    `weights` is models.weights.ModelWeights (or densify(weights)); matrices are used in float64.
     """
     cfg = weights.config
     tokens = np.asarray(tokens)
     t = len(tokens)
     positions = np.arange(t) if positions is None else np.asarray(positions)
-    dense = lambda qt: qt.dequantize().astype(np.float64)  # noqa: E731
+    dense = lambda qt: np.asarray(qt.dequantize(), dtype=np.float64)  # noqa: E731
     x = dense(weights.embed)[tokens]
     h, hkv, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     for lw in weights.layers:

@@ -7,6 +7,7 @@ import numpy as np
 
 from engine.backends import cpu_linear as L
 from engine.backends import cpu_ops as ops
+from engine.sampling import SampleResult, SamplingBatch, sample
 from models.quant import QuantTensor
 
 # From this many input rows on, dequantizing a matrix once and multiplying with BLAS beats the
@@ -152,6 +153,9 @@ class CpuBackend:
 
     def silu_mul(self, gate_up, out) -> None:
         ops.silu_mul(gate_up, out)
+
+    def sample(self, logits: np.ndarray, batch: SamplingBatch) -> SampleResult:
+        return sample(logits, batch)
 
     def rope_tables(self, max_position, head_dim, theta):
         return ops.rope_tables(max_position, head_dim, theta)

@@ -1,0 +1,217 @@
+"""Engine: add_request / abort / step over one model — the loop that a node's thread (or LLM) drives."""
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.backends import get_backend
+from engine.config import EngineConfig
+from engine.kv_cache import BlockPool, KVCacheManager
+from engine.request import InferenceRequest
+from engine.runner import ModelRunner
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, TokenLogprob
+from engine.stop import StopChecker
+from models.llama import LlamaModel
+from models.loader import load_model
+from models.tokenizer import IncrementalDetokenizer
+
+log = logging.getLogger("engine")
+
+
+class RequestError(ValueError):
+    """A request that can never run (bad parameters, prompt over the context); `param` names the field."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+@dataclass
+class SequenceDelta:
+    """What one step added to one sequence of a request (stream it; the last one has finish_reason)."""
+    request_id: str
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    finish_message: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    times: object = None   # SequenceTimes of the sequence
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class _Output:
+    """Per-sequence output state: incremental text and stop strings."""
+
+    def __init__(self, seq: Sequence, tokenizer):
+        p = seq.request.sampling
+        self.detok = IncrementalDetokenizer(tokenizer, seq.token_ids[:seq.num_prompt_tokens],
+                                            skip_special_tokens=p.skip_special_tokens)
+        self.stop = StopChecker(p.stop or [])
+        self.stop_ids = set(p.stop_token_ids or [])
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        t0 = time.monotonic()
+        weights, self.tokenizer = load_model(config.model, config.quantization)
+        self.backend = get_backend(config.backend)
+        self.model = LlamaModel(weights, self.backend)
+        self.model_config = weights.config
+        self.model_id = config.model_id or Path(config.model).name.split(".")[0]
+        self.formats = sorted(weights.formats())
+        self.weight_bytes = weights.nbytes
+        del weights
+        self.max_model_len = min(config.max_model_len or self.model_config.max_position, self.model_config.max_position)
+        num_blocks = config.kv_cache_bytes // self.model.kv_bytes_per_block(config.block_size)
+        self.pool = BlockPool(int(num_blocks))
+        self.kv = KVCacheManager(self.pool, config.block_size, self.model_id, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.eos_token_ids = sorted(set(self.tokenizer.stop_token_ids))
+        self.runner = ModelRunner(self.model, config.block_size, self.pool.num_blocks, self.eos_token_ids)
+        self.load_time_s = time.monotonic() - t0
+        self._seq_ids = itertools.count()
+        self._requests: dict[str, list[Sequence]] = {}
+        self._outputs: dict[int, _Output] = {}
+        self.num_steps = 0
+        self.last_step_tokens = 0
+        self.last_batch_size = 0
+
+    # ------------------------------------------------------------------------------------ requests
+    def validate(self, request: InferenceRequest) -> None:
+        n = len(request.prompt_token_ids)
+        if n == 0:
+            raise RequestError("the prompt is empty", param="prompt")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in request.prompt_token_ids):
+            raise RequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        if n >= self.max_model_len:
+            raise RequestError(
+                f"the prompt has {n} tokens; this model's context is {self.max_model_len} tokens "
+                f"and at least one must be left to generate", param="prompt", code="context_length_exceeded")
+        p = request.sampling
+        try:
+            p.validate_for(vocab_size=vocab, max_model_len=self.max_model_len, prompt_len=n)
+        except ValueError as e:
+            raise RequestError(str(e), param=getattr(e, "param", None),
+                               code="context_length_exceeded" if "context" in str(e) else None) from None
+        blocks = self.kv.blocks_needed(n + 1)
+        if blocks > self.pool.num_blocks:
+            raise RequestError(f"the prompt needs {blocks} KV blocks; this node's cache holds "
+                               f"{self.pool.num_blocks}", param="prompt", code="context_length_exceeded")
+        if request.request_id in self._requests:
+            raise RequestError(f"request id {request.request_id!r} is already in use", param="request_id")
+
+    def add_request(self, request: InferenceRequest) -> None:
+        """Validate, then queue the request's n sequences (raises RequestError, nothing queued)."""
+        self.validate(request)
+        p = request.sampling
+        seqs = []
+        for i in range(p.n):
+            seed = (p.seed + i) if p.seed is not None else random.getrandbits(63)
+            seq = Sequence(next(self._seq_ids), request, i, seed)
+            if seqs:
+                seq.prefill_leader = seqs[0]
+            seqs.append(seq)
+            self._outputs[seq.seq_id] = _Output(seq, self.tokenizer)
+            self.scheduler.add(seq)
+        self._requests[request.request_id] = seqs
+
+    def abort(self, request_id: str) -> list[SequenceDelta]:
+        """Finish every sequence of the request at once; its blocks go back to the pool."""
+        deltas = []
+        for seq in self._requests.pop(request_id, []):
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+            deltas.append(self._delta(seq, [], "", []))
+            self._outputs.pop(seq.seq_id, None)
+        return deltas
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    # ---------------------------------------------------------------------------------------- step
+    def step(self) -> list[SequenceDelta]:
+        out = self.scheduler.schedule()
+        deltas = [self._finished_delta(seq) for seq in out.timed_out]
+        self.last_step_tokens = out.num_tokens
+        self.last_batch_size = len(out.scheduled)
+        if not out.scheduled:
+            return deltas
+        sampled, result = self.runner.execute(out.scheduled)
+        self.num_steps += 1
+        for seq, n in out.scheduled:
+            seq.num_computed_tokens += n
+            self.kv.cache_computed_blocks(seq)
+        now = time.monotonic()
+        for row, seq in enumerate(sampled):
+            deltas.append(self._append(seq, row, result, now))
+        return deltas
+
+    def _append(self, seq: Sequence, row: int, result, now: float) -> SequenceDelta:
+        token = int(result.token_ids[row])
+        p = seq.request.sampling
+        o = self._outputs[seq.seq_id]
+        seq.append_token(token, now)
+        lp = []
+        if p.logprobs is not None:
+            k = p.logprobs
+            entry = TokenLogprob(token, float(result.logprobs[row]),
+                                 [(int(i), float(v)) for i, v in zip(result.top_token_ids[row][:k],
+                                                                     result.top_logprobs[row][:k])])
+            seq.logprobs.append(entry)
+            lp.append(entry)
+        text, stopped = o.stop.push(o.detok.push(token))
+        reason = None
+        long_enough = seq.num_output_tokens >= p.min_tokens
+        if stopped:
+            reason = "stop"
+        elif long_enough and token in o.stop_ids:
+            reason = "stop"
+        elif long_enough and not p.ignore_eos and token in self.eos_token_ids:
+            reason = "stop"
+        elif p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+            reason = "length"
+        elif seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            if not stopped:  # the stream ends: release held-back bytes and stop-string prefixes
+                tail, stopped = o.stop.push(o.detok.flush())
+                text += tail if stopped else tail + o.stop.flush()
+            self.scheduler.finish(seq, reason)
+            return self._finished_delta(seq, [token], text, lp)
+        return self._delta(seq, [token], text, lp)
+
+    def _finished_delta(self, seq: Sequence, tokens=(), text="", lp=()) -> SequenceDelta:
+        d = self._delta(seq, list(tokens), text, list(lp))
+        self._outputs.pop(seq.seq_id, None)
+        seqs = self._requests.get(seq.request.request_id, [])
+        if all(s.is_finished for s in seqs):
+            self._requests.pop(seq.request.request_id, None)
+        return d
+
+    def _delta(self, seq, tokens, text, lp) -> SequenceDelta:
+        return SequenceDelta(
+            request_id=seq.request.request_id, index=seq.index, token_ids=tokens, text=text, logprobs=lp,
+            finish_reason=seq.finish_reason, finish_message=seq.finish_message,
+            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens, times=seq.times)

@@ -1,0 +1,153 @@
+"""PagedAttention KV memory: a pool of fixed-size blocks and the per-sequence manager on top of it.
+
+BlockPool owns the blocks: reference counts, the free queue (least recently used first) and the
+prefix cache (hash of a full block -> block). A block whose count drops to zero stays in the prefix
+cache until the pool hands it out again, so a later request with the same prefix reuses its K/V.
+KVCacheManager turns a sequence's needs into block-table changes; the scheduler holds policy only.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from engine.sequence import Sequence
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int):
+        if num_blocks < 1:
+            raise ValueError("the KV-cache budget holds no block; raise the memory budget")
+        self.num_blocks = num_blocks
+        self.ref_cnt = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self._cached: dict[int, int] = {}   # block hash -> block id
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by live sequences."""
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def lookup(self, block_hash: int) -> int | None:
+        return self._cached.get(block_hash)
+
+    def allocate(self, n: int) -> list[int]:
+        """n fresh blocks (ref 1), evicting the least recently freed cached blocks first."""
+        if n > len(self._free):
+            raise RuntimeError(f"asked for {n} blocks with {len(self._free)} free")
+        out = []
+        for _ in range(n):
+            b, _ = self._free.popitem(last=False)
+            h = self.block_hash[b]
+            if h is not None:
+                del self._cached[h]
+                self.block_hash[b] = None
+            self.ref_cnt[b] = 1
+            out.append(b)
+        return out
+
+    def touch(self, blocks: list[int]) -> None:
+        """Share cached blocks with one more sequence."""
+        for b in blocks:
+            if self.ref_cnt[b] == 0:
+                del self._free[b]
+            self.ref_cnt[b] += 1
+
+    def free(self, blocks: list[int]) -> None:
+        """Drop one reference from each block; pass them tail first so a sequence's last blocks,
+        least likely to be shared, are evicted first."""
+        for b in blocks:
+            if self.ref_cnt[b] <= 0:
+                raise RuntimeError(f"block {b} freed twice")
+            self.ref_cnt[b] -= 1
+            if self.ref_cnt[b] == 0:
+                self._free[b] = None
+
+    def cache(self, block: int, block_hash: int) -> None:
+        """Register a full, computed block under its hash (the first block with a hash wins)."""
+        if block_hash not in self._cached and self.block_hash[block] is None:
+            self._cached[block_hash] = block
+            self.block_hash[block] = block_hash
+
+    def record_prefix_query(self, queried_tokens: int, hit_tokens: int) -> None:
+        self.prefix_query_tokens += queried_tokens
+        self.prefix_hit_tokens += hit_tokens
+
+    def check_invariants(self, live_tables: list[list[int]]) -> None:
+        """Every reference is held by a live sequence and every unreferenced block is free."""
+        counts = [0] * self.num_blocks
+        for table in live_tables:
+            for b in table:
+                counts[b] += 1
+        assert counts == self.ref_cnt, "reference counts disagree with the live block tables"
+        assert all((self.ref_cnt[b] == 0) == (b in self._free) for b in range(self.num_blocks))
+        assert all(self.block_hash[b] == h for h, b in self._cached.items())
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, block_size: int, model_id: str, enable_prefix_caching: bool = True):
+        self.pool = pool
+        self.block_size = block_size
+        self.model_id = model_id
+        self.enable_prefix_caching = enable_prefix_caching
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _update_hashes(self, seq: Sequence) -> None:
+        """Extend seq.block_hashes over its full blocks: hash(parent hash, block tokens, model)."""
+        bs = self.block_size
+        hashes = seq.block_hashes
+        for i in range(len(hashes), seq.num_tokens // bs):
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash((parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]), self.model_id)))
+
+    def find_cached_prefix(self, seq: Sequence) -> tuple[list[int], int]:
+        """The longest run of cached full blocks at the start of seq, and the tokens they hold.
+        At least one token is always left to compute, so the step yields the next token's logits."""
+        if not self.enable_prefix_caching:
+            return [], 0
+        self._update_hashes(seq)
+        blocks = []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        for h in seq.block_hashes[:max_blocks]:
+            b = self.pool.lookup(h)
+            if b is None:
+                break
+            blocks.append(b)
+        hit = len(blocks) * self.block_size
+        self.pool.record_prefix_query(seq.num_tokens, hit)
+        return blocks, hit
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
+        """Make room for num_new_tokens more computed tokens; False (and no change) if the pool can't."""
+        num_cached_free = sum(1 for b in cached_blocks if self.pool.ref_cnt[b] == 0)
+        have = len(seq.block_table) + len(cached_blocks)
+        need = self.blocks_needed(seq.num_computed_tokens + len(cached_blocks) * self.block_size
+                                  + num_new_tokens) - have
+        if max(need, 0) + num_cached_free > self.pool.num_free_blocks:
+            return False
+        if cached_blocks:
+            self.pool.touch(list(cached_blocks))
+            seq.block_table.extend(cached_blocks)
+        if need > 0:
+            seq.block_table.extend(self.pool.allocate(need))
+        return True
+
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """After a step: register the blocks that became full and computed."""
+        if not self.enable_prefix_caching:
+            return
+        self._update_hashes(seq)
+        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes), len(seq.block_table))
+        for i in range(full):
+            self.pool.cache(seq.block_table[i], seq.block_hashes[i])
+
+    def free(self, seq: Sequence) -> None:
+        self.pool.free(list(reversed(seq.block_table)))
+        seq.block_table = []

@@ -1,0 +1,163 @@
+"""Continuous batching: which sequences compute how many tokens in the next engine step.
+
+One loop serves prefill, chunked prefill, prefix hits and decode alike: every sequence has a gap
+between the tokens it has and the tokens whose K/V are computed, and a step closes part of each gap
+within a token budget. Order is by priority — latency class, then arrival — with an aging guard so
+batch work is never starved. When blocks run out, the lowest-priority, most recently admitted
+sequence is preempted: its blocks go back to the pool and it is recomputed later, never dropped.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from engine.kv_cache import KVCacheManager
+from engine.request import LatencyClass
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64               # sequences in the running batch
+    max_num_batched_tokens: int = 512    # tokens computed in one step (prefill chunks + decodes)
+    starvation_s: float = 5.0            # each this long in the queue lifts a request one latency class
+    max_waiting: int = 1024              # bound of the waiting queue (the node answers 503 beyond it)
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens to compute)
+    preempted: list[Sequence] = field(default_factory=list)
+    timed_out: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+        self.config = config
+        self.kv = kv
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+
+    # ---- queue changes
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, reason: str, message: str | None = None) -> None:
+        """Leave the queues, give the blocks back (at once: also for aborts in any state)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.kv.free(seq)
+        seq.finish(reason, message)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- policy
+    def priority(self, seq: Sequence, now: float) -> tuple:
+        waited = now - seq.request.arrival_time
+        lift = int(waited // self.config.starvation_s) if self.config.starvation_s > 0 else 0
+        cls = max(int(LatencyClass.REALTIME), int(seq.latency_class) - lift)
+        return (cls, seq.request.arrival_time, seq.seq_id)
+
+    def schedule(self, now: float | None = None) -> SchedulerOutput:
+        now = time.monotonic() if now is None else now
+        out = SchedulerOutput()
+        self._expire_waiting(now, out)
+        budget = self.config.max_num_batched_tokens
+
+        # Running sequences: decodes before prefill chunks, each group in priority order, so a long
+        # prompt never starves the streams in progress.
+        self.running.sort(key=lambda s: (s.num_tokens - s.num_computed_tokens > 1, self.priority(s, now)))
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(seq, n):
+                victim = self._lowest_priority_running(now, exclude=[s for s, _ in out.scheduled])
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append((seq, n))
+                budget -= n
+                i += 1
+                continue
+            # seq itself was preempted; the list shifted under i
+
+        # Waiting sequences join while budget, batch slots and blocks allow.
+        if not out.preempted:
+            self.waiting.sort(key=lambda s: self.priority(s, now))
+            for seq in list(self.waiting):
+                if budget <= 0:
+                    break
+                leader = seq.prefill_leader
+                if leader is not None and not leader.is_finished and not leader.is_prefilled:
+                    continue  # n > 1: share the leader's prompt blocks once they are computed
+                if len(self.running) >= self.config.max_num_seqs and not self._make_room(seq, now, out):
+                    break
+                cached, num_cached = self.kv.find_cached_prefix(seq)
+                n = min(seq.num_tokens - num_cached, budget)
+                if not self.kv.allocate_slots(seq, n, cached):
+                    if self._make_room(seq, now, out) and self.kv.allocate_slots(seq, n, cached):
+                        pass
+                    else:
+                        break
+                seq.num_computed_tokens = num_cached
+                self.waiting.remove(seq)
+                self.running.append(seq)
+                seq.status = SequenceStatus.RUNNING
+                seq.admitted_at = now
+                if seq.times.first_scheduled is None:
+                    seq.times.first_scheduled = now
+                out.scheduled.append((seq, n))
+                budget -= n
+
+        assert out.num_tokens <= self.config.max_num_batched_tokens
+        assert len({s.seq_id for s, _ in out.scheduled}) == len(out.scheduled)
+        return out
+
+    # ---- helpers
+    def _expire_waiting(self, now: float, out: SchedulerOutput) -> None:
+        for seq in list(self.waiting):
+            timeout = seq.request.queue_timeout_s
+            if timeout is not None and seq.times.first_scheduled is None and now - seq.request.arrival_time > timeout:
+                self.finish(seq, "timeout", f"request waited {now - seq.request.arrival_time:.1f} s in the queue, "
+                                            f"past its {timeout:g} s deadline")
+                out.timed_out.append(seq)
+
+    def _lowest_priority_running(self, now: float, exclude: list[Sequence]) -> Sequence:
+        candidates = [s for s in self.running if s not in exclude]
+        return max(candidates, key=lambda s: (self.priority(s, now)[0], s.admitted_at or 0.0, s.seq_id))
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+        out.preempted.append(seq)
+
+    def _make_room(self, seq: Sequence, now: float, out: SchedulerOutput) -> bool:
+        """Preempt one running sequence of a strictly lower class than seq, if there is one."""
+        scheduled = [s for s, _ in out.scheduled]
+        candidates = [s for s in self.running if s not in scheduled]
+        if not candidates:
+            return False
+        victim = max(candidates, key=lambda s: (self.priority(s, now)[0], s.admitted_at or 0.0, s.seq_id))
+        if self.priority(victim, now)[0] <= self.priority(seq, now)[0]:
+            return False
+        self._preempt(victim, out)
+        return True

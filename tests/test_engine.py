@@ -1,0 +1,267 @@
+"""The engine on a tiny random Llama: batching, prefix caching, preemption, priorities, aborts."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine.config import EngineConfig
+from engine.engine import Engine, RequestError
+from engine.request import InferenceRequest, LatencyClass
+from engine.sampling import SamplingParams
+from engine.scheduler import SchedulerConfig
+
+
+def make_engine(path, num_blocks=64, block_size=4, max_num_seqs=16, max_batched=64, **kw) -> Engine:
+    probe = Engine.__new__(Engine)  # bytes per block depend on the model: compute from a real engine
+    del probe
+    eng = Engine(EngineConfig(model=path, backend="cpu", block_size=block_size, kv_cache_bytes=1 << 20,
+                              scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched,
+                                                        **kw)))
+    if num_blocks != eng.pool.num_blocks:
+        eng = Engine(EngineConfig(
+            model=path, backend="cpu", block_size=block_size,
+            kv_cache_bytes=num_blocks * eng.model.kv_bytes_per_block(block_size),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched, **kw)))
+    assert eng.pool.num_blocks == num_blocks
+    return eng
+
+
+def prompt(seed, n):
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 250, n)]
+
+
+def run(eng: Engine, requests, abort_at=None):
+    """Drive the engine to completion; returns {request_id: {index: (token_ids, finish_reason, text)}}."""
+    out = {}
+    for r in requests:
+        eng.add_request(r)
+    steps = 0
+    while eng.has_unfinished():
+        for d in eng.step():
+            tok, _, text = out.setdefault(d.request_id, {}).get(d.index, ([], None, ""))
+            out[d.request_id][d.index] = (tok + d.token_ids, d.finish_reason, text + d.text)
+        steps += 1
+        if abort_at and steps in abort_at:
+            for rid in abort_at[steps]:
+                eng.abort(rid)
+        assert steps < 10_000
+    eng.pool.check_invariants([])
+    assert eng.pool.usage == 0.0
+    return out
+
+
+def req(rid, toks, cls=LatencyClass.STANDARD, **sp):
+    sp.setdefault("max_tokens", 8)
+    sp.setdefault("temperature", 0.0)
+    return InferenceRequest(rid, "tiny", toks, SamplingParams(**sp), cls)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_gguf):
+    return make_engine(tiny_gguf)
+
+
+def test_generates_and_frees_everything(engine):
+    out = run(engine, [req("a", prompt(1, 9)), req("b", prompt(2, 30), max_tokens=5)])
+    assert len(out["a"][0][0]) == 8 and out["a"][0][1] == "length"
+    assert len(out["b"][0][0]) == 5
+
+
+@pytest.mark.parametrize("sp", [dict(temperature=0.0), dict(temperature=0.9, top_p=0.9, seed=1234)])
+def test_tokens_identical_alone_or_in_any_batch(tiny_gguf, sp):
+    target = req("t", prompt(7, 13), max_tokens=12, **sp)
+    alone = run(make_engine(tiny_gguf), [target])["t"][0][0]
+    others = [req(f"o{i}", prompt(100 + i, 3 + 7 * i), max_tokens=4 + i, temperature=1.0) for i in range(6)]
+    target2 = req("t", prompt(7, 13), max_tokens=12, **sp)
+    in_batch = run(make_engine(tiny_gguf, max_batched=24), others[:3] + [target2] + others[3:])["t"][0][0]
+    assert alone == in_batch
+
+
+def test_prefix_cache_hit_gives_the_same_logprobs_as_a_miss(tiny_gguf):
+    eng = make_engine(tiny_gguf)
+    shared = prompt(3, 21)
+    first = run(eng, [req("miss", shared, logprobs=5, max_tokens=6)])
+    hits_before = eng.pool.prefix_hit_tokens
+    eng2 = make_engine(tiny_gguf)
+    cold = run(eng2, [req("cold", shared, logprobs=5, max_tokens=6)])
+    second = run(eng, [req("hit", shared, logprobs=5, max_tokens=6)])
+    assert eng.pool.prefix_hit_tokens - hits_before == 20  # five full blocks of 4
+    assert second["hit"][0][0] == first["miss"][0][0] == cold["cold"][0][0]
+
+
+def test_prefix_hit_logprobs_equal(tiny_gguf):
+    eng = make_engine(tiny_gguf)
+    shared = prompt(4, 17)
+    lp = []
+    for rid in ("x", "y"):
+        eng.add_request(req(rid, shared, logprobs=4, max_tokens=3))
+        got = []
+        while eng.has_unfinished():
+            for d in eng.step():
+                got += d.logprobs
+        lp.append([(e.token_id, e.logprob, e.top) for e in got])
+    assert eng.pool.prefix_hit_tokens == 16
+    assert lp[0] == lp[1]
+
+
+def test_realtime_first_token_before_earlier_batch_requests(tiny_gguf):
+    eng = make_engine(tiny_gguf, max_num_seqs=2, max_batched=16)
+    reqs = [req(f"b{i}", prompt(10 + i, 12), LatencyClass.BATCH, max_tokens=3) for i in range(6)]
+    reqs += [req(f"r{i}", prompt(20 + i, 12), LatencyClass.REALTIME, max_tokens=3) for i in range(2)]
+    first = {}
+    for r in reqs:
+        eng.add_request(r)
+    step = 0
+    while eng.has_unfinished():
+        step += 1
+        for d in eng.step():
+            if d.token_ids:
+                first.setdefault(d.request_id, step)
+    assert max(first[f"r{i}"] for i in range(2)) < min(first[f"b{i}"] for i in range(6))
+
+
+def test_batch_work_is_not_starved(tiny_gguf):
+    eng = make_engine(tiny_gguf, max_num_seqs=1, max_batched=16, starvation_s=0.05)
+    eng.add_request(req("batch", prompt(30, 8), LatencyClass.BATCH, max_tokens=2))
+    time.sleep(0.12)   # the batch request ages past two starvation periods: it now ranks as realtime
+    for i in range(3):
+        eng.add_request(req(f"std{i}", prompt(31 + i, 8), LatencyClass.STANDARD, max_tokens=2))
+    order = []
+    while eng.has_unfinished():
+        for d in eng.step():
+            if d.finished:
+                order.append(d.request_id)
+    assert order[0] == "batch"
+
+
+def test_preempted_sequences_finish_with_the_same_tokens(tiny_gguf):
+    reqs = lambda: [req(f"p{i}", prompt(40 + i, 10), max_tokens=20, temperature=0.8, seed=i) for i in range(4)]  # noqa: E731
+    roomy = run(make_engine(tiny_gguf, num_blocks=64), reqs())
+    eng = make_engine(tiny_gguf, num_blocks=12)   # 4 x (10 + 20) tokens need 32 blocks of 4
+    tight = run(eng, reqs())
+    assert sum(s.num_preemptions for s in []) == 0
+    assert tight == roomy
+
+
+def test_preemption_happens_under_pressure(tiny_gguf):
+    eng = make_engine(tiny_gguf, num_blocks=12)
+    seqs = []
+    for i in range(4):
+        eng.add_request(req(f"q{i}", prompt(50 + i, 10), max_tokens=20))
+        seqs += eng._requests[f"q{i}"]
+    preempted = 0
+    while eng.has_unfinished():
+        eng.step()
+        preempted = max(preempted, sum(s.num_preemptions for s in seqs))
+    assert preempted > 0
+    assert all(s.finish_reason == "length" and s.num_output_tokens == 20 for s in seqs)
+    eng.pool.check_invariants([])
+
+
+def test_abort_in_every_state_frees_blocks_at_once(tiny_gguf):
+    eng = make_engine(tiny_gguf, max_num_seqs=1, max_batched=8)
+    eng.add_request(req("running", prompt(60, 6), max_tokens=50))
+    eng.add_request(req("prefilling", prompt(61, 40), max_tokens=5))
+    eng.add_request(req("waiting", prompt(62, 6), max_tokens=5))
+    eng.step()
+    eng.step()
+    states = {rid: eng._requests[rid][0].status.value for rid in ("running", "prefilling", "waiting")}
+    assert states["running"] == "running"
+    for rid in ("waiting", "running"):
+        d = eng.abort(rid)
+        assert d and all(x.finish_reason == "abort" for x in d)
+    eng.step()   # "prefilling" is admitted now and computes its first chunk
+    seq = eng._requests["prefilling"][0]
+    assert 0 < seq.num_computed_tokens < seq.num_prompt_tokens
+    eng.abort("prefilling")
+    eng.pool.check_invariants([])
+    assert eng.pool.usage == 0.0 and not eng.has_unfinished()
+
+
+def test_queue_deadline_finishes_with_timeout(tiny_gguf):
+    eng = make_engine(tiny_gguf, max_num_seqs=1, max_batched=8)
+    eng.add_request(req("busy", prompt(70, 6), max_tokens=30))
+    r = req("late", prompt(71, 6), max_tokens=3)
+    r.queue_timeout_s = 0.01
+    eng.add_request(r)
+    eng.step()
+    time.sleep(0.02)
+    out = run(eng, [])
+    assert eng._requests == {}
+    late = [d for d in out.get("late", {}).values()]
+    assert late and late[0][1] == "timeout"
+
+
+def test_n_sequences_share_the_prompt_blocks(tiny_gguf):
+    eng = make_engine(tiny_gguf)
+    out = run(eng, [req("n", prompt(80, 17), n=3, temperature=1.0, seed=5, max_tokens=6)])
+    assert sorted(out["n"]) == [0, 1, 2]
+    assert eng.pool.prefix_hit_tokens == 2 * 16      # children reuse the leader's 4 full blocks
+    assert len({tuple(v[0]) for v in out["n"].values()}) > 1
+
+
+def test_stop_strings_min_tokens_and_ignore_eos(tiny_gguf):
+    eng = make_engine(tiny_gguf)
+    base = run(eng, [req("base", prompt(90, 8), max_tokens=30, ignore_eos=True)])["base"][0]
+    text = base[2]
+    assert len(base[0]) == 30 and base[1] == "length"
+    stop = text[5:8]
+    assert stop
+    cut = run(eng, [req("cut", prompt(90, 8), max_tokens=30, ignore_eos=True, stop=[stop])])["cut"][0]
+    assert cut[1] == "stop" and cut[2] == text[:text.index(stop)]
+    # the first token that did not occur before position 2: masking it there changes nothing greedy picks
+    at = next(i for i in range(2, 30) if base[0][i] not in base[0][:i])
+    stop_id = base[0][at]
+    by_id = run(eng, [req("id", prompt(90, 8), max_tokens=30, ignore_eos=True, stop_token_ids=[stop_id],
+                          min_tokens=2)])["id"][0]
+    assert by_id[1] == "stop" and by_id[0] == base[0][:at + 1]
+
+
+@pytest.mark.parametrize("bad, param", [
+    (dict(toks=[]), "prompt"),
+    (dict(toks=[10] * 600), "prompt"),
+    (dict(max_tokens=10_000), "max_tokens"),
+    (dict(toks=[10**7]), "prompt"),
+])
+def test_bad_requests_fail_at_add_request(engine, bad, param):
+    toks = bad.pop("toks", [5, 6, 7])
+    with pytest.raises(RequestError) as e:
+        engine.add_request(req("bad", toks, **bad))
+    assert e.value.param == param
+    assert not engine.has_unfinished() and "bad" not in engine._requests
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.integers(1, 40), st.integers(1, 12), st.integers(0, 3), st.booleans(),
+                          st.integers(0, 8)), min_size=1, max_size=8))
+def test_no_block_leaks_or_double_frees(tiny_gguf_engine_small, spec):
+    eng = tiny_gguf_engine_small
+    live = {}
+    abort_at = {}
+    for i, (plen, max_tokens, cls, abort, when) in enumerate(spec):
+        rid = f"h{i}"
+        eng.add_request(req(rid, prompt(i, plen), LatencyClass(cls % 3), max_tokens=max_tokens,
+                            temperature=1.0, seed=i, n=1 + (plen % 2)))
+        live[rid] = True
+        if abort:
+            abort_at.setdefault(when, []).append(rid)
+    step = 0
+    while eng.has_unfinished():
+        for rid in abort_at.get(step, []):
+            eng.abort(rid)
+        eng.step()
+        tables = [s.block_table for s in eng.scheduler.running + eng.scheduler.waiting]
+        eng.pool.check_invariants(tables)
+        step += 1
+        assert step < 2000
+    eng.pool.check_invariants([])
+    assert eng.pool.usage == 0.0
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf_engine_small(tiny_gguf):
+    return make_engine(tiny_gguf, num_blocks=14, max_num_seqs=4, max_batched=16)
