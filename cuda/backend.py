@@ -1,0 +1,409 @@
+"""The `cuda` backend: every op of the forward pass and the sampler as numba.cuda kernels.
+
+Same interface as engine/backends/cpu.py. Weights are uploaded once (repacked into the device layouts of
+cuda/kernels/common.py); activations, the KV cache and logits stay on the device; `sample` returns only the
+token ids and the logprobs asked for. Launch configurations come from cuda/launch.py, chosen for the GPU
+when the backend is created. Importing this module needs no driver; creating a CudaBackend does (or the
+simulator, NUMBA_ENABLE_CUDASIM=1).
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda
+
+from cuda import launch
+from cuda.kernels import attention as attn_k
+from cuda.kernels import linear as lin_k
+from cuda.kernels import rowwise as row_k
+from cuda.kernels import sampling as samp_k
+from cuda.kernels.common import SIMULATOR
+from models.quant import QK, QuantTensor
+
+if SIMULATOR:
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray as _DeviceArrayBase
+else:
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray as _DeviceArrayBase
+
+GATHER_THREADS = 128
+
+
+# --------------------------------------------------------------------------- device arrays
+
+def _is_device_array(a) -> bool:
+    return isinstance(a, _DeviceArrayBase) or hasattr(a, "__cuda_array_interface__")
+
+
+def _is_row_index(item) -> bool:
+    """A 1-D integer array used as an index (fancy indexing of rows)."""
+    if isinstance(item, np.ndarray) or _is_device_array(item):
+        return item.ndim == 1 and np.dtype(item.dtype).kind in "iu"
+    return False
+
+
+class DeviceTensor(_DeviceArrayBase):
+    """A device array that also takes rows by an integer index array (`h[logits_indices]`, done by a gather
+    kernel), and remembers the host array it was uploaded from (`host`), so metadata such as positions can be
+    read without a device-to-host copy."""
+
+    host: np.ndarray | None = None
+
+    def __getitem__(self, item):
+        if _is_row_index(item):
+            return take_rows(self, item)
+        r = super().__getitem__(item)
+        return _tensor(r) if isinstance(r, _DeviceArrayBase) and not isinstance(r, DeviceTensor) else r
+
+
+if SIMULATOR:
+    def _tensor(a) -> DeviceTensor:
+        return DeviceTensor(a._ary, a.stream)
+
+    def _empty(shape, dtype) -> DeviceTensor:
+        return DeviceTensor(np.empty(shape, dtype))
+
+    def _zeros(shape, dtype) -> DeviceTensor:
+        return DeviceTensor(np.zeros(shape, dtype))
+
+    def _to_device(a: np.ndarray) -> DeviceTensor:
+        return _tensor(cuda.to_device(np.ascontiguousarray(a)))
+else:
+    from numba.cuda.cudadrv import driver as _driver
+
+    def _tensor(a) -> DeviceTensor:
+        return DeviceTensor(a.shape, a.strides, a.dtype, stream=a.stream, gpu_data=a.gpu_data)
+
+    def _empty(shape, dtype) -> DeviceTensor:
+        return _tensor(cuda.device_array(shape, dtype))
+
+    def _zeros(shape, dtype) -> DeviceTensor:
+        a = _empty(shape, dtype)
+        if a.size:
+            _driver.device_memset(a, 0, a.nbytes)
+        return a
+
+    def _to_device(a: np.ndarray) -> DeviceTensor:
+        return _tensor(cuda.to_device(np.ascontiguousarray(a)))
+
+
+def take_rows(src, index) -> DeviceTensor:
+    """src[index] for a 2-D device array and a 1-D integer index (host or device)."""
+    if src.ndim != 2:
+        raise IndexError("row indexing by an array is supported on 2-D device arrays only")
+    if isinstance(index, np.ndarray):
+        index = _to_device(np.ascontiguousarray(index, np.int32))
+    out = _empty((index.shape[0], src.shape[1]), src.dtype)
+    if index.shape[0] and src.shape[1]:
+        row_k.gather_rows[index.shape[0], GATHER_THREADS](src, index, out)
+    return out
+
+
+# --------------------------------------------------------------------------- weights
+
+@dataclass
+class _Part:
+    """One stored matrix of a (possibly fused) linear layer in its device layout."""
+    family: str          # q4, q8, f16, bf16, f32 (cuda/kernels/common.py)
+    arrays: tuple        # (wa, wb, wc) device arrays
+    rows: int
+    col0: int            # first output column it produces
+
+
+def _device_layout(t: QuantTensor):
+    """(family, host arrays (wa, wb, wc)) of a stored matrix."""
+    n, k = t.shape
+    dummy = np.zeros((1, 1), np.float16)
+    if t.format in ("q4_0", "q4_1", "q8_0"):
+        nb = k // QK
+        block = {"q4_0": 18, "q4_1": 20, "q8_0": 34}[t.format]
+        raw = np.ascontiguousarray(t.data).reshape(n, nb, block)
+        d = np.ascontiguousarray(raw[:, :, 0:2]).view(np.float16).reshape(n, nb)
+        if t.format == "q8_0":
+            qs = np.ascontiguousarray(raw[:, :, 2:34]).reshape(n, nb * 32).view(np.uint32)
+            return "q8", (qs, d, dummy)
+        if t.format == "q4_1":
+            m = np.ascontiguousarray(raw[:, :, 2:4]).view(np.float16).reshape(n, nb)
+            qs = np.ascontiguousarray(raw[:, :, 4:20]).reshape(n, nb * 16).view(np.uint32)
+        else:  # q4_0 as q4_1 with m = -8 d (exact in float16)
+            m = (d.astype(np.float32) * np.float32(-8.0)).astype(np.float16)
+            qs = np.ascontiguousarray(raw[:, :, 2:18]).reshape(n, nb * 16).view(np.uint32)
+        return "q4", (qs, d, m)
+    if t.format == "f16":
+        return "f16", (np.asarray(t.data, np.float16), dummy, dummy)
+    if t.format == "bf16":
+        return "bf16", (np.asarray(t.data, np.uint16), dummy, dummy)
+    return "f32", (np.asarray(t.data, np.float32), dummy, dummy)
+
+
+class CudaLinear:
+    """y = x @ W.T for one or more stored matrices stacked along the output (q|k|v, gate|up), on the device."""
+
+    def __init__(self, tensors: list[QuantTensor]):
+        self.in_features = tensors[0].shape[1]
+        if any(t.shape[1] != self.in_features for t in tensors):
+            raise ValueError("fused matrices must share their input size")
+        if len(tensors) > 1 and len({t.format for t in tensors}) == 1:
+            # one packed matrix: one launch per call
+            tensors = [QuantTensor(tensors[0].format, (sum(t.shape[0] for t in tensors), self.in_features),
+                                   np.concatenate([t.data for t in tensors]))]
+        self.parts: list[_Part] = []
+        self.nbytes = 0  # bytes a full pass over the weights reads
+        col = 0
+        for t in tensors:
+            family, host = _device_layout(t)
+            used = {"q4": 3, "q8": 2}.get(family, 1)
+            self.nbytes += sum(int(a.nbytes) for a in host[:used])
+            self.parts.append(_Part(family, tuple(_to_device(a) for a in host), t.shape[0], col))
+            col += t.shape[0]
+        self.out_features = col
+        self.formats = tuple(t.format for t in tensors)
+
+
+# --------------------------------------------------------------------------- the backend
+
+class _HostCache:
+    """Device copies (and derived metadata) of small per-step host arrays, reused while they are unchanged.
+
+    Keyed by the identity of the objects it is made from; an entry holds references to them (so their ids stay
+    unique) and, for numpy arrays, copies of their contents, compared on every hit (a host array refilled in
+    place is uploaded again). Device arrays are taken as unchanged while they are the same object."""
+
+    def __init__(self, capacity: int = 32):
+        self.capacity = capacity
+        self._d: OrderedDict = OrderedDict()
+
+    def get(self, key: str, objs: tuple, make):
+        full = (key,) + tuple(id(o) for o in objs)
+        hit = self._d.get(full)
+        if hit is not None:
+            refs, snaps, value = hit
+            if all(r is o for r, o in zip(refs, objs)) and all(
+                    s is None or (s.shape == o.shape and np.array_equal(s, o)) for s, o in zip(snaps, objs)):
+                self._d.move_to_end(full)
+                return value
+        value = make()
+        snaps = tuple(o.copy() if isinstance(o, np.ndarray) else None for o in objs)
+        self._d[full] = (objs, snaps, value)
+        self._d.move_to_end(full)
+        while len(self._d) > self.capacity:
+            self._d.popitem(last=False)
+        return value
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class CudaBackend:
+    name = "cuda"
+
+    def __init__(self, config: launch.LaunchConfig | None = None):
+        if config is None:
+            config = launch.TABLE["fallback"] if SIMULATOR else launch.for_current_device()
+        self.config = config.validate()
+        self._cache = _HostCache()
+        self._scratch: dict[str, DeviceTensor] = {}
+        c = self.config
+        self._gemv = {"q4": lin_k.gemv_q4(c.gemv_tokens, c.gemv_threads),
+                      "q8": lin_k.gemv_q8(c.gemv_tokens, c.gemv_threads)}
+        for fam in ("f16", "bf16", "f32"):
+            self._gemv[fam] = lin_k.gemv_float(fam, c.gemv_tokens, c.gemv_threads)
+        self._part_dummy = _zeros((1, 1, 1, 1), np.float32)
+
+    # --- weights and buffers
+    def linear(self, tensors: list[QuantTensor]) -> CudaLinear:
+        return CudaLinear(tensors)
+
+    def vector(self, v: np.ndarray) -> DeviceTensor:
+        return _to_device(np.ascontiguousarray(v, dtype=np.float32))
+
+    def zeros(self, shape, dtype=np.float32) -> DeviceTensor:
+        return _zeros(shape, dtype)
+
+    def upload(self, a: np.ndarray) -> DeviceTensor:
+        if _is_device_array(a):
+            return a
+        a = np.ascontiguousarray(a)
+        d = _to_device(a)
+        d.host = a.copy()
+        return d
+
+    def download(self, a) -> np.ndarray:
+        return a.copy_to_host() if _is_device_array(a) else np.asarray(a)
+
+    def synchronize(self) -> None:
+        cuda.synchronize()
+
+    def rope_tables(self, max_position, head_dim, theta):
+        inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+        ang = np.arange(max_position, dtype=np.float64)[:, None] * inv_freq[None, :]
+        return self.vector(np.cos(ang)), self.vector(np.sin(ang))
+
+    # --- per-step metadata
+    def _ints(self, a, dtype):
+        """A device int array for a host or device one (host arrays are converted to `dtype` and cached)."""
+        if _is_device_array(a):
+            return a
+        return self._cache.get("ints" + np.dtype(dtype).str, (a,),
+                               lambda: _to_device(np.ascontiguousarray(a, dtype)))
+
+    @staticmethod
+    def _host(a) -> np.ndarray:
+        if isinstance(a, np.ndarray):
+            return a
+        h = getattr(a, "host", None)
+        return h if h is not None else a.copy_to_host()
+
+    def _scratch_view(self, name: str, shape, dtype=np.float32) -> DeviceTensor:
+        """A C-contiguous view of a grow-only scratch buffer."""
+        n = max(int(np.prod(shape)), 1)
+        buf = self._scratch.get(name)
+        if buf is None or buf.size < n or buf.dtype != np.dtype(dtype):
+            buf = self._scratch[name] = _empty(n, dtype)
+        return buf[:n].reshape(*shape)
+
+    # --- ops
+    def embedding(self, table: CudaLinear, tokens, out) -> None:
+        t = out.shape[0]
+        if t == 0:
+            return
+        p = table.parts[0]
+        row_k.embedding(p.family)[t, self.config.threads](self._ints(tokens, np.int32), *p.arrays, out)
+
+    def rmsnorm(self, x, w, eps, out) -> None:
+        if x.shape[0]:
+            row_k.rmsnorm[x.shape[0], self.config.threads](x, w, np.float32(eps), out)
+
+    def matmul(self, x, w: CudaLinear, out, accumulate: bool = False) -> None:
+        ntok = x.shape[0]
+        if ntok == 0:
+            return
+        c = self.config
+        for p in w.parts:
+            if ntok <= c.gemv_max_tokens:
+                grid = _ceil_div(p.rows, c.gemv_threads // 32)
+                self._gemv[p.family][grid, c.gemv_threads](x, *p.arrays, out, p.col0, bool(accumulate))
+            else:
+                kern = lin_k.gemm(p.family, c.gemm_bm, c.gemm_bn, c.gemm_bk, c.gemm_tm, c.gemm_tn)
+                grid = (_ceil_div(p.rows, c.gemm_bn), _ceil_div(ntok, c.gemm_bm))
+                kern[grid, c.gemm_threads](x, *p.arrays, out, p.col0, bool(accumulate))
+
+    def rope_store_kv(self, qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads):
+        t = qkv.shape[0]
+        if t:
+            row_k.rope_store_kv[t, self.config.threads](
+                qkv, self._ints(positions, np.int32), cos, sin, k_cache, v_cache,
+                self._ints(slot_mapping, np.int64), int(num_heads), int(num_kv_heads))
+
+    def attention(self, qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads,
+                  scale, out) -> None:
+        ntok = qkv.shape[0]
+        if ntok == 0:
+            return
+        c = self.config
+        dh = k_cache.shape[3]
+        if dh > launch.MAX_HEAD_DIM:
+            raise ValueError(f"head_dim {dh} > {launch.MAX_HEAD_DIM} is not supported by the cuda attention kernel")
+        group = num_heads // num_kv_heads
+        if group > c.attn_rows:
+            raise ValueError(f"{group} query heads per KV head exceed attn_rows={c.attn_rows} of {c.arch}")
+        tok0, tlen, ntiles, max_ctx = self._tiles(positions, token_seq, c.attn_rows // group)
+        nsplit, split = self._splits(ntiles * num_kv_heads, max_ctx)
+        kern = attn_k.paged_attention(c.attn_rows, c.attn_chunk, 64 if dh <= 64 else launch.MAX_HEAD_DIM)
+        pos = self._ints(positions, np.int32)
+        args = (qkv, k_cache, v_cache, self._ints(block_tables, np.int32), pos, self._ints(token_seq, np.int32),
+                tok0, tlen, int(num_heads), int(num_kv_heads), np.float32(scale), int(split), out)
+        if nsplit == 1:
+            kern[(ntiles, num_kv_heads, 1), c.attn_threads](*args, self._part_dummy, self._part_dummy)
+            return
+        part_acc = self._scratch_view("attn_acc", (ntok, num_heads, nsplit, dh))
+        part_ml = self._scratch_view("attn_ml", (ntok, num_heads, nsplit, 2))
+        kern[(ntiles, num_kv_heads, nsplit), c.attn_threads](*args, part_acc, part_ml)
+        attn_k.attention_reduce[ntok, c.threads](part_acc, part_ml, pos, int(split), out)
+
+    def _tiles(self, positions, token_seq, max_q: int):
+        """Query tiles of the step: runs of consecutive tokens of one sequence at consecutive positions, cut
+        every max_q tokens -> (tile first token, tile length) on the device, count, longest context."""
+        def make():
+            pos = self._host(positions).astype(np.int64)
+            seq = self._host(token_seq).astype(np.int64)
+            n = len(pos)
+            new_run = np.ones(n, bool)
+            new_run[1:] = (seq[1:] != seq[:-1]) | (pos[1:] != pos[:-1] + 1)
+            run_start = np.flatnonzero(new_run)
+            in_run = np.arange(n) - run_start[np.cumsum(new_run) - 1]
+            starts = np.flatnonzero(new_run | (in_run % max_q == 0))
+            lens = np.diff(np.append(starts, n))
+            return (_to_device(starts.astype(np.int32)), _to_device(lens.astype(np.int32)), len(starts),
+                    int(pos.max()) + 1)
+        return self._cache.get(f"tiles{max_q}", (positions, token_seq), make)
+
+    def _splits(self, work_items: int, max_ctx: int) -> tuple[int, int]:
+        """(number of context splits, positions per split): split only while the grid would be small."""
+        c = self.config
+        if work_items >= c.attn_target_blocks or max_ctx <= c.attn_min_split:
+            return 1, _ceil_div(max_ctx, c.attn_chunk) * c.attn_chunk
+        n = min(_ceil_div(max_ctx, c.attn_min_split), _ceil_div(c.attn_target_blocks, work_items))
+        split = _ceil_div(_ceil_div(max_ctx, n), c.attn_chunk) * c.attn_chunk
+        return _ceil_div(max_ctx, split), split
+
+    def silu_mul(self, gate_up, out) -> None:
+        n = out.shape[0] * out.shape[1]
+        if n:
+            c = self.config
+            blocks = min(_ceil_div(n, c.threads), 32 * c.sm_count)
+            row_k.silu_mul[blocks, c.threads](gate_up, out)
+
+    # --- sampling
+    def sample(self, logits, batch):
+        """engine.sampling.sample on the device: logits [S, V] stay there; ids and logprobs come back."""
+        from engine.sampling import SampleResult
+
+        nrows, vocab = logits.shape
+        k = batch.max_num_logprobs
+        if batch.num_rows != nrows:
+            raise ValueError(f"logits must be [{batch.num_rows}, vocab], got shape {tuple(logits.shape)}")
+        if batch.max_token_id >= vocab:
+            raise ValueError(f"token id {batch.max_token_id} in the sampling batch is out of range for a "
+                             f"vocabulary of {vocab}")
+        res = SampleResult(token_ids=np.zeros(nrows, np.int64), logprobs=np.zeros(nrows, np.float32),
+                           top_token_ids=np.full((nrows, k), -1, np.int64),
+                           top_logprobs=np.full((nrows, k), -np.inf, np.float32))
+        if nrows == 0:
+            return res
+        if not _is_device_array(logits):
+            logits = _to_device(np.ascontiguousarray(logits, np.float32))
+        b = batch
+        up = lambda a, dt: _to_device(np.ascontiguousarray(a, dt) if len(a) else np.zeros(1, dt))  # noqa: E731
+        processed = len(b.bias_token_ids) or len(b.mask_token_ids) or len(b.hist_token_ids)
+        if processed:
+            work = self._scratch_view("sample_work", (nrows, vocab))
+            cnt = self._scratch_view("sample_cnt", (nrows, vocab), np.int32)
+        else:
+            work = self._scratch_view("sample_work", (1, 1))
+            cnt = self._scratch_view("sample_cnt", (1, 1), np.int32)
+        tok = _empty(nrows, np.int64)
+        lp = _empty(nrows, np.float32)
+        top_ids = _empty((nrows, max(k, 1)), np.int64)
+        top_lp = _empty((nrows, max(k, 1)), np.float32)
+        samp_k.sample_rows[nrows, self.config.sample_threads](
+            logits, work, cnt,
+            up(b.temperature, np.float32), up(b.top_p, np.float32), up(b.top_k, np.int32), up(b.min_p, np.float32),
+            up(b.repetition_penalty, np.float32), up(b.presence_penalty, np.float32),
+            up(b.frequency_penalty, np.float32), up(b.seed, np.uint64), up(b.step, np.int64),
+            up(b.num_logprobs, np.int32),
+            up(b.bias_indptr, np.int64), up(b.bias_token_ids, np.int32), up(b.bias_values, np.float32),
+            up(b.mask_indptr, np.int64), up(b.mask_token_ids, np.int32),
+            up(b.hist_indptr, np.int64), up(b.hist_token_ids, np.int32), up(b.hist_num_prompt, np.int32),
+            tok, lp, top_ids, top_lp)
+        res.token_ids[:] = tok.copy_to_host()
+        res.logprobs[:] = lp.copy_to_host()
+        if k:
+            ids, lps = top_ids.copy_to_host(), top_lp.copy_to_host()
+            own = np.arange(k)[None, :] < np.asarray(b.num_logprobs)[:, None]
+            res.top_token_ids[own] = ids[own]
+            res.top_logprobs[own] = lps[own]
+        return res

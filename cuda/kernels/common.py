@@ -1,0 +1,142 @@
+"""Shared pieces of the kernels: float32 constants, block reductions, weight element loaders.
+
+Every constant a kernel uses is a float32 (a bare `0.0` literal would make the arithmetic float64), and every
+reduction goes through shared memory and `syncthreads` (the CUDA simulator has no warp shuffles), so the code
+that the simulator tests is the code that runs on the GPU.
+
+Weight layouts on the device (repacked once when the backend uploads a matrix, see cuda/backend.py):
+  q4    qs uint32 [N, K/8] (GGML's 16 nibble bytes of a block as 4 words), d, m float16 [N, K/32]: w = d*q + m
+        (q4_0 is stored in this form with m = -8 d)
+  q8    qs uint32 [N, K/4] (4 int8 a word, little-endian), d float16 [N, K/32], m unused: w = d*q
+  f16 / bf16 (uint16 bits) / f32   w [N, K]
+"""
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+from numba import cuda, float32, int32
+
+SIMULATOR = bool(numba.config.ENABLE_CUDASIM)
+
+F0 = np.float32(0.0)
+F1 = np.float32(1.0)
+NEG = np.float32(-3.0e38)        # "minus infinity" that stays finite (exp(NEG - x) == 0, NEG - NEG == 0)
+NEG_HALF = np.float32(-1.0e38)   # scores at or below this are masked
+MAX_BLOCK = 1024                 # largest block any kernel is launched with (reduction buffers)
+
+
+if SIMULATOR:
+    def bf16_to_f32(u):
+        """bfloat16 bits (uint16) -> float32 (the simulator's stand-in for int_as_float)."""
+        return np.array([int(u) << 16], np.uint32).view(np.float32)[0]
+else:
+    from numba.cuda import libdevice
+
+    @cuda.jit(device=True)
+    def bf16_to_f32(u):
+        """bfloat16 bits (uint16) -> float32: the bits are the high half of a float32."""
+        return libdevice.int_as_float(int32(u) << 16)
+
+
+@cuda.jit(device=True)
+def block_sum(v, buf):
+    """Sum of v over the block, returned to every thread; blockDim.x a power of two <= len(buf)."""
+    tid = cuda.threadIdx.x
+    buf[tid] = v
+    cuda.syncthreads()  # all partials written
+    s = cuda.blockDim.x >> 1
+    while s > 0:
+        if tid < s:
+            buf[tid] += buf[tid + s]
+        cuda.syncthreads()  # this level done before the next reads it
+        s >>= 1
+    r = buf[0]
+    cuda.syncthreads()  # everyone has read buf[0] before buf is reused
+    return r
+
+
+@cuda.jit(device=True)
+def block_max(v, buf):
+    """Maximum of v over the block, returned to every thread; blockDim.x a power of two <= len(buf)."""
+    tid = cuda.threadIdx.x
+    buf[tid] = v
+    cuda.syncthreads()  # all partials written
+    s = cuda.blockDim.x >> 1
+    while s > 0:
+        if tid < s:
+            if buf[tid + s] > buf[tid]:
+                buf[tid] = buf[tid + s]
+        cuda.syncthreads()  # this level done before the next reads it
+        s >>= 1
+    r = buf[0]
+    cuda.syncthreads()  # everyone has read buf[0] before buf is reused
+    return r
+
+
+@cuda.jit(device=True)
+def block_argmax(v, i, vbuf, ibuf):
+    """(max v, its smallest index i) over the block, returned to every thread."""
+    tid = cuda.threadIdx.x
+    vbuf[tid] = v
+    ibuf[tid] = i
+    cuda.syncthreads()  # all candidates written
+    s = cuda.blockDim.x >> 1
+    while s > 0:
+        if tid < s:
+            a = vbuf[tid]
+            b = vbuf[tid + s]
+            if b > a or (b == a and ibuf[tid + s] < ibuf[tid]):
+                vbuf[tid] = b
+                ibuf[tid] = ibuf[tid + s]
+        cuda.syncthreads()  # this level done before the next reads it
+        s >>= 1
+    rv = vbuf[0]
+    ri = ibuf[0]
+    cuda.syncthreads()  # everyone has read the result before the buffers are reused
+    return rv, ri
+
+
+# --- weight element loaders: w[n, k] as float32 from (wa, wb, wc) in each device layout -------------------
+
+@cuda.jit(device=True)
+def load_q4(qs, d, m, n, k):
+    """Q4 element: nibble j of block b is the low half of byte j (j < 16) or the high half of byte j - 16."""
+    b = k >> 5
+    j = k & 31
+    word = qs[n, (b << 2) + ((j & 15) >> 2)]
+    q = (word >> (((j & 3) << 3) + ((j >> 4) << 2))) & 15
+    return float32(d[n, b]) * float32(q) + float32(m[n, b])
+
+
+@cuda.jit(device=True)
+def load_q8(qs, d, m, n, k):
+    """Q8_0 element: a signed byte of word k/4."""
+    byte = (qs[n, k >> 2] >> ((k & 3) << 3)) & 255
+    q = int32(byte) - ((int32(byte) & 128) << 1)
+    return float32(d[n, k >> 5]) * float32(q)
+
+
+@cuda.jit(device=True)
+def load_f16(w, b, c, n, k):
+    return float32(w[n, k])
+
+
+@cuda.jit(device=True)
+def load_bf16(w, b, c, n, k):
+    return bf16_to_f32(w[n, k])
+
+
+@cuda.jit(device=True)
+def load_f32(w, b, c, n, k):
+    return w[n, k]
+
+
+LOADERS = {"q4": load_q4, "q8": load_q8, "f16": load_f16, "bf16": load_bf16, "f32": load_f32}
+FAMILIES = tuple(LOADERS)
+
+
+@cuda.jit(device=True)
+def silu(g):
+    return g / (F1 + math.exp(-g))

@@ -1,0 +1,271 @@
+"""y = x @ W.T (optionally y += ...): GEMV for few input rows, a shared-memory tiled GEMM for many.
+
+Weights stay in their stored format (layouts in cuda/kernels/common.py) and are dequantized in registers
+(GEMV) or while a tile is staged into shared memory (GEMM); all arithmetic is float32. Every kernel writes
+the output columns col0 .. col0 + N - 1 of `out`, so fused matrices (q|k|v, gate|up) stored in different
+formats write one shared output; `accumulate` adds into `out` (the residual add of o and down).
+
+GEMV launch: grid = ceil(N / (threads/32)), block = threads (compile-time, a multiple of 32): warp w of a
+block owns row n = block * threads/32 + w, its lanes stride over the row's words; tokens are processed
+`tok` at a time so one read of a weight word serves `tok` dot products.
+GEMM launch: grid = (ceil(N / bn), ceil(T / bm)), block = (bm/tm) * (bn/tn) threads; bk = 32 (one
+quantization block per row and stage).
+"""
+from __future__ import annotations
+
+import functools
+
+from numba import cuda, float32
+
+from cuda.kernels.common import F0, LOADERS
+
+
+@functools.lru_cache(maxsize=None)
+def gemv_q4(tok: int, threads: int):
+    """GEMV on Q4 words (8 nibbles: bytes 4c..4c+3 of a block, low halves = elements 4c.., high = 4c+16..)."""
+    red_shape = (tok, threads)
+    rows_per_block = threads // 32
+
+    @cuda.jit(fastmath=True)
+    def gemv_q4_kernel(x, qs, d, m, out, col0, accumulate):
+        """out[t, col0 + n] (+)= sum_k x[t, k] (d q + m)[n, k]; one warp per row."""
+        red = cuda.shared.array(red_shape, float32)
+        acc = cuda.local.array(tok, float32)
+        tid = cuda.threadIdx.x
+        lane = tid & 31
+        n = cuda.blockIdx.x * rows_per_block + (tid >> 5)
+        rows = qs.shape[0]
+        nwords = qs.shape[1]
+        ntok = x.shape[0]
+        for t0 in range(0, ntok, tok):
+            for i in range(tok):
+                acc[i] = F0
+            if n < rows:
+                for w in range(lane, nwords, 32):
+                    b = w >> 2
+                    k = (b << 5) + ((w & 3) << 2)
+                    word = qs[n, w]
+                    dd = float32(d[n, b])
+                    mm = float32(m[n, b])
+                    q0 = float32(word & 15)
+                    q1 = float32((word >> 8) & 15)
+                    q2 = float32((word >> 16) & 15)
+                    q3 = float32((word >> 24) & 15)
+                    q4 = float32((word >> 4) & 15)
+                    q5 = float32((word >> 12) & 15)
+                    q6 = float32((word >> 20) & 15)
+                    q7 = float32((word >> 28) & 15)
+                    for i in range(tok):
+                        t = t0 + i
+                        if t < ntok:
+                            x0 = x[t, k]
+                            x1 = x[t, k + 1]
+                            x2 = x[t, k + 2]
+                            x3 = x[t, k + 3]
+                            y0 = x[t, k + 16]
+                            y1 = x[t, k + 17]
+                            y2 = x[t, k + 18]
+                            y3 = x[t, k + 19]
+                            sqx = q0 * x0 + q1 * x1 + q2 * x2 + q3 * x3 + q4 * y0 + q5 * y1 + q6 * y2 + q7 * y3
+                            sx = (x0 + x1) + (x2 + x3) + (y0 + y1) + (y2 + y3)
+                            acc[i] += dd * sqx + mm * sx
+            # sum each warp's 32 partials: a tree in shared memory (the simulator has no shuffles)
+            for i in range(tok):
+                red[i, tid] = acc[i]
+            cuda.syncthreads()  # partials written
+            s = 16
+            while s > 0:
+                if lane < s:
+                    for i in range(tok):
+                        red[i, tid] += red[i, tid + s]
+                cuda.syncthreads()  # level complete
+                s >>= 1
+            t = t0 + lane
+            if lane < tok and n < rows and t < ntok:
+                v = red[lane, tid - lane]
+                if accumulate:
+                    v += out[t, col0 + n]
+                out[t, col0 + n] = v
+            cuda.syncthreads()  # red is rewritten by the next token chunk
+
+    return gemv_q4_kernel
+
+
+@functools.lru_cache(maxsize=None)
+def gemv_q8(tok: int, threads: int):
+    """GEMV on Q8_0 words (4 signed bytes: elements 4c..4c+3 of block w/8)."""
+    red_shape = (tok, threads)
+    rows_per_block = threads // 32
+
+    @cuda.jit(fastmath=True)
+    def gemv_q8_kernel(x, qs, d, m, out, col0, accumulate):
+        """out[t, col0 + n] (+)= sum_k x[t, k] (d q)[n, k]; one warp per row."""
+        red = cuda.shared.array(red_shape, float32)
+        acc = cuda.local.array(tok, float32)
+        tid = cuda.threadIdx.x
+        lane = tid & 31
+        n = cuda.blockIdx.x * rows_per_block + (tid >> 5)
+        rows = qs.shape[0]
+        nwords = qs.shape[1]
+        ntok = x.shape[0]
+        for t0 in range(0, ntok, tok):
+            for i in range(tok):
+                acc[i] = F0
+            if n < rows:
+                for w in range(lane, nwords, 32):
+                    k = w << 2
+                    word = qs[n, w]
+                    dd = float32(d[n, w >> 3])
+                    b0 = word & 255
+                    b1 = (word >> 8) & 255
+                    b2 = (word >> 16) & 255
+                    b3 = (word >> 24) & 255
+                    q0 = float32(b0) - float32((b0 & 128) << 1)
+                    q1 = float32(b1) - float32((b1 & 128) << 1)
+                    q2 = float32(b2) - float32((b2 & 128) << 1)
+                    q3 = float32(b3) - float32((b3 & 128) << 1)
+                    for i in range(tok):
+                        t = t0 + i
+                        if t < ntok:
+                            acc[i] += dd * (q0 * x[t, k] + q1 * x[t, k + 1] + q2 * x[t, k + 2] + q3 * x[t, k + 3])
+            for i in range(tok):
+                red[i, tid] = acc[i]
+            cuda.syncthreads()  # partials written
+            s = 16
+            while s > 0:
+                if lane < s:
+                    for i in range(tok):
+                        red[i, tid] += red[i, tid + s]
+                cuda.syncthreads()  # level complete
+                s >>= 1
+            t = t0 + lane
+            if lane < tok and n < rows and t < ntok:
+                v = red[lane, tid - lane]
+                if accumulate:
+                    v += out[t, col0 + n]
+                out[t, col0 + n] = v
+            cuda.syncthreads()  # red is rewritten by the next token chunk
+
+    return gemv_q8_kernel
+
+
+@functools.lru_cache(maxsize=None)
+def gemv_float(family: str, tok: int, threads: int):
+    """GEMV on float weights (f16, bf16 bits, f32): lanes stride over the row's elements."""
+    load = LOADERS[family]
+    red_shape = (tok, threads)
+    rows_per_block = threads // 32
+
+    @cuda.jit(fastmath=True)
+    def gemv_float_kernel(x, wa, wb, wc, out, col0, accumulate):
+        """out[t, col0 + n] (+)= sum_k x[t, k] W[n, k]; one warp per row."""
+        red = cuda.shared.array(red_shape, float32)
+        acc = cuda.local.array(tok, float32)
+        tid = cuda.threadIdx.x
+        lane = tid & 31
+        n = cuda.blockIdx.x * rows_per_block + (tid >> 5)
+        rows = wa.shape[0]
+        kdim = x.shape[1]
+        ntok = x.shape[0]
+        for t0 in range(0, ntok, tok):
+            for i in range(tok):
+                acc[i] = F0
+            if n < rows:
+                for k in range(lane, kdim, 32):
+                    wv = load(wa, wb, wc, n, k)
+                    for i in range(tok):
+                        t = t0 + i
+                        if t < ntok:
+                            acc[i] += wv * x[t, k]
+            for i in range(tok):
+                red[i, tid] = acc[i]
+            cuda.syncthreads()  # partials written
+            s = 16
+            while s > 0:
+                if lane < s:
+                    for i in range(tok):
+                        red[i, tid] += red[i, tid + s]
+                cuda.syncthreads()  # level complete
+                s >>= 1
+            t = t0 + lane
+            if lane < tok and n < rows and t < ntok:
+                v = red[lane, tid - lane]
+                if accumulate:
+                    v += out[t, col0 + n]
+                out[t, col0 + n] = v
+            cuda.syncthreads()  # red is rewritten by the next token chunk
+
+    return gemv_float_kernel
+
+
+@functools.lru_cache(maxsize=None)
+def gemm(family: str, bm: int, bn: int, bk: int, tm: int, tn: int):
+    """Tiled GEMM: x tile [bm, bk] and dequantized W tile [bn, bk] staged (k-major) in shared memory, each thread
+    accumulating a tm x tn register tile at rows ty + i*(bm/tm), columns tx + j*(bn/tn) (conflict-free reads,
+    coalesced writes)."""
+    load = LOADERS[family]
+    tx_n = bn // tn
+    ty_n = bm // tm
+    nthreads = tx_n * ty_n
+    xs_shape = (bk, bm + 1)  # +1: the transposed stores of consecutive k hit distinct banks
+    ws_shape = (bk, bn + 1)
+    acc_shape = (tm, tn)
+    x_elems = bm * bk
+    w_elems = bn * bk
+
+    @cuda.jit(fastmath=True)
+    def gemm_kernel(x, wa, wb, wc, out, col0, accumulate):
+        """out[t, col0 + n] (+)= sum_k x[t, k] W[n, k] over a [bm, bn] output tile per block."""
+        xs = cuda.shared.array(xs_shape, float32)
+        ws = cuda.shared.array(ws_shape, float32)
+        acc = cuda.local.array(acc_shape, float32)
+        av = cuda.local.array(tm, float32)
+        bv = cuda.local.array(tn, float32)
+        tid = cuda.threadIdx.x
+        tx = tid % tx_n
+        ty = tid // tx_n
+        n0 = cuda.blockIdx.x * bn
+        m0 = cuda.blockIdx.y * bm
+        ntok = x.shape[0]
+        kdim = x.shape[1]
+        rows = wa.shape[0]
+        for i in range(tm):
+            for j in range(tn):
+                acc[i, j] = F0
+        for k0 in range(0, kdim, bk):
+            for e in range(tid, x_elems, nthreads):
+                mm = e // bk
+                kk = e - mm * bk
+                v = F0
+                if m0 + mm < ntok and k0 + kk < kdim:
+                    v = x[m0 + mm, k0 + kk]
+                xs[kk, mm] = v
+            for e in range(tid, w_elems, nthreads):
+                nn = e // bk
+                kk = e - nn * bk
+                v = F0
+                if n0 + nn < rows and k0 + kk < kdim:
+                    v = load(wa, wb, wc, n0 + nn, k0 + kk)
+                ws[kk, nn] = v
+            cuda.syncthreads()  # both tiles staged before any thread reads them
+            for kk in range(bk):
+                for i in range(tm):
+                    av[i] = xs[kk, ty + i * ty_n]
+                for j in range(tn):
+                    bv[j] = ws[kk, tx + j * tx_n]
+                for i in range(tm):
+                    for j in range(tn):
+                        acc[i, j] += av[i] * bv[j]
+            cuda.syncthreads()  # all reads done before the next stage overwrites the tiles
+        for i in range(tm):
+            t = m0 + ty + i * ty_n
+            if t < ntok:
+                for j in range(tn):
+                    n = n0 + tx + j * tx_n
+                    if n < rows:
+                        v = acc[i, j]
+                        if accumulate:
+                            v += out[t, col0 + n]
+                        out[t, col0 + n] = v
+
+    return gemm_kernel

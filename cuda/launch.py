@@ -1,0 +1,120 @@
+"""Launch configurations of the CUDA kernels, one table keyed by SM architecture.
+
+The backend picks one row when it is created (`for_current_device()`), from the GPU's compute
+capability: 9.x -> sm_90 (H100/H200), 8.0 -> sm_80 (A100), anything else -> fallback (conservative
+sizes valid on every GPU numba supports). Fields marked "compile-time" size shared/local arrays, so each
+distinct value is a distinct kernel variant (built lazily, and compiled offline by `make kernels`).
+
+Limits: threads per block are powers of two in 32..1024 (the block reductions halve them);
+gemm_bm % gemm_tm == 0, gemm_bn % gemm_tn == 0 and (bm/tm)*(bn/tn) threads; attention holds
+attn_rows query rows x head_dim (<= 128) in shared memory: 2*rows*128 + chunk*129 + rows*chunk floats
+must stay under 48 KiB.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+STATIC_SHARED_LIMIT = 48 * 1024  # bytes of static shared memory a kernel may declare
+MAX_HEAD_DIM = 128
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    arch: str
+    sm_count: int            # streaming multiprocessors assumed when sizing grids (the real count wins)
+    threads: int             # row/elementwise kernels: rmsnorm, rope_store_kv, embedding, silu_mul, gather
+    gemv_threads: int        # GEMV: one warp per output row, gemv_threads / 32 rows per block (compile-time)
+    gemv_tokens: int         # GEMV: tokens whose dot products share one read of a weight word (compile-time)
+    gemv_max_tokens: int     # above this many input rows the shared-memory tiled GEMM is used
+    gemm_bm: int             # GEMM tile: input rows (tokens) per block (compile-time)
+    gemm_bn: int             # GEMM tile: output features per block (compile-time)
+    gemm_bk: int             # GEMM tile: reduction depth per shared-memory stage (compile-time)
+    gemm_tm: int             # GEMM: rows per thread (registers, compile-time)
+    gemm_tn: int             # GEMM: columns per thread (registers, compile-time)
+    attn_rows: int           # attention: query rows (tokens x GQA heads) per block (compile-time)
+    attn_chunk: int          # attention: context positions staged in shared memory per step (compile-time)
+    attn_threads: int        # attention: threads per block
+    attn_min_split: int      # attention: fewest context positions per split-K part
+    sample_threads: int      # sampling: threads per row (one block per row, compile-time)
+
+    @property
+    def gemm_threads(self) -> int:
+        return (self.gemm_bm // self.gemm_tm) * (self.gemm_bn // self.gemm_tn)
+
+    @property
+    def attn_target_blocks(self) -> int:
+        """Attention is split over the context while fewer blocks than this would run."""
+        return 2 * self.sm_count
+
+    def with_sm_count(self, n: int) -> "LaunchConfig":
+        return dataclasses.replace(self, sm_count=int(n))
+
+    def validate(self) -> "LaunchConfig":
+        def pow2(n):
+            return 32 <= n <= 1024 and n & (n - 1) == 0
+
+        for f in ("threads", "gemv_threads", "attn_threads", "sample_threads", "gemm_threads"):
+            if not pow2(getattr(self, f)):
+                raise ValueError(f"{self.arch}: {f}={getattr(self, f)} must be a power of two in 32..1024")
+        if self.gemm_bm % self.gemm_tm or self.gemm_bn % self.gemm_tn:
+            raise ValueError(f"{self.arch}: GEMM tile not divisible by the per-thread tile")
+        if self.gemm_bk != 32:
+            raise ValueError(f"{self.arch}: gemm_bk must be 32 (one quantization block per row and stage)")
+        gemm_shared = 4 * self.gemm_bk * (self.gemm_bm + self.gemm_bn + 2)
+        attn_shared = 4 * (2 * self.attn_rows * MAX_HEAD_DIM + self.attn_chunk * (MAX_HEAD_DIM + 1)
+                           + self.attn_rows * self.attn_chunk + 3 * self.attn_rows)
+        for what, nbytes in (("gemm", gemm_shared), ("attention", attn_shared)):
+            if nbytes > STATIC_SHARED_LIMIT:
+                raise ValueError(f"{self.arch}: {what} needs {nbytes} B of static shared memory")
+        if self.gemv_max_tokens < 1 or self.gemv_tokens < 1:
+            raise ValueError(f"{self.arch}: gemv token counts must be positive")
+        return self
+
+
+# Starting points from the hardware, not yet tuned on the GPUs themselves (cuda/RESULTS.md has measurements
+# once `make gpu-check` has run). sm_90: 132 SMs (H100 SXM / H200), 228 KiB shared per SM, 64 warps per SM.
+# sm_80: 108 SMs (A100), 164 KiB shared per SM, 64 warps per SM. fallback: small blocks that fit anywhere.
+TABLE: dict[str, LaunchConfig] = {
+    "sm_90": LaunchConfig(
+        arch="sm_90", sm_count=132, threads=256, gemv_threads=256, gemv_tokens=8, gemv_max_tokens=32,
+        gemm_bm=64, gemm_bn=64, gemm_bk=32, gemm_tm=4, gemm_tn=4,
+        attn_rows=16, attn_chunk=32, attn_threads=128, attn_min_split=256, sample_threads=1024,
+    ),
+    "sm_80": LaunchConfig(
+        arch="sm_80", sm_count=108, threads=256, gemv_threads=128, gemv_tokens=8, gemv_max_tokens=32,
+        gemm_bm=64, gemm_bn=64, gemm_bk=32, gemm_tm=4, gemm_tn=4,
+        attn_rows=16, attn_chunk=32, attn_threads=128, attn_min_split=256, sample_threads=1024,
+    ),
+    "fallback": LaunchConfig(
+        arch="fallback", sm_count=16, threads=128, gemv_threads=128, gemv_tokens=4, gemv_max_tokens=16,
+        gemm_bm=32, gemm_bn=32, gemm_bk=32, gemm_tm=2, gemm_tn=2,
+        attn_rows=8, attn_chunk=32, attn_threads=64, attn_min_split=256, sample_threads=256,
+    ),
+}
+for _c in TABLE.values():
+    _c.validate()
+
+
+def arch_for(compute_capability) -> str:
+    """The table row for a compute capability (major, minor)."""
+    major, minor = (int(v) for v in compute_capability)
+    if major == 9:
+        return "sm_90"
+    if (major, minor) == (8, 0):
+        return "sm_80"
+    return "fallback"
+
+
+def select(compute_capability, sm_count: int | None = None) -> LaunchConfig:
+    cfg = TABLE[arch_for(compute_capability)]
+    return cfg.with_sm_count(sm_count) if sm_count else cfg
+
+
+def for_current_device() -> LaunchConfig:
+    """The configuration of the current CUDA device (needs a driver)."""
+    from numba import cuda
+
+    dev = cuda.get_current_device()
+    sms = getattr(dev, "MULTIPROCESSOR_COUNT", None)
+    return select(dev.compute_capability, sms)
