@@ -1,0 +1,100 @@
+"""NodeConfig: everything one engine node is started with, validated once (`python -m engine serve`)."""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger("engine.node")
+
+DEV_NODE_SECRET = "zen-development-node-secret"   # the gateway's shipped default ([nodes] secret)
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str | int) -> int:
+    """'1073741824', '512MiB', '2G', '1.5GB' -> bytes (K/M/G/T are powers of 1024 with or without 'i')."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE.match(str(text))
+    if not m:
+        raise ValueError(f"not a byte size: {text!r} (examples: 1073741824, 512MiB, 2G)")
+    power = " kmgt".index(m.group(2).lower() or " ")
+    return int(float(m.group(1)) * 1024 ** power)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model this node may serve: a .gguf file or safetensors directory, and the id requests use."""
+    path: str
+    id: str
+
+    @classmethod
+    def parse(cls, text: str) -> "ModelSpec":
+        """'PATH' or 'PATH=ID'; the id defaults to the file's stem before the first dot
+        (SmolLM2-135M-Instruct.Q4_1.gguf -> SmolLM2-135M-Instruct)."""
+        path, sep, model_id = text.rpartition("=")
+        if not sep:
+            path, model_id = text, ""
+        if not path:
+            raise ValueError(f"--models {text!r}: expected PATH or PATH=ID")
+        model_id = model_id.strip() or Path(path.rstrip("/")).name.split(".")[0]
+        if not model_id:
+            raise ValueError(f"--models {text!r}: cannot derive a model id from the path; give PATH=ID")
+        return cls(path=path, id=model_id)
+
+
+@dataclass
+class NodeConfig:
+    models: list[ModelSpec]
+    host: str = "127.0.0.1"
+    port: int = 8100
+    node_id: str = ""                          # defaults to host:port
+    secret: str = DEV_NODE_SECRET              # compared with the X-Node-Secret header
+    memory_budget_bytes: int | None = None     # weights + KV of resident models; None: from the device
+    kv_cache_bytes: int = 256 << 20            # KV cache of each resident model
+    max_waiting: int = 256                     # sequences accepted but not yet producing tokens
+    backend: str = "auto"
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    preload: list[str] | None = None           # ids loaded at start; None: the listed models, in order, while they fit
+    load_wait_s: float = 120.0                 # how long a request waits for a cold load before a 503
+    threads: int = 32                          # concurrent HTTP requests (streams) of the single worker
+    max_org_labels: int = 100                  # distinct org label values in metrics; the rest are "other"
+    log_level: str = "info"
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.models:
+            raise ValueError("give at least one model (--models PATH[=ID])")
+        ids = [m.id for m in self.models]
+        dup = {i for i in ids if ids.count(i) > 1}
+        if dup:
+            raise ValueError(f"model ids must be unique; repeated: {', '.join(sorted(dup))}")
+        if self.preload is not None:
+            unknown = [p for p in self.preload if p not in ids]
+            if unknown:
+                raise ValueError(f"--preload names models not in --models: {', '.join(unknown)}")
+        for name in ("kv_cache_bytes", "max_waiting", "max_num_seqs", "max_num_batched_tokens", "threads",
+                     "max_org_labels"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.memory_budget_bytes is not None and self.memory_budget_bytes < 1:
+            raise ValueError("memory_budget_bytes must be positive")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if not self.node_id:
+            host = socket.gethostname() if self.host in ("0.0.0.0", "::", "") else self.host
+            self.node_id = f"{host}:{self.port}"
+
+    @staticmethod
+    def secret_from_env(name: str = "NODE_SECRET") -> str:
+        value = os.environ.get(name, "")
+        if not value:
+            log.warning("%s is not set: using the development node secret; set it in production", name)
+            return DEV_NODE_SECRET
+        return value

@@ -1,0 +1,435 @@
+"""ModelRegistry: the models a node may serve, and those resident now, within a memory budget.
+
+A resident model is an Engine with its own EngineLoop thread, under the key (model id,
+quantization). A request for a model that is not resident starts a cold load in a background thread
+(so the other models' loops keep stepping); room is made first by evicting the least recently used
+idle models — a model with leases (requests in flight: running, waiting or being answered) is never
+evicted. The budget counts each model's weights plus its KV cache: estimated from the file before
+the load, exact once it is loaded.
+
+Requests hold a lease from acquire() to release(); all bookkeeping is under one lock, and the slow
+parts (loading, stopping a loop) run outside it.
+"""
+from __future__ import annotations
+
+import gc
+import hashlib
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.loop import EngineLoop
+from engine.node_config import ModelSpec
+from models.quant import BLOCK_FORMATS, FLOAT_FORMATS
+
+log = logging.getLogger("engine.registry")
+
+# Bytes per weight of each format (GGML block formats: 32 weights per block).
+BYTES_PER_WEIGHT = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32}
+# A model stored in mixed formats is named by its most compact one (a Q4_1 GGUF keeps its embedding in q8_0).
+FORMAT_ORDER = ("q4_0", "q4_1", "q8_0", "bf16", "f16", "f32")
+assert set(FORMAT_ORDER) == set(BLOCK_FORMATS + FLOAT_FORMATS)
+
+
+class ModelNotFound(LookupError):
+    """The node has no such model (404)."""
+
+
+class ModelUnavailable(RuntimeError):
+    """The model cannot serve now (503): it is loading, or there is no room for it."""
+
+    def __init__(self, message: str, code: str, retry_after: float):
+        super().__init__(message)
+        self.code = code
+        self.retry_after = max(1, int(retry_after + 0.999))
+
+
+class ModelBusy(RuntimeError):
+    """The model has requests in flight and cannot be unloaded now (409)."""
+
+
+@dataclass
+class ModelFileInfo:
+    """What the file says before loading: its dominant stored format and its weight counts."""
+    stored_format: str
+    matrix_weights: int          # elements of 2-D tensors (re-encoded by a quantization)
+    vector_bytes: int            # 1-D tensors (norms) stay float32
+    stored_bytes: int            # tensor bytes as stored
+    version: str                 # a content fingerprint, the same on every node with the same file
+
+    def weight_bytes(self, quantization: str | None) -> int:
+        if quantization is None:
+            return self.stored_bytes
+        return int(self.matrix_weights * BYTES_PER_WEIGHT[quantization]) + self.vector_bytes
+
+
+def inspect_model(path: str) -> ModelFileInfo:
+    """Read tensor shapes and types only (no weights) from a GGUF file or a safetensors directory."""
+    from models.loader import locate_model
+    kind, p = locate_model(path)
+    counts: dict[str, int] = {}
+    matrix, vector_bytes, stored = 0, 0, 0
+    if kind == "gguf":
+        from models.gguf_file import open_gguf
+        from models.quant import format_of_ggml
+        for t in open_gguf(p).tensors:
+            n = int(t.n_elements)
+            stored += int(t.n_bytes)
+            if len(t.shape) >= 2 and int(min(t.shape)) > 1:
+                matrix += n
+                try:
+                    fmt = format_of_ggml(t.tensor_type)
+                    counts[fmt] = counts.get(fmt, 0) + n
+                except ValueError:
+                    pass
+            else:
+                vector_bytes += 4 * n
+        files = [p]
+    else:
+        from safetensors import safe_open
+        dtype_format = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
+        files = sorted(os.path.join(p, f) for f in os.listdir(p) if f.endswith(".safetensors"))
+        for f in files:
+            with safe_open(f, framework="numpy") as st:
+                for name in st.keys():
+                    sl = st.get_slice(name)
+                    shape, dtype = sl.get_shape(), sl.get_dtype()
+                    n = 1
+                    for s in shape:
+                        n *= int(s)
+                    size = BYTES_PER_WEIGHT.get(dtype_format.get(dtype, "f32"), 4.0)
+                    stored += int(n * size)
+                    if len(shape) >= 2:
+                        matrix += n
+                        fmt = dtype_format.get(dtype, "f32")
+                        counts[fmt] = counts.get(fmt, 0) + n
+                    else:
+                        vector_bytes += 4 * n
+    stored_format = min(counts, key=FORMAT_ORDER.index) if counts else "f32"
+    return ModelFileInfo(stored_format, matrix, vector_bytes, stored, _fingerprint(files))
+
+
+def _fingerprint(files: list[str]) -> str:
+    """sha256 over the sizes and the first and last MiB of the files: cheap, and stable across copies."""
+    h = hashlib.sha256()
+    for f in files:
+        size = os.path.getsize(f)
+        h.update(str(size).encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(1 << 20))
+            if size > 2 << 20:
+                fh.seek(size - (1 << 20))
+                h.update(fh.read(1 << 20))
+    return h.hexdigest()[:12]
+
+
+@dataclass
+class ResidentModel:
+    spec: ModelSpec
+    quantization: str            # the label: the requested format, or the file's dominant one
+    engine: Engine
+    loop: EngineLoop
+    version: str
+    bytes: int                   # weights + KV cache
+    load_time_s: float
+    loaded_at: float
+    last_used: float
+    leases: int = 0
+    stream_decode_tokens_per_s: float = 0.0   # measured by the node's step listener
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.spec.id, self.quantization)
+
+    @property
+    def id(self) -> str:
+        return self.spec.id
+
+    @property
+    def idle(self) -> bool:
+        return self.leases == 0 and self.loop.num_streams == 0 and not self.engine.has_unfinished()
+
+
+@dataclass
+class _LoadJob:
+    key: tuple[str, str]
+    reserved: int
+    started: float
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
+class ModelRegistry:
+    def __init__(self, specs: list[ModelSpec], memory_budget_bytes: int,
+                 engine_config: Callable[[ModelSpec, str | None], EngineConfig],
+                 on_loaded: Callable[[ResidentModel], None] | None = None,
+                 on_evicted: Callable[[ResidentModel], None] | None = None):
+        self.specs = {s.id: s for s in specs}
+        self.order = [s.id for s in specs]
+        self.memory_budget_bytes = memory_budget_bytes
+        self.engine_config = engine_config
+        self.on_loaded = on_loaded
+        self.on_evicted = on_evicted
+        self._lock = threading.Lock()
+        self._resident: dict[tuple[str, str], ResidentModel] = {}
+        self._loading: dict[tuple[str, str], _LoadJob] = {}
+        self._info: dict[str, ModelFileInfo] = {}
+        self._exact_bytes: dict[tuple[str, str], int] = {}     # measured at an earlier load
+        self.last_load_s: dict[tuple[str, str], float] = {}
+        self.last_error: dict[str, str] = {}
+        self._closed = False
+
+    # ---- reading
+    def available(self) -> list[str]:
+        return list(self.order)
+
+    def spec(self, model_id: str) -> ModelSpec:
+        try:
+            return self.specs[model_id]
+        except KeyError:
+            raise ModelNotFound(f"The model {model_id!r} does not exist on this node "
+                                f"(available: {', '.join(self.order)})") from None
+
+    def resident(self) -> list[ResidentModel]:
+        with self._lock:
+            return list(self._resident.values())
+
+    def loading(self) -> list[tuple[str, str]]:
+        with self._lock:
+            return list(self._loading)
+
+    @property
+    def resident_bytes(self) -> int:
+        with self._lock:
+            return sum(m.bytes for m in self._resident.values())
+
+    def info(self, model_id: str) -> ModelFileInfo:
+        spec = self.spec(model_id)
+        info = self._info.get(model_id)
+        if info is None:
+            try:
+                info = self._info[model_id] = inspect_model(spec.path)
+            except (OSError, ValueError) as e:
+                self.last_error[model_id] = str(e)
+                raise ModelUnavailable(f"The model {model_id!r} cannot be read on this node: {e}",
+                                       "model_load_failed", 60) from None
+        return info
+
+    def label(self, model_id: str, quantization: str | None) -> str:
+        """The quantization a load with `quantization` ends up in (None keeps the file's)."""
+        return quantization or self.info(model_id).stored_format
+
+    def estimate_bytes(self, model_id: str, quantization: str | None) -> int:
+        key = (model_id, self.label(model_id, quantization))
+        if key in self._exact_bytes:
+            return self._exact_bytes[key]
+        fmt = None if quantization == self.info(model_id).stored_format else quantization
+        return self.info(model_id).weight_bytes(fmt) + self.engine_config(self.spec(model_id), fmt).kv_cache_bytes
+
+    # ---- leases
+    def find(self, model_id: str, quantization: str | None) -> ResidentModel | None:
+        """A resident instance (any quantization when None; the most recently used first)."""
+        with self._lock:
+            return self._find_locked(model_id, quantization)
+
+    def _find_locked(self, model_id, quantization):
+        found = [m for m in self._resident.values()
+                 if m.id == model_id and (quantization is None or m.quantization == quantization)]
+        return max(found, key=lambda m: m.last_used) if found else None
+
+    def acquire(self, model_id: str, quantization: str | None = None, wait_s: float = 0.0) -> ResidentModel:
+        """A resident model with one more lease (release() it); loads it if needed, waiting up to wait_s.
+        ModelNotFound, or ModelUnavailable when it is still loading or cannot fit."""
+        self.spec(model_id)
+        deadline = time.monotonic() + wait_s
+        for _ in range(8):   # a model just loaded can be evicted again before we lease it: retry a few times
+            with self._lock:
+                if self._closed:
+                    raise ModelUnavailable("the node is shutting down", "node_stopping", 5)
+                m = self._find_locked(model_id, quantization)
+                if m is not None and m.loop.failed is None:
+                    m.leases += 1
+                    m.last_used = time.monotonic()
+                    return m
+            if m is not None:   # its engine loop died: drop it and load it again
+                self._drop_failed(m)
+            job = self._start_load(model_id, quantization)
+            if not job.done.wait(max(0.0, deadline - time.monotonic())):
+                elapsed = time.monotonic() - job.started
+                expected = self.last_load_s.get(job.key, 5.0)
+                raise ModelUnavailable(f"The model {model_id!r} is loading on this node; retry shortly",
+                                       "model_loading", max(1.0, expected - elapsed))
+            if job.error is not None:
+                raise ModelUnavailable(f"The model {model_id!r} failed to load on this node: {job.error}",
+                                       "model_load_failed", 30)
+        raise ModelUnavailable(f"The model {model_id!r} could not be kept resident (memory pressure)",
+                               "insufficient_memory", 5)
+
+    def release(self, m: ResidentModel) -> None:
+        with self._lock:
+            m.leases -= 1
+            m.last_used = time.monotonic()
+
+    # ---- loading and eviction
+    def load(self, model_id: str, quantization: str | None = None, wait_s: float = 0.0) -> ResidentModel:
+        """Make the model resident (for /v1/models/load and the start-up preload)."""
+        m = self.acquire(model_id, quantization, wait_s)
+        self.release(m)
+        return m
+
+    def _start_load(self, model_id: str, quantization: str | None) -> _LoadJob:
+        label = self.label(model_id, quantization)
+        key = (model_id, label)
+        fmt = None if label == self.info(model_id).stored_format else label
+        need = self.estimate_bytes(model_id, quantization)
+        evicted = []
+        with self._lock:
+            job = self._loading.get(key)
+            if job is not None:
+                return job
+            if key in self._resident:   # loaded meanwhile: the caller's next round leases it
+                job = _LoadJob(key, 0, time.monotonic())
+                job.done.set()
+                return job
+            if need > self.memory_budget_bytes:
+                raise ModelUnavailable(
+                    f"The model {model_id!r} ({label}) needs about {need} bytes; this node's memory budget "
+                    f"is {self.memory_budget_bytes}", "insufficient_memory", 3600)
+            evicted = self._make_room_locked(need)
+            if evicted is None:
+                busy = ", ".join(f"{m.id} ({m.quantization})" for m in self._resident.values())
+                raise ModelUnavailable(
+                    f"No room to load {model_id!r} ({label}): the resident models are serving requests "
+                    f"({busy})", "insufficient_memory", 5)
+            job = self._loading[key] = _LoadJob(key, need, time.monotonic())
+        for m in evicted:
+            self._stop(m, "evicted (least recently used) to load " + f"{model_id} ({label})")
+        threading.Thread(target=self._load, args=(job, self.spec(model_id), fmt, label),
+                         name=f"load-{model_id}-{label}", daemon=True).start()
+        return job
+
+    def _used_locked(self) -> int:
+        return sum(m.bytes for m in self._resident.values()) + sum(j.reserved for j in self._loading.values())
+
+    def _make_room_locked(self, need: int, keep: ResidentModel | None = None) -> list[ResidentModel] | None:
+        """Take idle models out of the resident set, least recently used first, until `need` more bytes
+        fit (the caller stops them); None (nothing taken) if it cannot fit even then."""
+        free = self.memory_budget_bytes - self._used_locked()
+        if need <= free:
+            return []
+        idle = sorted((m for m in self._resident.values() if m.idle and m is not keep), key=lambda m: m.last_used)
+        chosen = []
+        for m in idle:
+            if need <= free:
+                break
+            chosen.append(m)
+            free += m.bytes
+        if need > free:
+            return None
+        for m in chosen:
+            del self._resident[m.key]
+        return chosen
+
+    def _load(self, job: _LoadJob, spec: ModelSpec, fmt: str | None, label: str) -> None:
+        t0 = time.monotonic()
+        try:
+            cfg = self.engine_config(spec, fmt)
+            log.info("loading model", extra={"event": "model_load_start", "model": spec.id, "quantization": label,
+                                             "path": spec.path})
+            engine = Engine(cfg)
+            loop = EngineLoop(engine, name=f"engine-{spec.id}-{label}")
+            kv_bytes = engine.pool.num_blocks * engine.model.kv_bytes_per_block(cfg.block_size)
+            seconds = time.monotonic() - t0
+            now = time.monotonic()
+            m = ResidentModel(spec, label, engine, loop, self.info(spec.id).version,
+                              int(engine.weight_bytes + kv_bytes), seconds, now, now)
+            if self.on_loaded is not None:
+                self.on_loaded(m)
+            with self._lock:
+                closed = self._closed
+                if not closed:
+                    self._resident[job.key] = m
+                    self._exact_bytes[job.key] = m.bytes
+                    self.last_load_s[job.key] = seconds
+                    self.last_error.pop(spec.id, None)
+                self._loading.pop(job.key, None)
+                extra = []
+                if self._used_locked() > self.memory_budget_bytes:   # larger than estimated
+                    extra = self._make_room_locked(0, keep=m) or []
+            if closed:
+                loop.stop()
+                return
+            log.info("model loaded", extra={"event": "model_loaded", "model": spec.id, "quantization": label,
+                                            "load_time_s": round(seconds, 3), "bytes": m.bytes})
+            for e in extra:
+                self._stop(e, "evicted: the loaded model is larger than estimated")
+        except BaseException as e:   # noqa: BLE001 — a load failure is reported to every waiter
+            log.exception("model load failed", extra={"event": "model_load_failed", "model": spec.id})
+            job.error = e
+            with self._lock:
+                self._loading.pop(job.key, None)
+                self.last_error[spec.id] = str(e)
+        finally:
+            job.done.set()
+
+    def preload(self, model_ids: list[str] | None, wait_s: float = 3600.0) -> None:
+        """Start-up: load the named models (all of them must fit), or by default the listed models in
+        order while each fits without evicting another."""
+        for model_id in (model_ids if model_ids is not None else self.order):
+            try:
+                if model_ids is None:
+                    need = self.estimate_bytes(model_id, None)
+                    with self._lock:
+                        fits = need <= self.memory_budget_bytes - self._used_locked()
+                    if not fits:
+                        log.info("not preloading: it does not fit beside the models loaded before it",
+                                 extra={"event": "preload_skipped", "model": model_id, "bytes": need})
+                        continue
+                self.load(model_id, None, wait_s)
+            except ModelUnavailable as e:
+                log.error("start-up load failed", extra={"event": "preload_failed", "model": model_id,
+                                                         "error": str(e)})
+
+    def unload(self, model_id: str, quantization: str | None = None) -> list[ResidentModel]:
+        """Unload the idle resident instances of a model; ModelBusy if one has requests in flight."""
+        self.spec(model_id)
+        with self._lock:
+            found = [m for m in self._resident.values()
+                     if m.id == model_id and (quantization is None or m.quantization == quantization)]
+            busy = [m for m in found if not m.idle]
+            if busy:
+                raise ModelBusy(f"The model {model_id!r} has requests in flight; unload it when they finish")
+            for m in found:
+                del self._resident[m.key]
+        for m in found:
+            self._stop(m, "unloaded on request")
+        return found
+
+    def _drop_failed(self, m: ResidentModel) -> None:
+        with self._lock:
+            if self._resident.get(m.key) is m:
+                del self._resident[m.key]
+            else:
+                return
+        self._stop(m, f"engine loop failed ({m.loop.failed})")
+
+    def _stop(self, m: ResidentModel, why: str) -> None:
+        log.info("model evicted", extra={"event": "model_evicted", "model": m.id, "quantization": m.quantization,
+                                         "reason": why, "bytes": m.bytes})
+        m.loop.stop()
+        if self.on_evicted is not None:
+            self.on_evicted(m)
+        gc.collect()   # the weights and KV arrays go with the last reference
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            models = list(self._resident.values())
+            self._resident.clear()
+        for m in models:
+            m.loop.stop()

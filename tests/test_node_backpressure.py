@@ -1,0 +1,52 @@
+"""Backpressure over real HTTP: a bounded waiting queue (503 with Retry-After beyond it), and a client
+that leaves while its request still waits frees its slot without touching the running request."""
+from __future__ import annotations
+
+from tests.node_fixtures import (  # noqa: F401 (start_node, tiny_models: fixtures)
+    assert_openai_error, generate, metric, next_event, node_state, open_stream, scrape, start_node, tiny_models,
+    wait_for)
+
+SECRET = "backpressure-test-secret"
+
+
+def post(url, body):
+    return generate(url, body, SECRET)
+
+
+def state(url):
+    return node_state(url, SECRET)
+
+
+def test_queue_full_503_and_leaving_while_waiting(start_node, tiny_models):
+    url = start_node([tiny_models["a"] + "=tiny-a"], SECRET, max_num_seqs=1, max_waiting=1)
+    long_gen = {"model": "tiny-a", "prompt_token_ids": [9], "org": "stayer",
+                "sampling": {"max_tokens": 1200, "ignore_eos": True}}
+    conn_a, resp_a = open_stream(url, long_gen, SECRET)
+    first = next_event(resp_a)
+    assert first["type"] == "token"
+    # B waits behind A (one sequence runs at a time): the queue (bound 1) is now full
+    conn_b, resp_b = open_stream(url, {"model": "tiny-a", "prompt_token_ids": [7, 8], "org": "leaver",
+                                       "sampling": {"max_tokens": 5}}, SECRET)
+    wait_for(lambda: state(url)["queue"]["waiting"] == 1, what="B waiting")
+    r = post(url, {"model": "tiny-a", "prompt": "c", "sampling": {"max_tokens": 2}})
+    err = assert_openai_error(r, 503, "queue_full")
+    assert int(r.headers["Retry-After"]) >= 1 and err["type"] == "server_error"
+    assert state(url)["queue"]["max_waiting"] == 1
+    # B's client leaves before B ever ran: its slot is freed, A runs on
+    conn_b.close()
+    wait_for(lambda: state(url)["queue"]["waiting"] == 0, what="B's slot freed")
+    events = [first]
+    while events[-1]["type"] != "done":
+        events.append(next_event(resp_a))
+    conn_a.close()
+    assert events[-1]["choices"] == [{"index": 0, "finish_reason": "length"}]
+    assert events[-1]["usage"]["completion_tokens"] == 1200
+    assert sum(1 for e in events if e["type"] == "token") == 1200
+    s = state(url)
+    assert s["queue"] == {"waiting": 0, "running": 0, "max_waiting": 1} and s["kv_cache_usage"] == 0.0
+    m = scrape(url)
+    assert metric(m, "zen_node_request_success_total", org="leaver", finished_reason="abort") == 1
+    assert metric(m, "zen_node_generation_tokens_total", org="leaver") == 0
+    assert metric(m, "zen_node_requests_rejected_total", reason="queue_full") == 1
+    # with the queue empty again, requests are taken
+    assert post(url, {"model": "tiny-a", "prompt": "d", "sampling": {"max_tokens": 2}}).status_code == 200

@@ -1,0 +1,166 @@
+"""The model registry: LRU eviction and cold loads under a memory budget (over real HTTP), never evicting
+a model under running sequences, 503 while a model loads; and the node's configuration parsing."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import requests
+
+from engine.node_config import ModelSpec, NodeConfig, parse_bytes
+from engine.registry import inspect_model
+from tests.node_fixtures import (  # noqa: F401 (start_node, tiny_models: fixtures)
+    SECRET_HEADER, assert_openai_error, generate, make_tiny_model, metric, next_event, node_state, open_stream,
+    scrape, start_node, tiny_models, wait_for)
+
+SECRET = "registry-test-secret"
+ONE_MODEL_BUDGET = 7 << 20   # tiny-a (0.4 MB + 4 MiB KV) or tiny-b (1.3 MB + 4 MiB KV), not both
+
+
+def post(url, body):
+    return generate(url, body, SECRET)
+
+
+def resident(url) -> list[str]:
+    return sorted(m["id"] for m in node_state(url, SECRET)["models"])
+
+
+def test_lru_eviction_and_cold_load(start_node, tiny_models):
+    url = start_node([tiny_models["a"] + "=tiny-a", tiny_models["b"] + "=tiny-b"], SECRET,
+                     memory_budget=ONE_MODEL_BUDGET)
+    s = node_state(url, SECRET)
+    assert [m["id"] for m in s["models"]] == ["tiny-a"] and s["available_models"] == ["tiny-a", "tiny-b"]
+    assert s["memory"]["budget_bytes"] == ONE_MODEL_BUDGET
+
+    # a request for tiny-b loads it cold, evicting the idle tiny-a
+    r = post(url, {"model": "tiny-b", "prompt": "cold", "sampling": {"max_tokens": 3}})
+    assert r.status_code == 200, r.text
+    s = node_state(url, SECRET)
+    (b,) = s["models"]
+    assert b["id"] == "tiny-b" and b["load_time_s"] > 0 and b["bytes"] <= ONE_MODEL_BUDGET
+    m = scrape(url)
+    assert metric(m, "zen_node_model_evictions_total", model="tiny-a") == 1
+    assert metric(m, "zen_node_model_loads_total", model="tiny-b") == 1
+    assert metric(m, "zen_node_models_resident") == 1
+    assert metric(m, "zen_node_model_load_time_seconds", model="tiny-b") > 0
+
+    # tiny-b is never evicted under a running sequence: a request for tiny-a gets 503 meanwhile
+    conn, resp = open_stream(url, {"model": "tiny-b", "prompt_token_ids": [9],
+                                   "sampling": {"max_tokens": 2000, "ignore_eos": True}}, SECRET)
+    assert next_event(resp)["type"] == "token"
+    r = post(url, {"model": "tiny-a", "prompt": "x", "sampling": {"max_tokens": 2}})
+    assert_openai_error(r, 503, "insufficient_memory")
+    assert int(r.headers["Retry-After"]) >= 1
+    assert next_event(resp)["type"] == "token"   # the stream goes on
+    conn.close()
+    wait_for(lambda: node_state(url, SECRET)["queue"]["running"] == 0, what="the stream aborted")
+
+    # idle again: tiny-a comes back and tiny-b, the least recently used, goes
+    r = post(url, {"model": "tiny-a", "prompt": "back", "sampling": {"max_tokens": 2}})
+    assert r.status_code == 200, r.text
+    assert resident(url) == ["tiny-a"]
+    m = scrape(url)
+    assert metric(m, "zen_node_model_evictions_total", model="tiny-b") == 1
+    assert metric(m, "zen_node_model_loads_total", model="tiny-a") == 2
+
+
+def test_503_while_loading_then_served(start_node, tiny_models):
+    url = start_node([tiny_models["a"] + "=tiny-a", tiny_models["b"] + "=tiny-b"], SECRET,
+                     memory_budget=ONE_MODEL_BUDGET, load_wait=0)
+    r = post(url, {"model": "tiny-b", "prompt": "x", "sampling": {"max_tokens": 2}})
+    assert_openai_error(r, 503, "model_loading")
+    assert int(r.headers["Retry-After"]) >= 1
+    wait_for(lambda: resident(url) == ["tiny-b"], what="tiny-b loaded in the background")
+    assert post(url, {"model": "tiny-b", "prompt": "x", "sampling": {"max_tokens": 2}}).status_code == 200
+
+
+def test_model_too_large_for_the_budget(start_node, tiny_models):
+    url = start_node([tiny_models["a"] + "=tiny-a", tiny_models["b"] + "=tiny-b"], SECRET,
+                     memory_budget=5 << 20)   # tiny-a fits, tiny-b never does
+    assert resident(url) == ["tiny-a"]
+    r = post(url, {"model": "tiny-b", "prompt": "x", "sampling": {"max_tokens": 2}})
+    assert_openai_error(r, 503, "insufficient_memory")
+    assert resident(url) == ["tiny-a"]   # nothing was evicted for a load that could never fit
+
+
+# ---- configuration (in-process, no server)
+
+def test_model_spec_and_sizes():
+    assert ModelSpec.parse("/m/SmolLM2-135M-Instruct.Q4_1.gguf") == ModelSpec(
+        "/m/SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct")
+    assert ModelSpec.parse("/m/x.gguf=small") == ModelSpec("/m/x.gguf", "small")
+    assert ModelSpec.parse("/m/dir/=d") == ModelSpec("/m/dir/", "d")
+    assert parse_bytes("1024") == 1024 and parse_bytes("512MiB") == 512 << 20 and parse_bytes("2G") == 2 << 30
+    with pytest.raises(ValueError):
+        parse_bytes("lots")
+    with pytest.raises(ValueError, match="unique"):
+        NodeConfig(models=[ModelSpec("a", "x"), ModelSpec("b", "x")])
+    with pytest.raises(ValueError, match="preload"):
+        NodeConfig(models=[ModelSpec("a", "x")], preload=["y"])
+
+
+def test_inspect_model_estimates(tmp_path):
+    path = make_tiny_model(tmp_path, "est", seed=3)
+    info = inspect_model(path)
+    assert info.stored_format == "f32" and len(info.version) == 12
+    assert info.weight_bytes(None) == info.stored_bytes
+    assert info.weight_bytes("q8_0") < info.weight_bytes("f16") < info.stored_bytes
+    assert inspect_model(path).version == info.version
+
+
+def test_health_503_until_startup_models_load(tiny_models):
+    from engine.server import create_app
+    app = create_app(NodeConfig(models=[ModelSpec(tiny_models["a"], "tiny-a")], backend="cpu",
+                                kv_cache_bytes=1 << 20), start=False)
+    node = app.extensions["zen_node"]
+    client = app.test_client()
+    try:
+        r = client.get("/health")
+        assert r.status_code == 503 and r.json == {"status": "loading"} and r.headers["Retry-After"]
+        assert client.get("/state", headers={"X-Node-Secret": node.config.secret}).json["healthy"] is False
+        node.start()
+        assert node.ready.wait(30)
+        assert client.get("/health").status_code == 200
+    finally:
+        node.close()
+
+
+@pytest.mark.slow
+def test_cold_load_does_not_stall_other_streams(start_node, tiny_models, default_model):
+    """Stream from tiny-a while the real SmolLM2 loads cold beside it: the gaps between tiny-a's tokens
+    during the load stay near one step."""
+    url = start_node([tiny_models["a"] + "=tiny-a", default_model + "=smollm2"], SECRET, preload=["tiny-a"],
+                     kv_cache_bytes="16MiB", load_wait=300)
+    conn, resp = open_stream(url, {"model": "tiny-a", "prompt_token_ids": [9],
+                                   "sampling": {"max_tokens": 4000, "ignore_eos": True}}, SECRET)
+    next_event(resp)
+    loaded = {}
+
+    def load():
+        t0 = time.monotonic()
+        r = requests.post(url + "/v1/models/load", json={"model": "smollm2"}, headers={SECRET_HEADER: SECRET},
+                          timeout=300)
+        loaded.update(status=r.status_code, start=t0, end=time.monotonic())
+
+    stamps = []
+    t = threading.Thread(target=load)
+    t.start()
+    try:
+        while t.is_alive() and len(stamps) < 3990:
+            if next_event(resp)["type"] != "token":
+                break
+            stamps.append(time.monotonic())
+    finally:
+        t.join(300)
+        conn.close()
+    assert loaded.get("status") == 200
+    during = [b - a for a, b in zip(stamps, stamps[1:]) if loaded["start"] <= a <= loaded["end"]]
+    assert len(during) > 10, "the load ended before the stream showed anything"
+    # the stream keeps flowing through the load (which takes seconds): at most a few long gaps
+    assert max(during) < 1.0, f"a token gap of {max(during):.3f} s during the cold load"
+    assert sum(1 for g in during if g > 0.05) <= 3, sorted(during)[-5:]
+    if max(during) > 0.1:
+        # Known: building the tokenizer (json.dumps + tokenizers.Tokenizer.from_str in models/tokenizer.py)
+        # holds the GIL for ~0.2-0.4 s in one C call; the loop thread cannot step meanwhile.
+        pytest.xfail(f"longest token gap during the cold load: {max(during):.3f} s (tokenizer build holds the GIL)")
