@@ -5,7 +5,7 @@ import logging
 import os
 import re
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger("engine.node")
@@ -66,7 +66,6 @@ class NodeConfig:
     threads: int = 32                          # concurrent HTTP requests (streams) of the single worker
     max_org_labels: int = 100                  # distinct org label values in metrics; the rest are "other"
     log_level: str = "info"
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if not self.models:

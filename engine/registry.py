@@ -203,11 +203,6 @@ class ModelRegistry:
         with self._lock:
             return list(self._loading)
 
-    @property
-    def resident_bytes(self) -> int:
-        with self._lock:
-            return sum(m.bytes for m in self._resident.values())
-
     def info(self, model_id: str) -> ModelFileInfo:
         spec = self.spec(model_id)
         info = self._info.get(model_id)
@@ -232,12 +227,8 @@ class ModelRegistry:
         return self.info(model_id).weight_bytes(fmt) + self.engine_config(self.spec(model_id), fmt).kv_cache_bytes
 
     # ---- leases
-    def find(self, model_id: str, quantization: str | None) -> ResidentModel | None:
+    def _find_locked(self, model_id: str, quantization: str | None) -> ResidentModel | None:
         """A resident instance (any quantization when None; the most recently used first)."""
-        with self._lock:
-            return self._find_locked(model_id, quantization)
-
-    def _find_locked(self, model_id, quantization):
         found = [m for m in self._resident.values()
                  if m.id == model_id and (quantization is None or m.quantization == quantization)]
         return max(found, key=lambda m: m.last_used) if found else None

@@ -20,7 +20,7 @@ def state(url):
 def test_queue_full_503_and_leaving_while_waiting(start_node, tiny_models):
     url = start_node([tiny_models["a"] + "=tiny-a"], SECRET, max_num_seqs=1, max_waiting=1)
     long_gen = {"model": "tiny-a", "prompt_token_ids": [9], "org": "stayer",
-                "sampling": {"max_tokens": 1200, "ignore_eos": True}}
+                "sampling": {"max_tokens": 2000, "ignore_eos": True}}
     conn_a, resp_a = open_stream(url, long_gen, SECRET)
     first = next_event(resp_a)
     assert first["type"] == "token"
@@ -35,18 +35,23 @@ def test_queue_full_503_and_leaving_while_waiting(start_node, tiny_models):
     # B's client leaves before B ever ran: its slot is freed, A runs on
     conn_b.close()
     wait_for(lambda: state(url)["queue"]["waiting"] == 0, what="B's slot freed")
+    # D may wait at most 0.2 s: it is never scheduled while A runs, so it ends with a 503 the gateway retries
+    r = post(url, {"model": "tiny-a", "prompt": "d", "queue_timeout_s": 0.2, "org": "hasty",
+                   "sampling": {"max_tokens": 2}})
+    assert_openai_error(r, 503, "queue_timeout")
     events = [first]
     while events[-1]["type"] != "done":
         events.append(next_event(resp_a))
     conn_a.close()
     assert events[-1]["choices"] == [{"index": 0, "finish_reason": "length"}]
-    assert events[-1]["usage"]["completion_tokens"] == 1200
-    assert sum(1 for e in events if e["type"] == "token") == 1200
+    assert events[-1]["usage"]["completion_tokens"] == 2000
+    assert sum(1 for e in events if e["type"] == "token") == 2000
     s = state(url)
     assert s["queue"] == {"waiting": 0, "running": 0, "max_waiting": 1} and s["kv_cache_usage"] == 0.0
     m = scrape(url)
     assert metric(m, "zen_node_request_success_total", org="leaver", finished_reason="abort") == 1
     assert metric(m, "zen_node_generation_tokens_total", org="leaver") == 0
     assert metric(m, "zen_node_requests_rejected_total", reason="queue_full") == 1
+    assert metric(m, "zen_node_request_success_total", org="hasty", finished_reason="timeout") == 1
     # with the queue empty again, requests are taken
     assert post(url, {"model": "tiny-a", "prompt": "d", "sampling": {"max_tokens": 2}}).status_code == 200
