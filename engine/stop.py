@@ -1,0 +1,67 @@
+"""Stop strings over streamed text: what is safe to emit now, and whether a stop string was hit.
+
+A stop string may arrive split over several text deltas. The checker emits text as soon as it cannot
+be part of a stop string, holds back the longest tail that is the beginning of one, and on a match
+emits only the text before it (the stop string and everything after it are dropped).
+"""
+from __future__ import annotations
+
+
+class StopChecker:
+    """push(delta) -> (text safe to emit, stopped); flush() -> held-back text when the sequence ends
+    for another reason. After a stop, push returns ("", True). `matched` is the stop string hit."""
+
+    __slots__ = ("stop", "matched", "_held", "_done")
+
+    def __init__(self, stop: list[str]):
+        self.stop = [s for s in stop if s]
+        self.matched: str | None = None
+        self._held = ""
+        self._done = False
+
+    @property
+    def stopped(self) -> bool:
+        return self._done
+
+    def push(self, delta_text: str) -> tuple[str, bool]:
+        if not self.stop:
+            return delta_text, False
+        if self._done:
+            return "", True
+        if not delta_text:
+            return "", False
+        # The held text is shorter than every stop string it begins, and holds no stop string; any
+        # match therefore ends inside delta_text, and text before the held part was already safe.
+        buf = self._held + delta_text
+        first, hit = -1, None
+        for s in self.stop:
+            i = buf.find(s)
+            if i >= 0 and (first < 0 or i < first):
+                first, hit = i, s
+        if hit is not None:
+            self._done, self.matched, self._held = True, hit, ""
+            return buf[:first], True
+        keep = self._longest_partial(buf)
+        self._held = buf[len(buf) - keep:] if keep else ""
+        return buf[:len(buf) - keep], False
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return held
+
+    def _longest_partial(self, buf: str) -> int:
+        """Length of the longest tail of buf that is a proper beginning of some stop string."""
+        best = 0
+        last = buf[-1]
+        for s in self.stop:
+            # candidate lengths k: s[k - 1] == buf[-1], longest first, k < len(s) and k <= len(buf)
+            k = min(len(s) - 1, len(buf))
+            while k > best:
+                k = s.rfind(last, 0, k) + 1
+                if k <= best:
+                    break
+                if buf.endswith(s[:k]):
+                    best = k
+                    break
+                k -= 1
+        return best
