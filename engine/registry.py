@@ -25,6 +25,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.loop import EngineLoop
 from engine.node_config import ModelSpec
+from models.loader import load_tokenizer
 from models.quant import BLOCK_FORMATS, FLOAT_FORMATS
 
 log = logging.getLogger("engine.registry")
@@ -371,6 +372,13 @@ class ModelRegistry:
     def preload(self, model_ids: list[str] | None, wait_s: float = 3600.0) -> None:
         """Start-up: load the named models (all of them must fit), or by default the listed models in
         order while each fits without evicting another."""
+        for spec in self.specs.values():
+            # Tokenizers are built here, once: building one holds the GIL for a few hundred ms, which a
+            # later cold load must not do beside other models' running streams.
+            try:
+                load_tokenizer(spec.path)
+            except Exception:  # an unloadable model reports its error when it is loaded
+                pass
         for model_id in (model_ids if model_ids is not None else self.order):
             try:
                 if model_ids is None:

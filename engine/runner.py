@@ -52,10 +52,12 @@ class ModelRunner:
             self.k_cache, self.v_cache)
         if not sampling:
             return [], None
-        rows = [
-            RowSpec(params=s.request.sampling, seed=s.seed, step=s.num_output_tokens,
-                    prompt_token_ids=s.token_ids[:s.num_prompt_tokens], output_token_ids=s.output_token_ids,
-                    eos_token_ids=self.eos_token_ids)
-            for s in sampling
-        ]
+        rows = []
+        for s in sampling:
+            p = s.request.sampling
+            history = p.needs_history  # copy token lists only for rows whose penalties read them
+            rows.append(RowSpec(params=p, seed=s.seed, step=s.num_output_tokens,
+                                prompt_token_ids=s.token_ids[:s.num_prompt_tokens] if history else (),
+                                output_token_ids=s.output_token_ids if history else (),
+                                eos_token_ids=self.eos_token_ids))
         return sampling, b.sample(logits, SamplingBatch.build(rows))

@@ -205,6 +205,11 @@ class SamplingParams:
         return [int(t) for t in ids]
 
     @property
+    def needs_history(self) -> bool:
+        """Whether sampling reads the tokens generated so far (penalties)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
 
@@ -242,7 +247,7 @@ class RowSpec:
     params: SamplingParams
     seed: int            # always set: the engine draws one for unseeded requests
     step: int            # tokens this sequence has generated so far
-    prompt_token_ids: Sequence[int] = ()
+    prompt_token_ids: Sequence[int] = ()   # read only when the params have penalties
     output_token_ids: Sequence[int] = ()
     eos_token_ids: Sequence[int] = ()
 
@@ -303,7 +308,7 @@ class SamplingBatch:
             if p.logit_bias:
                 bias[i] = np.fromiter(p.logit_bias.keys(), np.int32, len(p.logit_bias))
                 bias_vals[i] = np.fromiter(p.logit_bias.values(), np.float32, len(p.logit_bias))
-            if len(r.output_token_ids) < p.min_tokens:
+            if r.step < p.min_tokens:
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
                 if banned:
                     mask[i] = np.asarray(banned, np.int32)

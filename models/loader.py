@@ -5,6 +5,7 @@ load_tokenizer reads only a model's tokenizer, without its weights.
 from __future__ import annotations
 
 import os
+import threading
 
 from models.gguf_file import ModelFileError, open_gguf, read_gguf
 from models.quant import FORMATS, UnsupportedFormat
@@ -76,12 +77,32 @@ def _tokenizer_from_dir(path: str) -> Tokenizer:
         raise ModelFileError(str(e)) from None
 
 
-def load_tokenizer(path) -> Tokenizer:
-    """Only the tokenizer of a model (no weights read)."""
+# Building a tokenizer holds the GIL for ~0.1-0.3 s (JSON and the tokenizers library's parser), which
+# would pause every other model's engine thread in a node; one instance per file is built once and shared.
+_tokenizers: dict[tuple, Tokenizer] = {}
+_tokenizers_lock = threading.Lock()
+
+
+def _file_key(kind: str, p: str) -> tuple:
+    target = p if kind == "gguf" else os.path.join(p, CONFIG_NAME)
+    st = os.stat(target)
+    return (os.path.abspath(p), st.st_mtime_ns, st.st_size)
+
+
+def load_tokenizer(path, fields: dict | None = None) -> Tokenizer:
+    """Only the tokenizer of a model (no weights read); built once per model file."""
     kind, p = locate_model(path)
-    if kind == "gguf":
-        return _tokenizer_from_gguf(p, read_gguf_fields(p))
-    return _tokenizer_from_dir(p)
+    key = _file_key(kind, p)
+    with _tokenizers_lock:
+        tok = _tokenizers.get(key)
+    if tok is None:
+        if kind == "gguf":
+            tok = _tokenizer_from_gguf(p, fields if fields is not None else read_gguf_fields(p))
+        else:
+            tok = _tokenizer_from_dir(p)
+        with _tokenizers_lock:
+            tok = _tokenizers.setdefault(key, tok)
+    return tok
 
 
 def load_model(path, quantization: str | None = None) -> tuple[ModelWeights, Tokenizer]:
@@ -102,10 +123,10 @@ def load_model(path, quantization: str | None = None) -> tuple[ModelWeights, Tok
             weights, fields = read_gguf(p)
         except UnsupportedFormat as e:
             raise UnsupportedFormat(str(e) if p in str(e) else f"{p}: {e}") from None
-        tokenizer = _tokenizer_from_gguf(p, fields)
+        tokenizer = load_tokenizer(p, fields)
     else:
         weights = read_safetensors_dir(p)
-        tokenizer = _tokenizer_from_dir(p)
+        tokenizer = load_tokenizer(p)
     if tokenizer.vocab_size > weights.config.vocab_size:
         raise ModelFileError(
             f"{p}: the tokenizer has {tokenizer.vocab_size} tokens but the model only {weights.config.vocab_size}"

@@ -366,9 +366,9 @@ def test_penalties_and_bias_change_logits_exactly(rng):
                 or None,
                 min_tokens=int(rng.integers(0, 4)), stop_token_ids=rng.integers(0, V, 2).tolist(),
                 ignore_eos=bool(rng.integers(0, 2)), max_tokens=100)
-            specs.append(RowSpec(p, seed=i, step=0, prompt_token_ids=rng.integers(0, V, int(rng.integers(0, 40))),
-                                 output_token_ids=rng.integers(0, min(V, 12), int(rng.integers(0, 20))).tolist(),
-                                 eos_token_ids=[int(rng.integers(0, V))]))
+            out = rng.integers(0, min(V, 12), int(rng.integers(0, 20))).tolist()
+            specs.append(RowSpec(p, seed=i, step=len(out), prompt_token_ids=rng.integers(0, V, int(rng.integers(0, 40))),
+                                 output_token_ids=out, eos_token_ids=[int(rng.integers(0, V))]))
         lg = random_logits(rng, len(specs), V)
         batch = SamplingBatch.build(specs)
         got = processed_logits(lg, batch)
