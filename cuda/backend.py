@@ -197,6 +197,31 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def attention_tiles(positions: np.ndarray, token_seq: np.ndarray, max_q: int):
+    """Query tiles of a step: runs of consecutive tokens of one sequence at consecutive positions, cut every
+    max_q tokens -> (first token int32 [n], length int32 [n], longest context)."""
+    pos = np.asarray(positions).astype(np.int64)
+    seq = np.asarray(token_seq).astype(np.int64)
+    n = len(pos)
+    new_run = np.ones(n, bool)
+    new_run[1:] = (seq[1:] != seq[:-1]) | (pos[1:] != pos[:-1] + 1)
+    run_start = np.flatnonzero(new_run)
+    in_run = np.arange(n) - run_start[np.cumsum(new_run) - 1]
+    starts = np.flatnonzero(new_run | (in_run % max_q == 0))
+    lens = np.diff(np.append(starts, n))
+    return starts.astype(np.int32), lens.astype(np.int32), int(pos.max()) + 1
+
+
+def split_plan(c: launch.LaunchConfig, work_items: int, max_ctx: int) -> tuple[int, int]:
+    """(number of context splits, positions per split) of paged attention: the context is split only while
+    the grid would have fewer blocks than c.attn_target_blocks, into parts of at least c.attn_min_split."""
+    if work_items >= c.attn_target_blocks or max_ctx <= c.attn_min_split:
+        return 1, _ceil_div(max_ctx, c.attn_chunk) * c.attn_chunk
+    n = min(_ceil_div(max_ctx, c.attn_min_split), _ceil_div(c.attn_target_blocks, work_items))
+    split = _ceil_div(_ceil_div(max_ctx, n), c.attn_chunk) * c.attn_chunk
+    return _ceil_div(max_ctx, split), split
+
+
 class CudaBackend:
     name = "cuda"
 
@@ -325,30 +350,14 @@ class CudaBackend:
         attn_k.attention_reduce[ntok, c.threads](part_acc, part_ml, pos, int(split), out)
 
     def _tiles(self, positions, token_seq, max_q: int):
-        """Query tiles of the step: runs of consecutive tokens of one sequence at consecutive positions, cut
-        every max_q tokens -> (tile first token, tile length) on the device, count, longest context."""
+        """(tile first token, tile length) on the device, tile count, longest context; cached per step."""
         def make():
-            pos = self._host(positions).astype(np.int64)
-            seq = self._host(token_seq).astype(np.int64)
-            n = len(pos)
-            new_run = np.ones(n, bool)
-            new_run[1:] = (seq[1:] != seq[:-1]) | (pos[1:] != pos[:-1] + 1)
-            run_start = np.flatnonzero(new_run)
-            in_run = np.arange(n) - run_start[np.cumsum(new_run) - 1]
-            starts = np.flatnonzero(new_run | (in_run % max_q == 0))
-            lens = np.diff(np.append(starts, n))
-            return (_to_device(starts.astype(np.int32)), _to_device(lens.astype(np.int32)), len(starts),
-                    int(pos.max()) + 1)
+            starts, lens, max_ctx = attention_tiles(self._host(positions), self._host(token_seq), max_q)
+            return _to_device(starts), _to_device(lens), len(starts), max_ctx
         return self._cache.get(f"tiles{max_q}", (positions, token_seq), make)
 
     def _splits(self, work_items: int, max_ctx: int) -> tuple[int, int]:
-        """(number of context splits, positions per split): split only while the grid would be small."""
-        c = self.config
-        if work_items >= c.attn_target_blocks or max_ctx <= c.attn_min_split:
-            return 1, _ceil_div(max_ctx, c.attn_chunk) * c.attn_chunk
-        n = min(_ceil_div(max_ctx, c.attn_min_split), _ceil_div(c.attn_target_blocks, work_items))
-        split = _ceil_div(_ceil_div(max_ctx, n), c.attn_chunk) * c.attn_chunk
-        return _ceil_div(max_ctx, split), split
+        return split_plan(self.config, work_items, max_ctx)
 
     def silu_mul(self, gate_up, out) -> None:
         n = out.shape[0] * out.shape[1]

@@ -282,3 +282,17 @@ def test_forward_tiny_llama(fmt):
                                              up.block_tables, up.logits_indices)))  # as the engine's runner does
     logits = be.download(model.forward(up, kc, vc))
     close(logits, ref[6:7], 2e-4)
+
+
+def test_gpu_check_script_in_the_simulator(tmp_path):
+    """cuda/gpu_check.py end to end at tiny sizes (kernel checks, cpu vs cuda, benchmarks, the report), so the
+    script that runs once on a GPU has run before."""
+    from cuda import gpu_check
+
+    out = tmp_path / "RESULTS.md"
+    assert gpu_check.main(["--tiny", "--no-torch", "--out", str(out)]) == 0
+    md = out.read_text()
+    assert "**Result: passed**" in md and "FAIL" not in md
+    for want in ("matmul q4_1 T=1 (gemv)", "paged attention", "split(s) (forced)", "sample: token ids equal",
+                 "model: greedy ids equal", "| decode, batch 2", "| prefill, 1 x 5 tokens"):
+        assert want in md, want

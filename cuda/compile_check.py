@@ -1,0 +1,304 @@
+"""`make kernels`: compile every CUDA kernel offline for sm_80 and sm_90 (no GPU needed) and check it.
+
+For each architecture, every kernel variant its launch-table row (and the fallback row) instantiates is
+compiled with the signature the backend launches it with, to PTX by numba/NVVM and on to SASS by nvJitLink
+(or ptxas). Prints registers, shared memory, stack and spills per kernel and architecture, and exits 1 on a
+compile error, on any spill, or on a float64 instruction (every kernel computes in float32).
+
+Needs the wheels nvidia-cuda-nvrtc==13.0.88 and nvidia-nvjitlink==13.0.88 next to a CUDA 13.0 toolkit (NVVM,
+libdevice); see ../shared/notes/numba-cuda-offline.md.
+
+    python -m cuda.compile_check [--arch sm_90] [--only gemv] [-v]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+from numba import cuda, types
+
+from cuda import launch
+from cuda.kernels import attention as attn_k
+from cuda.kernels import linear as lin_k
+from cuda.kernels import rowwise as row_k
+from cuda.kernels import sampling as samp_k
+from cuda.kernels.common import FAMILIES
+
+ARCHS = {"sm_80": (8, 0), "sm_90": (9, 0)}
+
+# argument types, as the backend passes them (C-contiguous device arrays, int64 ints, float32 scalars)
+F32_1 = types.Array(types.float32, 1, "C")
+F32_2 = types.Array(types.float32, 2, "C")
+F32_4 = types.Array(types.float32, 4, "C")
+I32_1 = types.Array(types.int32, 1, "C")
+I32_2 = types.Array(types.int32, 2, "C")
+I64_1 = types.Array(types.int64, 1, "C")
+I64_2 = types.Array(types.int64, 2, "C")
+U64_1 = types.Array(types.uint64, 1, "C")
+U32_2 = types.Array(types.uint32, 2, "C")
+U16_2 = types.Array(types.uint16, 2, "C")
+F16_2 = types.Array(types.float16, 2, "C")
+INT, F32, BOOL = types.int64, types.float32, types.boolean
+
+WEIGHTS = {  # (wa, wb, wc) of each weight family (float families get float16 [1, 1] placeholders)
+    "q4": (U32_2, F16_2, F16_2),
+    "q8": (U32_2, F16_2, F16_2),
+    "f16": (F16_2, F16_2, F16_2),
+    "bf16": (U16_2, F16_2, F16_2),
+    "f32": (F32_2, F16_2, F16_2),
+}
+
+
+@dataclass
+class Spec:
+    name: str
+    kernel: object
+    argtypes: tuple
+
+
+def catalog(cfg: launch.LaunchConfig) -> list[Spec]:
+    """Every kernel variant a backend with this configuration launches, with its argument types."""
+    specs = []
+    for fam in FAMILIES:
+        specs.append(Spec(f"embedding_{fam}", row_k.embedding(fam), (I32_1, *WEIGHTS[fam], F32_2)))
+    specs += [
+        Spec("rmsnorm", row_k.rmsnorm, (F32_2, F32_1, F32, F32_2)),
+        Spec("rope_store_kv", row_k.rope_store_kv, (F32_2, I32_1, F32_2, F32_2, F32_4, F32_4, I64_1, INT, INT)),
+        Spec("silu_mul", row_k.silu_mul, (F32_2, F32_2)),
+        Spec("gather_rows", row_k.gather_rows, (F32_2, I32_1, F32_2)),
+    ]
+    tok, thr = cfg.gemv_tokens, cfg.gemv_threads
+    for fam in FAMILIES:
+        if fam == "q4":
+            k = lin_k.gemv_q4(tok, thr)
+        elif fam == "q8":
+            k = lin_k.gemv_q8(tok, thr)
+        else:
+            k = lin_k.gemv_float(fam, tok, thr)
+        specs.append(Spec(f"gemv_{fam}[tok={tok},threads={thr}]", k, (F32_2, *WEIGHTS[fam], F32_2, INT, BOOL)))
+    tile = (cfg.gemm_bm, cfg.gemm_bn, cfg.gemm_bk, cfg.gemm_tm, cfg.gemm_tn)
+    for fam in FAMILIES:
+        specs.append(Spec(f"gemm_{fam}[{'x'.join(map(str, tile))}]", lin_k.gemm(fam, *tile),
+                          (F32_2, *WEIGHTS[fam], F32_2, INT, BOOL)))
+    for dh in (64, launch.MAX_HEAD_DIM):
+        specs.append(Spec(f"paged_attention[rows={cfg.attn_rows},chunk={cfg.attn_chunk},dh={dh}]",
+                          attn_k.paged_attention(cfg.attn_rows, cfg.attn_chunk, dh),
+                          (F32_2, F32_4, F32_4, I32_2, I32_1, I32_1, I32_1, I32_1, INT, INT, F32, INT, F32_2,
+                           F32_4, F32_4)))
+    specs += [
+        Spec("attention_reduce", attn_k.attention_reduce, (F32_4, F32_4, I32_1, INT, F32_2)),
+        Spec("sample_rows", samp_k.sample_rows,
+             (F32_2, F32_2, I32_2, F32_1, F32_1, I32_1, F32_1, F32_1, F32_1, F32_1, U64_1, I64_1, I32_1,
+              I64_1, I32_1, F32_1, I64_1, I32_1, I64_1, I32_1, I32_1, I64_1, F32_1, I64_2, F32_2)),
+    ]
+    return specs
+
+
+@dataclass
+class Result:
+    registers: int | None = None
+    shared: int | None = None
+    stack: int | None = None
+    spill_stores: int | None = None
+    spill_loads: int | None = None
+    f64: int = 0
+    seconds: float = 0.0
+    path: str = ""
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def spills(self) -> int:
+        return (self.spill_stores or 0) + (self.spill_loads or 0)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors and self.spills == 0 and self.f64 == 0 and self.registers is not None
+
+
+class _TargetDevice:
+    """Stands in for the current device while compiling offline (device functions ask for its capability)."""
+
+    def __init__(self, cc):
+        self.compute_capability = cc
+
+
+@contextlib.contextmanager
+def _offline_target(cc):
+    import numba.cuda.compiler as compiler
+    import numba.cuda.dispatcher as dispatcher
+
+    saved = dispatcher.get_current_device, compiler.get_current_device
+    dispatcher.get_current_device = compiler.get_current_device = lambda: _TargetDevice(cc)
+    try:
+        yield
+    finally:
+        dispatcher.get_current_device, compiler.get_current_device = saved
+
+
+_INFO = {
+    "registers": re.compile(r"Used (\d+) registers"),
+    "shared": re.compile(r"(\d+) bytes smem"),
+    "stack": re.compile(r"(\d+) bytes stack frame"),
+    "spill_stores": re.compile(r"(\d+) bytes spill stores"),
+    "spill_loads": re.compile(r"(\d+) bytes spill loads"),
+}
+
+
+def _parse_info(log: str, res: Result) -> None:
+    for key, rx in _INFO.items():
+        vals = [int(v) for v in rx.findall(log)]
+        if vals:
+            setattr(res, key, max(vals))
+    if res.shared is None and res.registers is not None:
+        res.shared = 0
+
+
+def _nvjitlink(arch: str, inputs: list[tuple[int, bytes, str]], lto: bool) -> str:
+    """Link inputs [(InputType, bytes, name)] for arch; returns the info log (ptxas resource lines)."""
+    from cuda.bindings import nvjitlink
+
+    opts = [f"-arch={arch}", "-verbose"] + (["-lto"] if lto else [])
+    handle = nvjitlink.create(len(opts), opts)  # the count must equal len(opts), or the process crashes
+    try:
+        try:
+            for kind, data, name in inputs:
+                nvjitlink.add_data(handle, kind, data, len(data), name)
+            nvjitlink.complete(handle)
+        except Exception as e:
+            n = nvjitlink.get_error_log_size(handle)
+            log = bytearray(n)
+            if n:
+                nvjitlink.get_error_log(handle, log)
+            raise RuntimeError(f"nvJitLink: {e}: {bytes(log).decode(errors='replace').strip()}") from None
+        n = nvjitlink.get_info_log_size(handle)
+        log = bytearray(n)
+        if n:
+            nvjitlink.get_info_log(handle, log)
+        return bytes(log).decode(errors="replace")
+    finally:
+        nvjitlink.destroy(handle)
+
+
+def _ptxas(arch: str, ptx: str) -> str:
+    exe = shutil.which("ptxas") or os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        p = subprocess.run([exe, f"-arch={arch}", "-v", src, "-o", os.path.join(d, "k.cubin")],
+                           capture_output=True, text=True)
+    if p.returncode:
+        raise RuntimeError(p.stderr.strip())
+    return p.stderr
+
+
+F64_RX = re.compile(r"\.f64\b")
+
+
+def check(spec: Spec, arch: str) -> Result:
+    cc = ARCHS[arch]
+    res = Result()
+    t0 = time.perf_counter()
+    opts = getattr(spec.kernel, "targetoptions", {}) or {}
+    fastmath = bool(opts.get("fastmath", False))
+    try:
+        with _offline_target(cc):
+            ptx, _ = cuda.compile_ptx(spec.kernel.py_func, spec.argtypes, cc=cc, fastmath=fastmath)
+            res.f64 = len(F64_RX.findall(ptx))
+            try:
+                log, res.path = _link_ptx(arch, ptx), "ptx"
+            except RuntimeError as e:
+                if "nresolved extern" not in str(e) and "undefined" not in str(e).lower():
+                    raise
+                # float16 helpers come from NVRTC: link the LTO-IR of the kernel and its helpers instead
+                codes, _ = cuda.compile_all(spec.kernel.py_func, spec.argtypes, device=False, abi="numba", cc=cc,
+                                            fastmath=fastmath, output="ltoir")
+                from cuda.bindings import nvjitlink
+
+                inputs = []
+                for i, code in enumerate(codes):
+                    data = bytes(getattr(code, "code", None) or getattr(code, "data", None) or code)
+                    inputs.append((nvjitlink.InputType.LTOIR, data, f"part{i}"))
+                log, res.path = _nvjitlink(arch, inputs, lto=True), "ltoir"
+        _parse_info(log, res)
+        if res.registers is None:
+            res.errors.append("no resource usage in the link log")
+    except Exception as e:  # a compile error of one kernel must not hide the others
+        res.errors.append(f"{type(e).__name__}: {e}")
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def _link_ptx(arch: str, ptx: str) -> str:
+    try:
+        from cuda.bindings import nvjitlink
+    except ImportError:
+        return _ptxas(arch, ptx)
+    data = ptx.encode()
+    return _nvjitlink(arch, [(nvjitlink.InputType.PTX, data, "kernel.ptx")], lto=False)
+
+
+def _fmt(r: Result | None) -> str:
+    if r is None:
+        return "-"
+    if r.errors:
+        return "ERROR"
+    s = f"{r.registers:>3} reg {r.shared:>6} B smem"
+    if r.stack:
+        s += f" {r.stack} B stack"
+    s += f" {r.spills} spill"
+    if r.f64:
+        s += f" {r.f64} f64!"
+    return s
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", action="append", choices=sorted(ARCHS), help="architecture(s) to check (default: all)")
+    ap.add_argument("--only", help="check only kernels whose name contains this")
+    ap.add_argument("-v", "--verbose", action="store_true", help="print each kernel as it compiles")
+    args = ap.parse_args(argv)
+    archs = args.arch or sorted(ARCHS)
+    if cuda.is_available():
+        print("note: a GPU is present; compiling offline anyway")
+
+    results: dict[str, dict[str, Result]] = {}
+    t0 = time.perf_counter()
+    for arch in archs:
+        seen = set()
+        for row in (arch, "fallback"):
+            for spec in catalog(launch.TABLE[row]):
+                if spec.name in seen or (args.only and args.only not in spec.name):
+                    continue
+                seen.add(spec.name)
+                r = check(spec, arch)
+                results.setdefault(spec.name, {})[arch] = r
+                if args.verbose:
+                    print(f"  {arch} {spec.name}: {_fmt(r)} ({r.seconds:.1f} s)", flush=True)
+
+    width = max(len(n) for n in results) if results else 10
+    print(f"\n{'kernel':<{width}}  " + "  ".join(f"{a:<44}" for a in archs))
+    for name, per_arch in results.items():
+        print(f"{name:<{width}}  " + "  ".join(f"{_fmt(per_arch.get(a)):<44}" for a in archs))
+    bad = [(n, a, r) for n, pa in results.items() for a, r in pa.items() if not r.ok]
+    print(f"\n{sum(len(v) for v in results.values())} compiles in {time.perf_counter() - t0:.0f} s")
+    for name, arch, r in bad:
+        why = r.errors or ([f"{r.spills} bytes of spills"] if r.spills else []) + (
+            [f"{r.f64} float64 instructions"] if r.f64 else [])
+        print(f"FAIL {arch} {name}: {'; '.join(why)}")
+    if bad:
+        return 1
+    print("all kernels compile for " + ", ".join(archs) + " with 0 spills and no float64")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

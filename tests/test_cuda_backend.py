@@ -1,0 +1,179 @@
+"""The cuda package without a GPU: imports need no driver, the launch table, the host-side planning of the
+backend, the GPU-free parts of gpu_check, and one kernel through the offline compile of compile_check."""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+
+import numpy as np
+import pytest
+
+from cuda import launch
+
+pytestmark = pytest.mark.skipif(os.environ.get("NUMBA_ENABLE_CUDASIM") == "1",
+                                reason="tests the real numba.cuda target (run without NUMBA_ENABLE_CUDASIM)")
+
+
+def test_import_without_a_driver():
+    from numba import cuda
+
+    for mod in ("cuda.backend", "cuda.kernels.common", "cuda.kernels.rowwise", "cuda.kernels.linear",
+                "cuda.kernels.attention", "cuda.kernels.sampling", "cuda.compile_check", "cuda.gpu_check"):
+        importlib.import_module(mod)
+    from cuda.kernels import linear
+
+    # factories build dispatchers lazily, with no signature and no compile
+    k = linear.gemm("q4", 64, 64, 32, 4, 4)
+    assert k is linear.gemm("q4", 64, 64, 32, 4, 4)
+    assert not k.overloads
+    if not cuda.is_available():
+        from engine.backends import get_backend
+
+        with pytest.raises(RuntimeError, match="no CUDA GPU"):
+            get_backend("cuda")
+
+
+def test_cuda_package_does_not_shadow_cuda_bindings():
+    """cuda/ is a namespace package (no __init__.py) shared with NVIDIA's cuda.bindings / cuda.core."""
+    import cuda as ns
+
+    assert not hasattr(ns, "__file__") or ns.__file__ is None
+    importlib.import_module("cuda.bindings")
+
+
+@pytest.mark.parametrize("cc, arch", [((9, 0), "sm_90"), ((8, 0), "sm_80"), ((8, 6), "fallback"),
+                                      ((8, 9), "fallback"), ((7, 5), "fallback"), ((10, 0), "fallback"),
+                                      ((12, 0), "fallback")])
+def test_launch_table_picks_the_architecture(cc, arch):
+    assert launch.arch_for(cc) == arch
+    cfg = launch.select(cc)
+    assert cfg.arch == arch and cfg is launch.TABLE[arch]
+    assert launch.select(cc, sm_count=77).sm_count == 77
+
+
+def test_launch_table_rows_are_valid():
+    assert set(launch.TABLE) == {"sm_90", "sm_80", "fallback"}
+    for cfg in launch.TABLE.values():
+        cfg.validate()
+        assert cfg.gemm_threads <= 1024
+    bad = dataclasses.replace(launch.TABLE["sm_90"], gemv_threads=96)
+    with pytest.raises(ValueError, match="power of two"):
+        bad.validate()
+    with pytest.raises(ValueError, match="shared memory"):
+        dataclasses.replace(launch.TABLE["sm_90"], attn_rows=64).validate()
+
+
+def test_attention_tiles_and_split_plan():
+    from cuda.backend import attention_tiles, split_plan
+
+    # a prefill of 7 (positions 0..6), a decode at 40, a chunk 10..12 of a third sequence
+    pos = np.array([0, 1, 2, 3, 4, 5, 6, 40, 10, 11, 12], np.int32)
+    seq = np.array([0, 0, 0, 0, 0, 0, 0, 1, 2, 2, 2], np.int32)
+    starts, lens, max_ctx = attention_tiles(pos, seq, max_q=3)
+    assert starts.tolist() == [0, 3, 6, 7, 8]
+    assert lens.tolist() == [3, 3, 1, 1, 3]
+    assert max_ctx == 41
+    cfg = launch.TABLE["sm_90"]
+    assert split_plan(cfg, 1000, 5000) == (1, 5024)          # enough blocks: no split
+    assert split_plan(cfg, 3, 200) == (1, 224)               # short context: no split
+    n, size = split_plan(cfg, 3, 4000)                        # decode of one sequence, long context
+    assert n > 1 and size % cfg.attn_chunk == 0 and size >= cfg.attn_min_split and n * size >= 4000
+    assert (n - 1) * size < 4000
+
+
+def test_gpu_check_helpers():
+    from cuda import gpu_check as g
+
+    assert g.bandwidth_for("NVIDIA H200")[0] == 4.8e12
+    assert g.bandwidth_for("NVIDIA H100 80GB HBM3")[0] == 3.35e12
+    assert g.bandwidth_for("NVIDIA A100-SXM4-80GB")[0] == 2.039e12
+    bw, src = g.bandwidth_for("Some Future GPU", mem_clock_khz=3_201_000, bus_width_bits=6144)
+    assert abs(bw - 4.917e12) < 1e10 and "clock" in src
+    assert g.bandwidth_for("Unknown")[0] is None
+    assert abs(g.fp32_peak((9, 0), 132, 1_980_000) - 66.9e12) < 0.1e12
+    cfg = g.smollm2_135m_config()
+    assert g.matmul_params(cfg) == 134_479_872
+    assert g.decode_roofline(2, 100, 1000.0) == 20.0
+    assert g.decode_roofline(2, 100, None) is None
+    assert g.prefill_groups(5, 128, 256) == [(0, 2), (2, 2), (4, 1)]
+
+
+def test_gpu_check_batch_layout():
+    from cuda.gpu_check import BatchLayout
+
+    lay = BatchLayout(batch=3, max_len=40, block_size=16)
+    assert lay.tables.shape == (3, 3) and lay.num_blocks == 9
+    prompts = np.arange(3 * 5, dtype=np.int32).reshape(3, 5)
+    step = lay.prefill(prompts, first=1, count=2)
+    assert step.tokens.tolist() == list(range(5, 15))
+    assert step.token_seq.tolist() == [0] * 5 + [1] * 5
+    assert step.block_tables.tolist() == lay.tables[1:3].tolist()
+    assert step.logits_indices.tolist() == [4, 9]
+    assert step.slot_mapping.tolist() == [3 * 16 + i for i in range(5)] + [6 * 16 + i for i in range(5)]
+    dec = lay.decode(np.array([7, 8, 9]), position=17)
+    assert dec.positions.tolist() == [17] * 3
+    assert dec.slot_mapping.tolist() == [1 * 16 + 1, 4 * 16 + 1, 7 * 16 + 1]
+    slots = np.concatenate([lay.decode(np.zeros(3), p).slot_mapping for p in range(40)])
+    assert len(set(slots.tolist())) == 120  # every (sequence, position) its own cache slot
+
+
+def test_gpu_check_synthetic_model_runs_on_the_cpu_backend():
+    from cuda.gpu_check import BatchLayout, synthetic_weights
+    from engine.backends.cpu import CpuBackend
+    from models.config import ModelConfig
+    from models.llama import LlamaModel
+    from tests import reference as R
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16, max_position=64)
+    w = synthetic_weights(cfg)
+    assert w.embed.format == "q8_0" and w.layers[0].q.format == "q4_1"
+    model = LlamaModel(w, CpuBackend())
+    lay = BatchLayout(1, 16)
+    kc, vc = model.allocate_kv_cache(lay.num_blocks, lay.block_size)
+    ids = np.array([[3, 9, 27, 50]], np.int32)
+    step = dataclasses.replace(lay.prefill(ids, 0, 1), logits_indices=np.arange(4, dtype=np.int32))
+    np.testing.assert_allclose(model.forward(step, kc, vc), R.forward(w, ids[0]), rtol=1e-3, atol=1e-3)
+
+
+def test_gpu_check_report():
+    from cuda.gpu_check import Report
+
+    r = Report()
+    r.header.append(("GPU", "test"))
+    r.check("a", True, "fine")
+    r.bench.append({"name": "decode, batch 1", "ours": 500.0, "roofline": 1000.0, "torch": 250.0})
+    md = r.markdown()
+    assert "**Result: passed**" in md and "| decode, batch 1 | 500 | 1,000 | 50.0% | 250 | 2.00x |" in md
+    r.check("b", False, "broken")
+    assert r.failed and "**FAIL**" in r.markdown()
+
+
+def test_gpu_check_without_a_gpu_says_so(tmp_path):
+    from numba import cuda
+
+    from cuda import gpu_check
+
+    if cuda.is_available():
+        pytest.skip("a GPU is present")
+    out = tmp_path / "RESULTS.md"
+    assert gpu_check.main(["--out", str(out)]) == 2
+    assert not out.exists()
+
+
+def test_compile_check_compiles_a_kernel_offline():
+    """One kernel through the same path as `make kernels` (numba -> PTX -> nvJitLink/ptxas), for sm_90."""
+    from cuda import compile_check as cc
+
+    names = [s.name for s in cc.catalog(launch.TABLE["sm_90"])]
+    for want in ("embedding_q4", "rmsnorm", "rope_store_kv", "silu_mul", "gather_rows", "gemv_q4[tok=8,threads=256]",
+                 "gemm_q8[64x64x32x4x4]", "paged_attention[rows=16,chunk=32,dh=128]", "attention_reduce",
+                 "sample_rows"):
+        assert want in names
+    spec = next(s for s in cc.catalog(launch.TABLE["sm_90"]) if s.name == "silu_mul")
+    res = cc.check(spec, "sm_90")
+    if res.errors and any("nvrtc" in e.lower() or "DynamicLibNotFound" in e for e in res.errors):
+        pytest.skip(f"offline compile tools missing here: {res.errors[0][:200]}")
+    assert res.ok, res.errors
+    assert res.registers > 0 and res.f64 == 0 and res.spills == 0
