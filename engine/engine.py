@@ -8,15 +8,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from engine.backends import get_backend
 from engine.config import EngineConfig
 from engine.kv_cache import BlockPool, KVCacheManager
 from engine.request import InferenceRequest
 from engine.runner import ModelRunner
+from engine.sampling import RowSpec, SamplingBatch, SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, TokenLogprob
 from engine.stop import StopChecker
-from models.llama import LlamaModel
+from models.llama import LlamaModel, StepInput
 from models.loader import load_model
 from models.tokenizer import IncrementalDetokenizer
 
@@ -81,6 +84,7 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.eos_token_ids = sorted(set(self.tokenizer.stop_token_ids))
         self.runner = ModelRunner(self.model, config.block_size, self.pool.num_blocks, self.eos_token_ids)
+        self.warm_up()
         self.load_time_s = time.monotonic() - t0
         self._seq_ids = itertools.count()
         self._requests: dict[str, list[Sequence]] = {}
@@ -88,6 +92,21 @@ class Engine:
         self.num_steps = 0
         self.last_step_tokens = 0
         self.last_batch_size = 0
+
+    def warm_up(self) -> None:
+        """Run each kernel variant once (decode, small and large prefill, sampling) so numba's compiled
+        code is loaded now rather than during the first requests. It writes only into the KV cache's
+        first blocks, which hold nothing yet."""
+        bs = self.config.block_size
+        for n in (1, 8, 64):
+            n = min(n, self.pool.num_blocks * bs)
+            pos = np.arange(n, dtype=np.int32)
+            step = StepInput(np.zeros(n, np.int32), pos, np.zeros(n, np.int32), pos.astype(np.int64),
+                             np.arange(-(-n // bs), dtype=np.int32)[None, :], np.array([n - 1], np.int32))
+            b = self.backend
+            logits = self.model.forward(StepInput(*(b.upload(a) for a in vars(step).values())),
+                                        self.runner.k_cache, self.runner.v_cache)
+            b.sample(logits, SamplingBatch.build([RowSpec(SamplingParams(temperature=0.0), seed=0, step=0)]))
 
     # ------------------------------------------------------------------------------------ requests
     def validate(self, request: InferenceRequest) -> None:
