@@ -13,6 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
+from numba import config as numba_config
 from numba import cuda
 
 from cuda import launch
@@ -237,6 +238,11 @@ class CudaBackend:
         for fam in ("f16", "bf16", "f32"):
             self._gemv[fam] = lin_k.gemv_float(fam, c.gemv_tokens, c.gemv_threads)
         self._part_dummy = _zeros((1, 1, 1, 1), np.float32)
+        self._launchers: dict = {}
+        if not SIMULATOR:
+            # numba warns (through warnings.warn, on every launch) about grids under 128 blocks; decode steps
+            # launch many such small grids on purpose
+            numba_config.CUDA_LOW_OCCUPANCY_WARNINGS = 0
 
     # --- weights and buffers
     def linear(self, tensors: list[QuantTensor]) -> CudaLinear:
@@ -290,36 +296,50 @@ class CudaBackend:
             buf = self._scratch[name] = _empty(n, dtype)
         return buf[:n].reshape(*shape)
 
+    def _k(self, kern, grid, block):
+        """kern[grid, block], the configured launch reused across calls (numba builds one per subscript)."""
+        if SIMULATOR:  # the simulator's kernel object holds a single configuration: no reuse
+            return kern[grid, block]
+        key = (kern, grid, block)
+        launcher = self._launchers.get(key)
+        if launcher is None:
+            if len(self._launchers) > 4096:
+                self._launchers.clear()
+            launcher = self._launchers[key] = kern[grid, block]
+        return launcher
+
     # --- ops
     def embedding(self, table: CudaLinear, tokens, out) -> None:
         t = out.shape[0]
         if t == 0:
             return
         p = table.parts[0]
-        row_k.embedding(p.family)[t, self.config.threads](self._ints(tokens, np.int32), *p.arrays, out)
+        self._k(row_k.embedding(p.family), t, self.config.threads)(self._ints(tokens, np.int32), *p.arrays, out)
 
     def rmsnorm(self, x, w, eps, out) -> None:
         if x.shape[0]:
-            row_k.rmsnorm[x.shape[0], self.config.threads](x, w, np.float32(eps), out)
+            self._k(row_k.rmsnorm, x.shape[0], self.config.threads)(x, w, np.float32(eps), out)
 
     def matmul(self, x, w: CudaLinear, out, accumulate: bool = False) -> None:
         ntok = x.shape[0]
         if ntok == 0:
             return
         c = self.config
+        acc = bool(accumulate)
         for p in w.parts:
             if ntok <= c.gemv_max_tokens:
                 grid = _ceil_div(p.rows, c.gemv_threads // 32)
-                self._gemv[p.family][grid, c.gemv_threads](x, *p.arrays, out, p.col0, bool(accumulate))
+                self._k(self._gemv[p.family], grid, c.gemv_threads)(x, *p.arrays, out, p.col0, acc)
             else:
-                kern = lin_k.gemm(p.family, c.gemm_bm, c.gemm_bn, c.gemm_bk, c.gemm_tm, c.gemm_tn)
-                grid = (_ceil_div(p.rows, c.gemm_bn), _ceil_div(ntok, c.gemm_bm))
-                kern[grid, c.gemm_threads](x, *p.arrays, out, p.col0, bool(accumulate))
+                bm, bn, tm, tn = c.gemm_tile(ntok, p.rows)
+                kern = lin_k.gemm(p.family, bm, bn, launch.GEMM_BK, tm, tn)
+                grid = (_ceil_div(p.rows, bn), _ceil_div(ntok, bm))
+                self._k(kern, grid, (bm // tm) * (bn // tn))(x, *p.arrays, out, p.col0, acc)
 
     def rope_store_kv(self, qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads):
         t = qkv.shape[0]
         if t:
-            row_k.rope_store_kv[t, self.config.threads](
+            self._k(row_k.rope_store_kv, t, self.config.threads)(
                 qkv, self._ints(positions, np.int32), cos, sin, k_cache, v_cache,
                 self._ints(slot_mapping, np.int64), int(num_heads), int(num_kv_heads))
 
@@ -342,12 +362,12 @@ class CudaBackend:
         args = (qkv, k_cache, v_cache, self._ints(block_tables, np.int32), pos, self._ints(token_seq, np.int32),
                 tok0, tlen, int(num_heads), int(num_kv_heads), np.float32(scale), int(split), out)
         if nsplit == 1:
-            kern[(ntiles, num_kv_heads, 1), c.attn_threads](*args, self._part_dummy, self._part_dummy)
+            self._k(kern, (ntiles, num_kv_heads, 1), c.attn_threads)(*args, self._part_dummy, self._part_dummy)
             return
         part_acc = self._scratch_view("attn_acc", (ntok, num_heads, nsplit, dh))
         part_ml = self._scratch_view("attn_ml", (ntok, num_heads, nsplit, 2))
-        kern[(ntiles, num_kv_heads, nsplit), c.attn_threads](*args, part_acc, part_ml)
-        attn_k.attention_reduce[ntok, c.threads](part_acc, part_ml, pos, int(split), out)
+        self._k(kern, (ntiles, num_kv_heads, nsplit), c.attn_threads)(*args, part_acc, part_ml)
+        self._k(attn_k.attention_reduce, ntok, c.threads)(part_acc, part_ml, pos, int(split), out)
 
     def _tiles(self, positions, token_seq, max_q: int):
         """(tile first token, tile length) on the device, tile count, longest context; cached per step."""
@@ -364,7 +384,7 @@ class CudaBackend:
         if n:
             c = self.config
             blocks = min(_ceil_div(n, c.threads), 32 * c.sm_count)
-            row_k.silu_mul[blocks, c.threads](gate_up, out)
+            self._k(row_k.silu_mul, blocks, c.threads)(gate_up, out)
 
     # --- sampling
     def sample(self, logits, batch):
@@ -386,27 +406,28 @@ class CudaBackend:
         if not _is_device_array(logits):
             logits = _to_device(np.ascontiguousarray(logits, np.float32))
         b = batch
-        up = lambda a, dt: _to_device(np.ascontiguousarray(a, dt) if len(a) else np.zeros(1, dt))  # noqa: E731
+        # the batch's arrays travel in four uploads, one per dtype, and are passed as slices of them
+        f32 = _Packer(np.float32, b.temperature, b.top_p, b.min_p, b.repetition_penalty, b.presence_penalty,
+                      b.frequency_penalty, b.bias_values)
+        i32 = _Packer(np.int32, b.top_k, b.num_logprobs, b.hist_num_prompt, b.bias_token_ids, b.mask_token_ids,
+                      b.hist_token_ids)
+        i64 = _Packer(np.int64, b.step, b.bias_indptr, b.mask_indptr, b.hist_indptr)
+        u64 = _Packer(np.uint64, b.seed)
+        temperature, top_p, min_p, rep, pres, freq, bias_values = f32.device()
+        top_k, num_logprobs, hist_num_prompt, bias_ids, mask_ids, hist_ids = i32.device()
+        step, bias_indptr, mask_indptr, hist_indptr = i64.device()
+        (seed,) = u64.device()
         processed = len(b.bias_token_ids) or len(b.mask_token_ids) or len(b.hist_token_ids)
-        if processed:
-            work = self._scratch_view("sample_work", (nrows, vocab))
-            cnt = self._scratch_view("sample_cnt", (nrows, vocab), np.int32)
-        else:
-            work = self._scratch_view("sample_work", (1, 1))
-            cnt = self._scratch_view("sample_cnt", (1, 1), np.int32)
-        tok = _empty(nrows, np.int64)
-        lp = _empty(nrows, np.float32)
-        top_ids = _empty((nrows, max(k, 1)), np.int64)
-        top_lp = _empty((nrows, max(k, 1)), np.float32)
-        samp_k.sample_rows[nrows, self.config.sample_threads](
-            logits, work, cnt,
-            up(b.temperature, np.float32), up(b.top_p, np.float32), up(b.top_k, np.int32), up(b.min_p, np.float32),
-            up(b.repetition_penalty, np.float32), up(b.presence_penalty, np.float32),
-            up(b.frequency_penalty, np.float32), up(b.seed, np.uint64), up(b.step, np.int64),
-            up(b.num_logprobs, np.int32),
-            up(b.bias_indptr, np.int64), up(b.bias_token_ids, np.int32), up(b.bias_values, np.float32),
-            up(b.mask_indptr, np.int64), up(b.mask_token_ids, np.int32),
-            up(b.hist_indptr, np.int64), up(b.hist_token_ids, np.int32), up(b.hist_num_prompt, np.int32),
+        shape = (nrows, vocab) if processed else (1, 1)
+        work = self._scratch_view("sample_work", shape)
+        cnt = self._scratch_view("sample_cnt", shape, np.int32)
+        tok = self._scratch_view("sample_tok", (nrows,), np.int64)
+        lp = self._scratch_view("sample_lp", (nrows,), np.float32)
+        top_ids = self._scratch_view("sample_top_ids", (nrows, max(k, 1)), np.int64)
+        top_lp = self._scratch_view("sample_top_lp", (nrows, max(k, 1)), np.float32)
+        self._k(samp_k.sample_rows, nrows, self.config.sample_threads)(
+            logits, work, cnt, temperature, top_p, top_k, min_p, rep, pres, freq, seed, step, num_logprobs,
+            bias_indptr, bias_ids, bias_values, mask_indptr, mask_ids, hist_indptr, hist_ids, hist_num_prompt,
             tok, lp, top_ids, top_lp)
         res.token_ids[:] = tok.copy_to_host()
         res.logprobs[:] = lp.copy_to_host()
@@ -416,3 +437,23 @@ class CudaBackend:
             res.top_token_ids[own] = ids[own]
             res.top_logprobs[own] = lps[own]
         return res
+
+
+class _Packer:
+    """Host arrays of one dtype packed into one buffer, uploaded at once and handed out as device slices
+    (each at least one element long, so an empty array is still a valid kernel argument)."""
+
+    def __init__(self, dtype, *arrays):
+        parts = [np.ascontiguousarray(a, dtype).ravel() for a in arrays]
+        self.bounds = []
+        pos = 0
+        for a in parts:
+            self.bounds.append((pos, pos + len(a)))
+            pos += max(len(a), 1)
+        self.host = np.zeros(pos, dtype)
+        for a, (lo, hi) in zip(parts, self.bounds):
+            self.host[lo:hi] = a
+
+    def device(self) -> list:
+        d = _to_device(self.host)
+        return [d[lo:max(hi, lo + 1)] for lo, hi in self.bounds]

@@ -84,10 +84,11 @@ def catalog(cfg: launch.LaunchConfig) -> list[Spec]:
         else:
             k = lin_k.gemv_float(fam, tok, thr)
         specs.append(Spec(f"gemv_{fam}[tok={tok},threads={thr}]", k, (F32_2, *WEIGHTS[fam], F32_2, INT, BOOL)))
-    tile = (cfg.gemm_bm, cfg.gemm_bn, cfg.gemm_bk, cfg.gemm_tm, cfg.gemm_tn)
-    for fam in FAMILIES:
-        specs.append(Spec(f"gemm_{fam}[{'x'.join(map(str, tile))}]", lin_k.gemm(fam, *tile),
-                          (F32_2, *WEIGHTS[fam], F32_2, INT, BOOL)))
+    for bm, bn, tm, tn in cfg.gemm_tiles:
+        tile = (bm, bn, launch.GEMM_BK, tm, tn)
+        for fam in FAMILIES:
+            specs.append(Spec(f"gemm_{fam}[{'x'.join(map(str, tile))}]", lin_k.gemm(fam, *tile),
+                              (F32_2, *WEIGHTS[fam], F32_2, INT, BOOL)))
     for dh in (64, launch.MAX_HEAD_DIM):
         specs.append(Spec(f"paged_attention[rows={cfg.attn_rows},chunk={cfg.attn_chunk},dh={dh}]",
                           attn_k.paged_attention(cfg.attn_rows, cfg.attn_chunk, dh),

@@ -52,20 +52,25 @@ class Plan:
     formats: tuple = ("q4_1", "q4_0", "q8_0", "f16", "bf16", "f32")  # weight formats of the matmul checks
     warmup_steps: int = 3               # decode steps before the timed ones
     prefill_reps: int = 5               # timed repetitions of the prefill step
+    timing_tokens: tuple = (1, 16, 64, 256)   # kernel timings: input rows of the matmuls
+    timing_batches: tuple = (1, 64, 256)      # kernel timings: decode batches of attention and sampling
+    timing_contexts: tuple = (160, 2048)      # kernel timings: attention context lengths
+    timing_max_reps: int = 200                # kernel timings: most timed repetitions of one call
     tiny_model: bool = False            # a tiny synthetic model instead of the default one
 
 
 FULL = Plan()
 TINY = Plan(batches=(2,), prompt_len=5, decode_steps=1, prefill_seqs=1, greedy_tokens=2, k=64, n=20, vocab=300,
             sample_rows=9, attn_seqs=((0, 9), (40, 1), (20, 5)), attn_heads=((2, 1, 72),), formats=("q4_1",),
-            warmup_steps=1, prefill_reps=1, tiny_model=True)
+            warmup_steps=1, prefill_reps=1, timing_tokens=(3,), timing_batches=(2,), timing_contexts=(12,),
+            timing_max_reps=1, tiny_model=True)
 
 
 def _tiny_config():
     from cuda import launch
 
     return dataclasses.replace(launch.TABLE["fallback"], arch="simulator", sm_count=1, threads=32, gemv_threads=64,
-                               gemv_tokens=2, gemv_max_tokens=4, gemm_bm=16, gemm_bn=16, gemm_tm=2, gemm_tn=2,
+                               gemv_tokens=2, gemv_max_tokens=4, gemm_tiles=((16, 16, 2, 2),),
                                attn_rows=8, attn_chunk=8, attn_threads=32, attn_min_split=8, sample_threads=32)
 
 
@@ -202,6 +207,7 @@ class Report:
         self.bench: list[dict] = []
         self.notes: list[str] = []
         self.errors: list[str] = []
+        self.sections: list[str] = []  # further markdown (kernel timings)
 
     def check(self, name: str, ok: bool, detail: str = "") -> None:
         self.checks.append((name, bool(ok), detail))
@@ -227,6 +233,7 @@ class Report:
                 ratio = f"{ours / torch_:.2f}x" if ours and torch_ else "—"
                 out.append(f"| {b['name']} | {_fmt_rate(ours)} | {_fmt_rate(roof)} | {pct} | {_fmt_rate(torch_)} "
                            f"| {ratio} |")
+        out += [x for sec in self.sections for x in ("", sec.rstrip())]
         if self.notes:
             out += ["", "## Notes", ""] + [f"- {n}" for n in self.notes]
         if self.errors:
@@ -272,7 +279,7 @@ def kernel_checks(be, report: Report, rng, plan: Plan = FULL) -> None:
         out = be.zeros((11, kd))
         be.embedding(lin, ids, out)
         _close(f"embedding {fmt}", be.download(out), dense[ids], 1e-6, report)
-        for ntok in sorted({1, 5, c.gemv_max_tokens, c.gemv_max_tokens + 1, 2 * c.gemm_bm + 3}):
+        for ntok in sorted({1, 5, c.gemv_max_tokens, c.gemv_max_tokens + 1, 2 * c.gemm_tiles[0][0] + 3}):
             xx = rng.standard_normal((ntok, kd)).astype(np.float32)
             base = rng.standard_normal((ntok, nd)).astype(np.float32)
             o = be.upload(base)
@@ -557,6 +564,101 @@ def benchmarks(weights, be, report: Report, deadline: float, bandwidth, peak, to
                             "device with the token ids copied back (as the engine runs it), timed from the host.")
 
 
+def _per_call_us(fn, sync, min_reps: int = 5, max_reps: int = 200, target_s: float = 0.15) -> float:
+    """Wall time of one call (microseconds), synchronised, after a warm-up call (which compiles)."""
+    fn()
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    once = time.perf_counter() - t0
+    if max_reps <= 1:
+        return once * 1e6
+    reps = int(min(max_reps, max(min_reps, target_s / max(once, 1e-6))))
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / reps * 1e6
+
+
+def kernel_timings(weights, be, report: Report, deadline: float, plan: Plan = FULL) -> None:
+    """Per-op timings at the model's shapes, for tuning cuda/launch.py: the host cost of a launch, each matmul
+    on the GEMV and on the GEMM path, decode attention (with its split-K choice) and the sampler."""
+    from cuda.backend import CudaBackend, split_plan
+    from engine.sampling import RowSpec, SamplingBatch, SamplingParams
+
+    c = be.config
+    cfg = weights.config
+    rng = np.random.default_rng(3)
+
+    def per_call_us(fn):
+        return _per_call_us(fn, be.synchronize, max_reps=plan.timing_max_reps)
+
+    lines = ["## Kernel timings (for tuning cuda/launch.py)", "",
+             "Wall time per call, synchronised, averaged over repetitions after a warm-up call.", ""]
+
+    one = be.zeros((1, 1))
+    gu = be.zeros((1, 2))
+    n = 100 if plan.timing_max_reps > 1 else 1
+    launch_us = per_call_us(lambda: [be.silu_mul(gu, one) for _ in range(n)]) / n
+    lines += [f"- host cost of one kernel launch (silu_mul on one element, {n} in a row): {launch_us:.1f} us", ""]
+    print(f"  launch: {launch_us:.1f} us", flush=True)
+
+    gemv_only = CudaBackend(dataclasses.replace(c, gemv_max_tokens=1 << 30))
+    gemm_only = CudaBackend(dataclasses.replace(c, gemv_max_tokens=0))
+    lw = weights.layers[0]
+    mats = [("qkv", [lw.q, lw.k, lw.v]), ("gate_up", [lw.gate, lw.up]), ("down", [lw.down]),
+            ("lm_head", [weights.lm_head or weights.embed])]
+    lines += ["| matmul | N x K (format) | T | GEMV us | GEMM us (tile) | GEMV GB/s | in use |",
+              "|---|---|---:|---:|---:|---:|---|"]
+    for name, tensors in mats:
+        lin = be.linear(tensors)
+        for t in plan.timing_tokens:
+            if time.time() > deadline:
+                break
+            x = be.upload(rng.standard_normal((t, lin.in_features)).astype(np.float32))
+            out = be.zeros((t, lin.out_features))
+            gv = per_call_us(lambda: gemv_only.matmul(x, lin, out))
+            gm = per_call_us(lambda: gemm_only.matmul(x, lin, out))
+            tile = "x".join(map(str, c.gemm_tile(t, lin.out_features)[:2]))
+            used = "gemv" if t <= c.gemv_max_tokens else "gemm"
+            lines.append(f"| {name} | {lin.out_features} x {lin.in_features} ({'/'.join(sorted(set(lin.formats)))}) "
+                         f"| {t} | {gv:.1f} | {gm:.1f} ({tile}) | {lin.nbytes / gv / 1e3:.0f} | {used} |")
+        print(f"  matmul {name} done", flush=True)
+
+    h, hkv, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    lines += ["", "| attention (decode) | batch | context | splits | us |", "|---|---:|---:|---:|---:|"]
+    for batch in plan.timing_batches:
+        for ctx in plan.timing_contexts:
+            if time.time() > deadline:
+                break
+            layout = BatchLayout(batch, ctx)
+            kc = be.upload(rng.standard_normal((layout.num_blocks, BLOCK_SIZE, hkv, dh)).astype(np.float32))
+            vc = be.upload(rng.standard_normal((layout.num_blocks, BLOCK_SIZE, hkv, dh)).astype(np.float32))
+            step = _upload(be, layout.decode(np.zeros(batch, np.int32), ctx - 1))
+            qkv = be.upload(rng.standard_normal((batch, (h + 2 * hkv) * dh)).astype(np.float32))
+            out = be.zeros((batch, h * dh))
+            us = per_call_us(lambda: be.attention(qkv, kc, vc, step.block_tables, step.positions, step.token_seq,
+                                                  h, hkv, dh ** -0.5, out))
+            nsplit = split_plan(c, batch * hkv, ctx)[0]
+            lines.append(f"| H={h} Hkv={hkv} Dh={dh} | {batch} | {ctx} | {nsplit} | {us:.1f} |")
+            del kc, vc
+    print("  attention done", flush=True)
+
+    lines += ["", "| sampler | rows | vocab | us (ids copied back) |", "|---|---:|---:|---:|"]
+    for label, params in (("greedy", SamplingParams(temperature=0.0)),
+                          ("top_p 0.9, top_k 50, T 0.8", SamplingParams(temperature=0.8, top_p=0.9, top_k=50))):
+        for batch in plan.timing_batches:
+            if time.time() > deadline:
+                break
+            logits = be.upload((3 * rng.standard_normal((batch, cfg.vocab_size))).astype(np.float32))
+            sb = SamplingBatch.build([RowSpec(params=params, seed=i, step=0) for i in range(batch)])
+            us = per_call_us(lambda: be.sample(logits, sb))
+            lines.append(f"| {label} | {batch} | {cfg.vocab_size} | {us:.1f} |")
+    report.sections.append("\n".join(lines))
+
+
 class TorchModel:
     """transformers' LlamaForCausalLM on the same weights (dequantized), bf16, eager decode loop."""
 
@@ -687,14 +789,14 @@ def main(argv=None) -> int:
 
     status = 0
     try:
-        print(f"\n[1/3] kernels against numpy ({time.time() - start:.0f} s)", flush=True)
+        print(f"\n[1/4] kernels against numpy ({time.time() - start:.0f} s)", flush=True)
         try:
             kernel_checks(be, report, np.random.default_rng(int(time.time())), plan)
         except Exception:
             report.errors.append(f"kernel checks:\n{traceback.format_exc()}")
             print(report.errors[-1], flush=True)
 
-        print(f"\n[2/3] cuda backend against cpu backend ({time.time() - start:.0f} s)", flush=True)
+        print(f"\n[2/4] cuda backend against cpu backend ({time.time() - start:.0f} s)", flush=True)
         weights = None
         try:
             weights, tokenizer, _ = load_weights(args.model, report, plan)
@@ -705,7 +807,7 @@ def main(argv=None) -> int:
             print(report.errors[-1], flush=True)
 
         if not args.skip_bench and weights is not None:
-            print(f"\n[3/3] throughput ({time.time() - start:.0f} s)", flush=True)
+            print(f"\n[3/4] throughput ({time.time() - start:.0f} s)", flush=True)
             torch_model = None
             if args.no_torch:
                 report.notes.append("transformers column skipped (--no-torch)")
@@ -721,6 +823,14 @@ def main(argv=None) -> int:
                 benchmarks(weights, be, report, deadline, bandwidth, peak, torch_model, plan)
             except Exception:
                 report.errors.append(f"benchmarks:\n{traceback.format_exc()}")
+            print(f"\n[4/4] kernel timings ({time.time() - start:.0f} s)", flush=True)
+            if time.time() < deadline:
+                try:
+                    kernel_timings(weights, be, report, deadline, plan)
+                except Exception:
+                    report.errors.append(f"kernel timings:\n{traceback.format_exc()}")
+            else:
+                report.notes.append("kernel timings skipped: the time budget ran out")
     finally:
         report.header.append(("wall time", f"{time.time() - start:.0f} s"))
         with open(args.out, "w") as f:

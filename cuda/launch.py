@@ -5,8 +5,8 @@ capability: 9.x -> sm_90 (H100/H200), 8.0 -> sm_80 (A100), anything else -> fall
 sizes valid on every GPU numba supports). Fields marked "compile-time" size shared/local arrays, so each
 distinct value is a distinct kernel variant (built lazily, and compiled offline by `make kernels`).
 
-Limits: threads per block are powers of two in 32..1024 (the block reductions halve them);
-gemm_bm % gemm_tm == 0, gemm_bn % gemm_tn == 0 and (bm/tm)*(bn/tn) threads; attention holds
+Limits: threads per block are powers of two in 32..1024 (the block reductions halve them); a GEMM tile
+(bm, bn, tm, tn) has bm % tm == bn % tn == 0 and runs (bm/tm)*(bn/tn) threads; attention holds
 attn_rows query rows x head_dim (<= 128) in shared memory: 2*rows*128 + chunk*129 + rows*chunk floats
 must stay under 48 KiB.
 """
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 STATIC_SHARED_LIMIT = 48 * 1024  # bytes of static shared memory a kernel may declare
 MAX_HEAD_DIM = 128
+GEMM_BK = 32  # GEMM reduction depth per shared-memory stage: one quantization block per row
 
 
 @dataclass(frozen=True)
@@ -27,20 +28,20 @@ class LaunchConfig:
     gemv_threads: int        # GEMV: one warp per output row, gemv_threads / 32 rows per block (compile-time)
     gemv_tokens: int         # GEMV: tokens whose dot products share one read of a weight word (compile-time)
     gemv_max_tokens: int     # above this many input rows the shared-memory tiled GEMM is used
-    gemm_bm: int             # GEMM tile: input rows (tokens) per block (compile-time)
-    gemm_bn: int             # GEMM tile: output features per block (compile-time)
-    gemm_bk: int             # GEMM tile: reduction depth per shared-memory stage (compile-time)
-    gemm_tm: int             # GEMM: rows per thread (registers, compile-time)
-    gemm_tn: int             # GEMM: columns per thread (registers, compile-time)
+    gemm_tiles: tuple        # GEMM tiles (bm tokens, bn outputs, tm, tn per thread), largest first; the first
+                             # that gives at least sm_count blocks is used, else the last (compile-time)
     attn_rows: int           # attention: query rows (tokens x GQA heads) per block (compile-time)
     attn_chunk: int          # attention: context positions staged in shared memory per step (compile-time)
     attn_threads: int        # attention: threads per block
     attn_min_split: int      # attention: fewest context positions per split-K part
     sample_threads: int      # sampling: threads per row (one block per row, compile-time)
 
-    @property
-    def gemm_threads(self) -> int:
-        return (self.gemm_bm // self.gemm_tm) * (self.gemm_bn // self.gemm_tn)
+    def gemm_tile(self, ntok: int, nout: int) -> tuple[int, int, int, int]:
+        """The GEMM tile for an [ntok, K] x [K, nout] product."""
+        for tile in self.gemm_tiles:
+            if -(-ntok // tile[0]) * -(-nout // tile[1]) >= self.sm_count:
+                return tile
+        return self.gemm_tiles[-1]
 
     @property
     def attn_target_blocks(self) -> int:
@@ -54,21 +55,24 @@ class LaunchConfig:
         def pow2(n):
             return 32 <= n <= 1024 and n & (n - 1) == 0
 
-        for f in ("threads", "gemv_threads", "attn_threads", "sample_threads", "gemm_threads"):
+        for f in ("threads", "gemv_threads", "attn_threads", "sample_threads"):
             if not pow2(getattr(self, f)):
                 raise ValueError(f"{self.arch}: {f}={getattr(self, f)} must be a power of two in 32..1024")
-        if self.gemm_bm % self.gemm_tm or self.gemm_bn % self.gemm_tn:
-            raise ValueError(f"{self.arch}: GEMM tile not divisible by the per-thread tile")
-        if self.gemm_bk != 32:
-            raise ValueError(f"{self.arch}: gemm_bk must be 32 (one quantization block per row and stage)")
-        gemm_shared = 4 * self.gemm_bk * (self.gemm_bm + self.gemm_bn + 2)
-        attn_shared = 4 * (2 * self.attn_rows * MAX_HEAD_DIM + self.attn_chunk * (MAX_HEAD_DIM + 1)
-                           + self.attn_rows * self.attn_chunk + 3 * self.attn_rows)
-        for what, nbytes in (("gemm", gemm_shared), ("attention", attn_shared)):
+        if not self.gemm_tiles:
+            raise ValueError(f"{self.arch}: no GEMM tile")
+        shared = {}
+        for bm, bn, tm, tn in self.gemm_tiles:
+            if bm % tm or bn % tn or not pow2((bm // tm) * (bn // tn)):
+                raise ValueError(f"{self.arch}: GEMM tile {(bm, bn, tm, tn)}: per-thread tile must divide it into "
+                                 "a power of two of threads in 32..1024")
+            shared[f"gemm {bm}x{bn}"] = 4 * GEMM_BK * (bm + bn + 2)
+        shared["attention"] = 4 * (2 * self.attn_rows * MAX_HEAD_DIM + self.attn_chunk * (MAX_HEAD_DIM + 1)
+                                   + self.attn_rows * self.attn_chunk + 3 * self.attn_rows)
+        for what, nbytes in shared.items():
             if nbytes > STATIC_SHARED_LIMIT:
                 raise ValueError(f"{self.arch}: {what} needs {nbytes} B of static shared memory")
-        if self.gemv_max_tokens < 1 or self.gemv_tokens < 1:
-            raise ValueError(f"{self.arch}: gemv token counts must be positive")
+        if self.gemv_max_tokens < 0 or self.gemv_tokens < 1:
+            raise ValueError(f"{self.arch}: gemv_tokens must be positive, gemv_max_tokens >= 0 (0: always GEMM)")
         return self
 
 
@@ -78,17 +82,17 @@ class LaunchConfig:
 TABLE: dict[str, LaunchConfig] = {
     "sm_90": LaunchConfig(
         arch="sm_90", sm_count=132, threads=256, gemv_threads=256, gemv_tokens=8, gemv_max_tokens=32,
-        gemm_bm=64, gemm_bn=64, gemm_bk=32, gemm_tm=4, gemm_tn=4,
+        gemm_tiles=((64, 64, 4, 4), (32, 32, 2, 2)),
         attn_rows=16, attn_chunk=32, attn_threads=128, attn_min_split=256, sample_threads=1024,
     ),
     "sm_80": LaunchConfig(
         arch="sm_80", sm_count=108, threads=256, gemv_threads=128, gemv_tokens=8, gemv_max_tokens=32,
-        gemm_bm=64, gemm_bn=64, gemm_bk=32, gemm_tm=4, gemm_tn=4,
+        gemm_tiles=((64, 64, 4, 4), (32, 32, 2, 2)),
         attn_rows=16, attn_chunk=32, attn_threads=128, attn_min_split=256, sample_threads=1024,
     ),
     "fallback": LaunchConfig(
         arch="fallback", sm_count=16, threads=128, gemv_threads=128, gemv_tokens=4, gemv_max_tokens=16,
-        gemm_bm=32, gemm_bn=32, gemm_bk=32, gemm_tm=2, gemm_tn=2,
+        gemm_tiles=((32, 32, 2, 2),),
         attn_rows=8, attn_chunk=32, attn_threads=64, attn_min_split=256, sample_threads=256,
     ),
 }

@@ -56,7 +56,9 @@ def test_launch_table_rows_are_valid():
     assert set(launch.TABLE) == {"sm_90", "sm_80", "fallback"}
     for cfg in launch.TABLE.values():
         cfg.validate()
-        assert cfg.gemm_threads <= 1024
+    sm90 = launch.TABLE["sm_90"]
+    assert sm90.gemm_tile(256, 3072) == (64, 64, 4, 4)   # 48 x 4 blocks: the big tile fills the GPU
+    assert sm90.gemm_tile(64, 576) == (32, 32, 2, 2)     # 9 blocks with the big tile: the small one
     bad = dataclasses.replace(launch.TABLE["sm_90"], gemv_threads=96)
     with pytest.raises(ValueError, match="power of two"):
         bad.validate()

@@ -29,7 +29,7 @@ from tests.tiny_model import make_tiny_weights  # noqa: E402
 
 SIM_CONFIG = dataclasses.replace(
     launch.TABLE["fallback"], arch="simulator", sm_count=1, threads=32, gemv_threads=64, gemv_tokens=2,
-    gemv_max_tokens=4, gemm_bm=16, gemm_bn=16, gemm_tm=2, gemm_tn=2, attn_rows=8, attn_chunk=8, attn_threads=32,
+    gemv_max_tokens=4, gemm_tiles=((16, 16, 2, 2),), attn_rows=8, attn_chunk=8, attn_threads=32,
     attn_min_split=8, sample_threads=32,
 )
 FORMATS = ["q4_1", "q4_0", "q8_0", "f16", "bf16", "f32"]
