@@ -8,7 +8,6 @@ simulator, NUMBA_ENABLE_CUDASIM=1).
 """
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from dataclasses import dataclass
 

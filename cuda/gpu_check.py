@@ -19,7 +19,6 @@ import argparse
 import dataclasses
 import datetime
 import faulthandler
-import math
 import os
 import platform
 import sys
@@ -563,7 +562,7 @@ def benchmarks(weights, be, report: Report, deadline: float, bandwidth, peak, to
             report.errors.append(f"prefill:\n{traceback.format_exc()}")
         if torch_model is not None and time.time() < deadline:
             try:
-                row["torch"] = torch_model.prefill(prompts)
+                row["torch"] = torch_model.prefill(prompts, plan.prefill_reps)
             except Exception:
                 report.errors.append(f"transformers prefill:\n{traceback.format_exc()}")
         report.bench.append(row)
@@ -654,7 +653,6 @@ def kernel_timings(weights, be, report: Report, deadline: float, plan: Plan = FU
                                                   h, hkv, dh ** -0.5, out))
             nsplit = split_plan(c, batch * hkv, ctx)[0]
             lines.append(f"| H={h} Hkv={hkv} Dh={dh} | {batch} | {ctx} | {nsplit} | {us:.1f} |")
-            del kc, vc
     print("  attention done", flush=True)
 
     lines += ["", "| sampler | rows | vocab | us (ids copied back) |", "|---|---:|---:|---:|"]
@@ -731,18 +729,17 @@ class TorchModel:
             x = torch.from_numpy(ids.astype(np.int64)[None, :]).cuda()
             return self.model(input_ids=x).logits[0].float().cpu().numpy()
 
-    def prefill(self, prompts: np.ndarray) -> float:
+    def prefill(self, prompts: np.ndarray, reps: int) -> float:
         torch = self.torch
         with torch.inference_mode():
             ids = torch.from_numpy(prompts.astype(np.int64)).cuda()
             self.model(input_ids=ids).logits[:, -1].argmax(-1).cpu()
-            reps = plan.prefill_reps
-            t0 = time.perf_counter()
             kw = {"logits_to_keep": 1}
             try:
                 self.model(input_ids=ids, **kw).logits[:, -1].argmax(-1).cpu()
             except TypeError:  # transformers before 4.45
                 kw = {}
+            t0 = time.perf_counter()
             for _ in range(reps):
                 self.model(input_ids=ids, **kw).logits[:, -1].argmax(-1).cpu()
             return reps * prompts.size / (time.perf_counter() - t0)
@@ -771,7 +768,6 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
 
-    from cuda import launch
     from cuda.backend import CudaBackend
 
     report = Report()
