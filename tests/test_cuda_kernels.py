@@ -256,7 +256,7 @@ def test_sample_draws_follow_the_seed():
     assert len(set(got.tolist())) > 3  # different seeds, different draws
 
 
-@pytest.mark.parametrize("fmt", ["q4_1", "bf16"])
+@pytest.mark.parametrize("fmt", ["q4_1"])  # the default model's layer format; the others: test_matmul
 def test_forward_tiny_llama(fmt):
     """The whole CudaBackend forward (prefill of 6 through the GEMM path, then one decode step through GEMV)
     against tests.reference.forward on a tiny random Llama."""
