@@ -68,6 +68,7 @@ gpu-check: install model
 
 bench-engine: install model
 	$(VPY) benchmarks/bench_engine.py
+	$(VPY) benchmarks/bench_batching.py
 
 bench: install model
 	$(VPY) benchmarks/bench_serving.py
