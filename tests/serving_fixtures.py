@@ -13,7 +13,7 @@ nodes and redis-server, on free loopback ports, all stopped at the end (also whe
 and the gateway (gunicorn with config/gunicorn.conf.py, `workers` x `threads`; `gateway` is a dict of
 config sections merged over TEST_CONFIG). It waits until the gateway sees every node up. The gateway's
 catalog gets `zen-tiny` (tiny-a, f32) and `zen-tiny-b` (tiny-b, f32) besides the shipped aliases; the
-test orgs are in TEST_CONFIG. Everything is stopped when the test ends, in reverse order.
+test orgs are in TEST_CONFIG. Everything is stopped when the test ends: nodes, then the gateway, then Redis.
 
 Process inspection for leak checks: `worker_pids(master_pid)`, `rss_bytes(pids)`, `thread_count(pid)`
 (psutil: /proc/<pid>/status on Linux). An engine node's threads are counted in its gunicorn worker,
@@ -244,9 +244,10 @@ class GatewayProcess:
         return requests.get(self.url + "/health", timeout=5).json()
 
     def stop(self) -> None:
-        """SIGTERM (graceful), then SIGKILL to the process group if it lingers."""
+        """SIGINT (gunicorn's quick shutdown: the tests do not wait for requests in flight), then
+        SIGKILL to the process group if it lingers."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.proc.send_signal(signal.SIGINT)
             try:
                 self.proc.wait(STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
@@ -335,9 +336,10 @@ class ServingStack:
         return "\n".join(out)
 
     def stop(self) -> None:
-        """Stop everything, gateway first; never raises (each stop is attempted)."""
+        """Stop everything: the nodes first (a gateway thread waiting on a node's answer would hold the
+        gateway's exit), then the gateway, then Redis. Never raises: each stop is attempted."""
         errors = []
-        for stop in ([self.gateway.stop] if self.gateway else []) + [n.stop for n in reversed(self.nodes)] + \
+        for stop in [n.stop for n in reversed(self.nodes)] + ([self.gateway.stop] if self.gateway else []) + \
                 ([self.redis.stop] if self.redis else []):
             try:
                 stop()
