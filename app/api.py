@@ -16,6 +16,7 @@ from typing import Any, Mapping
 from flask import Blueprint, Response, current_app, g, jsonify, request
 
 from app import params
+from engine.connection import client_gone
 from app.auth import login_required
 from app.catalog import Catalog
 from app.config import GatewayConfig
@@ -23,7 +24,7 @@ from app.errors import APIError, bad_request, sse_error_event
 from app.inference import InferenceRequest, PromptInput, SamplingParams
 from app.limits import TokenLimiter, token_headers
 from app.metrics import GatewayMetrics
-from app.node_client import NodeClient, NodeResult, NodeStream, NodeStreamError
+from app.node_client import ClientGone, NodeClient, NodeStream, NodeStreamError, collect_result
 from app.priority import LATENCY_CLASS_HEADER, latency_class_for
 from app.responses import (CHAT, COMPLETIONS, SSE_DONE, ChunkWriter, chat_completion,
                            text_completion, usage_of)
@@ -155,8 +156,21 @@ def _generate(body: Mapping[str, Any], kind: str) -> Response:
         raise
     g.token_limit_headers = token_headers(reservation.result)
     started = g.started
+    sock = request.environ.get("gunicorn.socket")
+    gone = lambda: client_gone(sock)  # noqa: E731
     try:
-        outcome = _nodes().dispatch(req)
+        outcome = _nodes().dispatch(req, gone)
+        g.log_fields.update(node=outcome.node, node_attempts=outcome.attempts)
+        if not req.stream:
+            return _answer_json(req, kind, outcome.node, collect_result(outcome, gone), reservation,
+                                logprobs_top, started)
+    except ClientGone:
+        _tokens().settle(reservation, 0)
+        g.log_fields.update(client="gone")
+        return Response(status=499)   # nobody reads it; the node's sequence is aborted
+    except NodeStreamError as exc:
+        _tokens().settle(reservation, 0)
+        raise APIError(502, f"The engine node failed during generation: {exc}", code="engine_error") from None
     except APIError as exc:
         _tokens().settle(reservation, 0)
         if exc.code == "context_length_exceeded" or exc.param in ("prompt", "messages",
@@ -166,22 +180,19 @@ def _generate(body: Mapping[str, Any], kind: str) -> Response:
     except BaseException:
         _tokens().settle(reservation, 0)
         raise
-    g.log_fields.update(node=outcome.node, node_attempts=outcome.attempts)
-    if isinstance(outcome, NodeResult):
-        return _answer_json(req, kind, outcome, reservation, logprobs_top, started)
     return _answer_stream(req, kind, outcome, reservation, include_usage, logprobs_top, started)
 
 
-def _answer_json(req: InferenceRequest, kind: str, outcome: NodeResult, reservation,
+def _answer_json(req: InferenceRequest, kind: str, node: str, result: dict, reservation,
                  logprobs_top: int | None, started: float) -> Response:
     build = chat_completion if kind == CHAT else text_completion
     m = req.model
-    body = build(req.request_id, m.alias, m.model, m.quantization, outcome.body, logprobs_top)
+    body = build(req.request_id, m.alias, m.model, m.quantization, result, logprobs_top)
     usage = body["usage"]
     _tokens().settle(reservation, usage["total_tokens"])
     metrics = _metrics()
     metrics.usage(req.org, m.alias, usage["prompt_tokens"], usage["completion_tokens"])
-    timings = outcome.body.get("timings") if isinstance(outcome.body.get("timings"), dict) else {}
+    timings = result["timings"]
     metrics.latency(m.alias, req.latency_class.value,
                     ttft_s=_float(timings.get("ttft_s")), itl_s=_float(timings.get("mean_itl_s")),
                     e2e_s=time.perf_counter() - started)

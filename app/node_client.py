@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import requests
 from requests.adapters import HTTPAdapter
@@ -22,6 +23,12 @@ from app.router import NodePool
 
 log = logging.getLogger("zen.gateway")
 
+CLIENT_CHECK_S = 0.2   # how often a request that collects a JSON answer checks that its client is still there
+
+
+class ClientGone(Exception):
+    """The gateway's own client closed its connection; the upstream request was closed too."""
+
 
 class NodeStreamError(Exception):
     """The node's stream failed (broken connection or an error event)."""
@@ -29,15 +36,6 @@ class NodeStreamError(Exception):
     def __init__(self, message: str, code: str | None = None) -> None:
         super().__init__(message)
         self.code = code
-
-
-@dataclass
-class NodeResult:
-    """A finished non-streaming generation from one node."""
-
-    node: str
-    body: dict
-    attempts: int
 
 
 @dataclass
@@ -68,10 +66,17 @@ class NodeStream:
             pass
 
 
+PING = {"type": "ping"}
+
+
 def _read_events(lines: Iterator[bytes], node: str) -> Iterator[dict]:
+    """The node's events; its SSE comments (heartbeats while a request waits) come as PING."""
     try:
         for raw in lines:
-            if not raw or not raw.startswith(b"data:"):
+            if raw.startswith(b":"):
+                yield PING
+                continue
+            if not raw.startswith(b"data:"):
                 continue
             data = raw[5:].strip()
             if data == b"[DONE]":
@@ -119,15 +124,18 @@ class NodeClient:
     def close(self) -> None:
         self.session.close()
 
-    def dispatch(self, req: InferenceRequest) -> NodeResult | NodeStream:
-        """Run `req` on the best node that takes it; APIError when none does."""
+    def dispatch(self, req: InferenceRequest, client_gone: Callable[[], bool] = lambda: False) -> NodeStream:
+        """Run `req` on the best node that takes it; APIError when none does, ClientGone when the
+        caller's client leaves first. The node always streams: a JSON answer is collected from the
+        stream (collect_result), so the gateway can watch its client the whole time and close the
+        node's stream — which aborts the sequence — when nobody is left to read it."""
         ranked = self.pool.rank(req.model, req.inputs.estimated_tokens(), req.params.max_tokens)
         if not ranked:
             raise APIError(503, "No engine node is available to serve this request; retry shortly.",
                            code="no_node_available", headers={"Retry-After": "1"})
-        payload = req.to_node_payload()
+        payload = dict(req.to_node_payload(), stream=True)
         headers = {"X-Node-Secret": self.config.secret, "X-Request-Id": req.request_id,
-                   "Accept": "text/event-stream" if req.stream else "application/json"}
+                   "Accept": "text/event-stream"}
         timeout = (self.config.connect_timeout_s, self.config.read_timeout_s)
         retry_after = 1
         last = "no node answered"
@@ -137,7 +145,7 @@ class NodeClient:
             attempts += 1
             try:
                 resp = self.session.post(url + "/v1/generate", json=payload, headers=headers,
-                                         stream=req.stream, timeout=timeout)
+                                         stream=True, timeout=timeout)
             except requests.RequestException as exc:
                 last = f"{url}: {exc.__class__.__name__}"
                 self.pool.mark_down(url, last)
@@ -146,14 +154,14 @@ class NodeClient:
             status = resp.status_code
             if status == 200:
                 try:
-                    if not req.stream:
-                        body = resp.json()
-                        if not isinstance(body, dict) or not isinstance(body.get("choices"), list):
-                            raise ValueError("unexpected body")
-                        return NodeResult(url, body, attempts)
                     lines = resp.iter_lines(chunk_size=None)
                     first = []
                     for event in _read_events(lines, url):
+                        if event is PING:
+                            if client_gone():
+                                resp.close()
+                                raise ClientGone()
+                            continue
                         first.append(event)
                         if event.get("type") in ("token", "done"):
                             break
@@ -197,3 +205,39 @@ class NodeClient:
         on_failover = getattr(self, "on_failover", None)
         if on_failover is not None:
             on_failover(url, reason)
+
+
+def collect_result(stream: NodeStream, client_gone: Callable[[], bool]) -> dict:
+    """A node stream gathered into the node's JSON answer: {"choices": [{"index", "text", "token_ids",
+    "finish_reason", "logprobs"}], "usage", "timings"}. ClientGone (upstream closed) when the client
+    leaves; NodeStreamError when the node fails."""
+    choices: dict[int, dict] = {}
+    done: dict = {}
+    checked = time.monotonic()
+    try:
+        for event in stream.events():
+            now = time.monotonic()
+            if event is PING or now - checked >= CLIENT_CHECK_S:
+                checked = now
+                if client_gone():
+                    raise ClientGone()
+            kind = event.get("type")
+            if kind == "token":
+                c = choices.setdefault(int(event.get("index", 0)), {"text": [], "token_ids": [], "logprobs": None})
+                if event.get("token_id") is not None:
+                    c["token_ids"].append(event["token_id"])
+                c["text"].append(event.get("text") or "")
+                if event.get("logprobs") is not None:
+                    c["logprobs"] = (c["logprobs"] or []) + [event["logprobs"]]
+            elif kind == "done":
+                done = event
+    finally:
+        stream.close()
+    return {
+        "choices": [{"index": d["index"], "finish_reason": d.get("finish_reason"),
+                     "text": "".join(choices.get(d["index"], {}).get("text", [])),
+                     "token_ids": choices.get(d["index"], {}).get("token_ids", []),
+                     "logprobs": choices.get(d["index"], {}).get("logprobs")}
+                    for d in done.get("choices", [])],
+        "usage": done.get("usage") or {}, "timings": done.get("timings") or {},
+    }

@@ -82,6 +82,8 @@ class Engine:
         self.pool = BlockPool(int(num_blocks))
         self.kv = KVCacheManager(self.pool, config.block_size, self.model_id, config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
+        # the longest sequence: the context, or what the whole KV pool holds if that is less
+        self.max_seq_tokens = min(self.max_model_len, self.pool.num_blocks * config.block_size)
         self.eos_token_ids = sorted(set(self.tokenizer.stop_token_ids))
         self.runner = ModelRunner(self.model, config.block_size, self.pool.num_blocks, self.eos_token_ids)
         self.warm_up()
@@ -126,10 +128,15 @@ class Engine:
         except ValueError as e:
             raise RequestError(str(e), param=getattr(e, "param", None),
                                code="context_length_exceeded" if "context" in str(e) else None) from None
-        blocks = self.kv.blocks_needed(n + 1)
-        if blocks > self.pool.num_blocks:
-            raise RequestError(f"the prompt needs {blocks} KV blocks; this node's cache holds "
-                               f"{self.pool.num_blocks}", param="prompt", code="context_length_exceeded")
+        # A sequence must fit the KV pool alone, or preemption could never make room for it.
+        if n + 1 > self.max_seq_tokens:
+            raise RequestError(f"the prompt has {n} tokens; this node's KV cache holds {self.max_seq_tokens} "
+                               f"tokens for one sequence", param="prompt", code="context_length_exceeded")
+        if p.max_tokens is not None and n + p.max_tokens > self.max_seq_tokens:
+            raise RequestError(f"max_tokens ({p.max_tokens}) plus the prompt's {n} tokens exceeds the "
+                               f"{self.max_seq_tokens} tokens this node's KV cache holds for one sequence; "
+                               f"use max_tokens <= {self.max_seq_tokens - n}", param="max_tokens",
+                               code="context_length_exceeded")
         if request.request_id in self._requests:
             raise RequestError(f"request id {request.request_id!r} is already in use", param="request_id")
 
@@ -211,7 +218,7 @@ class Engine:
             reason = "stop"
         elif p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
             reason = "length"
-        elif seq.num_tokens >= self.max_model_len:
+        elif seq.num_tokens >= self.max_seq_tokens:
             reason = "length"
         if reason is not None:
             if not stopped:  # the stream ends: release held-back bytes and stop-string prefixes

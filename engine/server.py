@@ -17,8 +17,6 @@ import json
 import logging
 import math
 import queue
-import select
-import socket
 import sys
 import threading
 import time
@@ -30,6 +28,7 @@ from flask import Flask, Response, current_app, g, jsonify, request
 from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics
 from werkzeug.exceptions import HTTPException
 
+from engine.connection import client_gone
 from engine.config import EngineConfig
 from engine.engine import RequestError
 from engine.metrics import FinishedSequence, ModelSnapshot, NodeMetrics, NodeSnapshot
@@ -46,6 +45,7 @@ log = logging.getLogger("engine.node")
 OPEN_PATHS = ("/health", "/metrics")       # everything else needs X-Node-Secret
 SECRET_HEADER = "X-Node-Secret"
 POLL_S = 0.2                               # how often a waiting request thread checks its client
+HEARTBEAT_S = 1.0                          # a stream without tokens this long sends an SSE comment
 MAX_BODY_BYTES = 16 << 20
 SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__)
 _STANDARD_LOG_ATTRS = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
@@ -399,22 +399,6 @@ class ClientGone(Exception):
     pass
 
 
-def client_gone(sock) -> bool:
-    """Whether the client's socket has reached EOF (it closed the connection). The client sends
-    nothing more while it waits for this response, so a readable socket with no bytes is a close."""
-    if sock is None:
-        return False
-    try:
-        readable, _, _ = select.select([sock], [], [], 0)
-        if not readable:
-            return False
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except (BlockingIOError, InterruptedError):
-        return False
-    except (OSError, ValueError):
-        return True
-
-
 def _finite(x: float) -> float:
     return x if math.isfinite(x) else -9999.0
 
@@ -442,23 +426,29 @@ class Generation:
         self._closed = False
         self._lock = threading.Lock()
 
-    def deltas(self):
+    def deltas(self, heartbeat_s: float | None = None):
         """The request's deltas as they come; ClientGone when the client hangs up first (checked every
-        POLL_S, whether deltas flow or not)."""
-        checked = time.monotonic()
+        POLL_S, whether deltas flow or not). With heartbeat_s, None is yielded after that long without
+        a delta, so a stream can show its reader that it is alive (and learn whether the reader is)."""
+        checked = last = time.monotonic()
         while not self.stream.finished:
             try:
                 d = self.stream.next_delta(timeout=POLL_S)
             except queue.Empty:
                 d = None
-            if time.monotonic() - checked >= POLL_S:
-                checked = time.monotonic()
+            now = time.monotonic()
+            if now - checked >= POLL_S:
+                checked = now
                 if client_gone(self.sock):
                     raise ClientGone()
                 if self.node.closing or self.m.loop.failed is not None:
                     raise RuntimeError("the engine stopped serving this model")
             if d is None:
+                if heartbeat_s is not None and now - last >= heartbeat_s:
+                    last = now
+                    yield None
                 continue
+            last = now
             c = self.choices[d.index]
             if not c.started:
                 c.started = True
@@ -559,7 +549,10 @@ class SSEBody:
         outcome = "client_closed"
         yield b""   # sends the headers now: the client knows the node took the request
         try:
-            for d in gen.deltas():
+            for d in gen.deltas(heartbeat_s=HEARTBEAT_S):
+                if d is None:
+                    yield b": ping\n\n"   # an SSE comment: readers skip it
+                    continue
                 chunk = []
                 n = len(d.token_ids)
                 for j, tid in enumerate(d.token_ids):

@@ -226,6 +226,7 @@ def test_stop_strings_min_tokens_and_ignore_eos(tiny_gguf):
     (dict(toks=[10] * 600), "prompt"),
     (dict(max_tokens=10_000), "max_tokens"),
     (dict(toks=[10**7]), "prompt"),
+    (dict(toks=[10] * 10, max_tokens=300), "max_tokens"),   # fits the context (512), not the pool (256)
 ])
 def test_bad_requests_fail_at_add_request(engine, bad, param):
     toks = bad.pop("toks", [5, 6, 7])
@@ -265,3 +266,10 @@ def test_no_block_leaks_or_double_frees(tiny_gguf_engine_small, spec):
 @pytest.fixture(scope="module")
 def tiny_gguf_engine_small(tiny_gguf):
     return make_engine(tiny_gguf, num_blocks=14, max_num_seqs=4, max_batched=16)
+
+
+def test_a_sequence_without_max_tokens_ends_when_the_pool_is_full(tiny_gguf):
+    eng = make_engine(tiny_gguf, num_blocks=12)   # 48 tokens; the model's context is 512
+    out = run(eng, [req("long", prompt(95, 10), max_tokens=None, ignore_eos=True)])
+    assert out["long"][0][1] == "length" and len(out["long"][0][0]) == 48 - 10
+

@@ -171,11 +171,6 @@ def test_disconnect_storm_frees_every_block_and_thread(serving_stack, tiny_model
           f"{node_baseline} -> {thread_count(node_pid)}; gateway threads {gateway_baseline}")
 
 
-@pytest.mark.xfail(strict=True, reason="BUG (report): a non-streaming request whose client goes away is not "
-                                       "aborted on the engine: the gateway's worker thread waits in "
-                                       "requests' resp.json() (app/node_client.py NodeClient.dispatch, "
-                                       "stream=False) and never looks at its client, so the node generates "
-                                       "every token for nobody")
 def test_abandoned_non_streaming_requests_are_aborted(serving_stack, tiny_models):  # noqa: F811
     stack = serving_stack(nodes=[[tiny_models["a"] + "=tiny-a"]], node_options={"kv_cache_bytes": "64MiB"})
     headers = stack.auth("loadco")

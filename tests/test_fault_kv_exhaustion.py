@@ -112,11 +112,6 @@ def test_long_prompts_beyond_the_pool_all_finish(serving_stack, tiny_models):  #
           f"at most {max(running_seen)} running")
 
 
-@pytest.mark.xfail(strict=True, reason="BUG (report): a sequence that alone outgrows the whole KV pool "
-                                       "(prompt fits, prompt + max_tokens does not) is preempted and "
-                                       "recomputed forever: engine/engine.py Engine.validate checks only the "
-                                       "prompt's blocks, and engine/scheduler.py schedule() preempts the "
-                                       "sequence itself as its own victim")
 def test_a_sequence_larger_than_the_pool_ends(serving_stack, tiny_models):  # noqa: F811
     """prompt 1000 + max_tokens 1500 tokens on a 2048-token pool: the request must end - refused with
     a 400, or finished early - not spin. (The tiny model generates 1500 tokens in about a second.)"""

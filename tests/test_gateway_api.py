@@ -87,7 +87,8 @@ def test_parameters_reach_the_node_as_its_protocol_says(client, gateway, node):
     assert sent["org"] == "acme" and sent["latency_class"] == "realtime"
     assert sent["messages"] == [{"role": "system", "content": "Be brief."},
                                 {"role": "user", "content": "Hi\nthere"}]
-    assert "prompt" not in sent and "prompt_token_ids" not in sent and sent["stream"] is False
+    assert "prompt" not in sent and "prompt_token_ids" not in sent
+    assert sent["stream"] is True   # the node always streams: the gateway collects a JSON answer itself
     assert sent["sampling"] == {
         "max_tokens": 7, "temperature": 0.7, "top_p": 0.9, "top_k": 40, "min_p": 0.05,
         "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.1,
