@@ -2,7 +2,7 @@
 
 Order of precedence (later wins): the shipped defaults in config/default.toml (or the file
 named by ZEN_CONFIG), environment variables for secrets and addresses (PORT, JWT_SECRET,
-REDIS_URL, ZEN_NODES, NODE_SECRET), then test overrides (a nested dict). Everything is
+REDIS_URL, ZEN_NODES, NODE_SECRET, METRICS_TOKEN), then test overrides (a nested dict). Everything is
 validated in __post_init__, so a bad file fails at start-up, not on the first request.
 """
 from __future__ import annotations
@@ -44,6 +44,7 @@ class ServerConfig:
     log_level: str = "INFO"
     workers: int = 2
     threads: int = 16
+    metrics_token: str = ""   # GET /metrics needs `Authorization: Bearer <it>`; empty = open to all
 
     def __post_init__(self) -> None:
         _require(0 < self.port < 65536, f"server.port out of range: {self.port}")
@@ -321,6 +322,8 @@ def _env_overrides(env: Mapping[str, str]) -> dict:
         over.setdefault("limits", {})["storage_url"] = env["REDIS_URL"]
     if env.get("ZEN_NODES"):
         over.setdefault("nodes", {})["urls"] = [u for u in env["ZEN_NODES"].split(",") if u.strip()]
+    if env.get("METRICS_TOKEN"):
+        over.setdefault("server", {})["metrics_token"] = env["METRICS_TOKEN"]
     if env.get("NODE_SECRET"):
         over.setdefault("nodes", {})["secret"] = env["NODE_SECRET"]
     return over

@@ -95,9 +95,15 @@ class InferenceRequest:
         """Tokens reserved in the org's bucket: prompt + n × max_tokens."""
         return self.inputs.estimated_tokens() + self.params.n * self.params.max_tokens
 
+    @property
+    def node_request_id(self) -> str:
+        """The id on the engine node: the client's X-Request-Id may repeat across orgs, so the node
+        sees it under the org's name (a slash never occurs in a client's id)."""
+        return f"{self.org}/{self.request_id}"
+
     def to_node_payload(self) -> dict[str, Any]:
         return {
-            "request_id": self.request_id,
+            "request_id": self.node_request_id,
             "model": self.model.model,
             "quantization": self.model.quantization,
             "org": self.org,

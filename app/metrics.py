@@ -12,13 +12,15 @@ unconfigured org) or "anonymous" (no valid token); `model` is a catalog alias or
 """
 from __future__ import annotations
 
+import hmac
 import os
 
-from flask import Flask
+from flask import Flask, request
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_flask_exporter import PrometheusMetrics
 
 from app.config import GatewayConfig
+from app.errors import APIError
 
 PREFIX = "zen_gateway"
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5,
@@ -126,6 +128,18 @@ class GatewayMetrics:
 
 
 def init_metrics(app: Flask, config: GatewayConfig) -> GatewayMetrics:
+    token = config.server.metrics_token
+    if token:
+        expected = f"Bearer {token}".encode()
+
+        @app.before_request
+        def _metrics_need_the_token():
+            # Per-org counters are other orgs' business: a caller's own JWT does not open them.
+            if request.path == "/metrics" and not hmac.compare_digest(
+                    request.headers.get("Authorization", "").encode(), expected):
+                raise APIError(401, "GET /metrics needs the metrics token (Authorization: Bearer <metrics_token>)",
+                               code="invalid_metrics_token")
+
     exporter = build_exporter()
     exporter.init_app(app)
     metrics = GatewayMetrics(config, exporter.registry)

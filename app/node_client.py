@@ -134,7 +134,7 @@ class NodeClient:
             raise APIError(503, "No engine node is available to serve this request; retry shortly.",
                            code="no_node_available", headers={"Retry-After": "1"})
         payload = dict(req.to_node_payload(), stream=True)
-        headers = {"X-Node-Secret": self.config.secret, "X-Request-Id": req.request_id,
+        headers = {"X-Node-Secret": self.config.secret, "X-Request-Id": req.node_request_id,
                    "Accept": "text/event-stream"}
         timeout = (self.config.connect_timeout_s, self.config.read_timeout_s)
         retry_after = 1

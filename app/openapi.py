@@ -83,6 +83,13 @@ def _request_schema(kind: str, max_n: int) -> dict:
             "additionalProperties": True}
 
 
+# A text/event-stream body described one event at a time (how OpenAPI tools read SSE): each `data`
+# holds a JSON chunk, or "[DONE]" last.
+_SSE_EVENT = {"type": "object", "required": ["data"],
+              "properties": {"data": {"type": "string"}, "event": {"type": "string"},
+                             "id": {"type": "string"}, "retry": {"type": "integer"}}}
+
+
 def build_openapi(max_n: int) -> dict:
     latency_header = {
         "name": LATENCY_CLASS_HEADER, "in": "header", "required": False,
@@ -93,7 +100,7 @@ def build_openapi(max_n: int) -> dict:
         "200": {"description": "The completion (JSON), or with stream: true server-sent events "
                                "ending with `data: [DONE]`.",
                 "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Completion"}},
-                            "text/event-stream": {"schema": {"type": "string"}}}},
+                            "text/event-stream": {"schema": _SSE_EVENT}}},
         "400": _error("Invalid request; `param` names the parameter."),
         "401": _error("Missing or invalid bearer token."),
         "404": _error("Unknown model, or one the caller's tier may not use."),

@@ -157,11 +157,6 @@ def test_schema_is_served_and_lists_the_api(fuzz_gateway):
     assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model}"} <= set(paths)
 
 
-@pytest.mark.xfail(strict=True, reason="FINDING (report): app/openapi.py build_openapi describes the "
-                                       "text/event-stream response as {'type': 'string'}; for OpenAPI 3.0 "
-                                       "schemathesis (and OpenAPI 3.2's itemSchema) read it per event "
-                                       "({data, event, id, retry}), so every streamed 200 fails "
-                                       "response_schema_conformance (ST108 'SSE event violates schema')")
 def test_sse_responses_are_described_per_event(fuzz_gateway):
     media = sse_schemas(served_openapi(fuzz_gateway[0]))
     assert media

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from app import close_app, create_app
-from tests.test_gateway_support import (MODEL_ID, TOKENS, StandInNode, auth, bearer,  # noqa: F401
+from tests.test_gateway_support import (METRICS_HEADERS, MODEL_ID, TOKENS, StandInNode, auth, bearer,  # noqa: F401
                                         client, gateway, make_config, node)
 
 FULL_TEXT = "".join(p for _, p in TOKENS)
@@ -82,7 +82,7 @@ def test_parameters_reach_the_node_as_its_protocol_says(client, gateway, node):
                                    "X-Request-Id": "my-req-1"}, json=body)
     assert r.status_code == 200, r.get_json()
     sent = node.received[-1]
-    assert sent["request_id"] == "my-req-1" and r.headers["x-request-id"] == "my-req-1"
+    assert sent["request_id"] == "acme/my-req-1" and r.headers["x-request-id"] == "my-req-1"
     assert sent["model"] == MODEL_ID and sent["quantization"] == "q4_1"
     assert sent["org"] == "acme" and sent["latency_class"] == "realtime"
     assert sent["messages"] == [{"role": "system", "content": "Be brief."},
@@ -235,7 +235,7 @@ def test_failover_on_503_and_on_a_dead_node(two_nodes):
     r = c.post(CHAT, headers=h, json=chat_body(max_tokens=2, stream=True))
     assert r.status_code == 200 and sse_events(r.get_data(as_text=True))[-1] == "[DONE]"
     assert len(second.received) == 2
-    metrics = c.get("/metrics").get_data(as_text=True)
+    metrics = c.get("/metrics", headers=METRICS_HEADERS).get_data(as_text=True)
     assert "zen_gateway_node_failovers_total" in metrics and 'reason="busy"' in metrics
 
 
@@ -454,7 +454,7 @@ def test_metrics_per_org_and_latency(client, gateway, node):
     client.post(CHAT, headers=bearer(cfg, "acme"), json=chat_body(max_tokens=4, stream=True)).get_data()
     client.post(CHAT, headers=bearer(cfg, "unlisted-org"), json=chat_body(max_tokens=2))
     client.post(CHAT, json=chat_body())
-    text = client.get("/metrics").get_data(as_text=True)
+    text = client.get("/metrics", headers=METRICS_HEADERS).get_data(as_text=True)
     assert 'zen_gateway_org_requests_total{endpoint="api.chat_completions",org="acme",status="200"} 2.0' in text
     assert 'zen_gateway_org_completion_tokens_total{model="zen-small",org="acme"} 8.0' in text
     assert 'zen_gateway_org_completion_tokens_total{model="zen-small",org="other"} 2.0' in text

@@ -13,7 +13,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
 from app import close_app, create_app
-from tests.test_gateway_support import JWT_SECRET, bearer, make_config
+from tests.test_gateway_support import METRICS_HEADERS, JWT_SECRET, bearer, make_config
 
 ISS, AUD = "zen-dev", "zen-gateway"
 
@@ -188,7 +188,9 @@ def test_unconfigured_orgs_can_be_refused():
 def test_public_endpoints_need_no_token(client):
     assert client.get("/health").status_code == 200
     assert client.get("/openapi.json").status_code == 200
-    assert client.get("/metrics").status_code == 200
+    # /metrics holds every org's counters: it takes the metrics token, not a caller's JWT
+    assert client.get("/metrics").status_code == 401
+    assert client.get("/metrics", headers=METRICS_HEADERS).status_code == 200
 
 
 def test_jwks_from_a_url(keys, tmp_path):

@@ -17,7 +17,7 @@ import requests
 
 from app.config import load_config
 from app.devtoken import mint_token
-from tests.test_gateway_support import (JWT_SECRET, NODE_SECRET, StandInNode, free_port,
+from tests.test_gateway_support import (METRICS_HEADERS, JWT_SECRET, NODE_SECRET, StandInNode, free_port,
                                         start_redis)
 
 pytestmark = pytest.mark.slow
@@ -155,7 +155,7 @@ def test_token_bucket_holds_exactly_across_workers(stack):
 
 def test_metrics_aggregate_all_workers(stack):
     base, _, _, metrics_dir = stack
-    text = requests.get(base + "/metrics", timeout=10).text
+    text = requests.get(base + "/metrics", headers=METRICS_HEADERS, timeout=10).text
     pids = {m.group(1) for f in os.listdir(metrics_dir) if (m := re.search(r"_(\d+)\.db$", f))}
     assert len(pids) >= 2, pids                 # several workers served the tests
     ok = float(re.search(r'zen_gateway_org_requests_total\{endpoint="api.list_models",'

@@ -12,7 +12,7 @@ from app.config import LimitsConfig, TierConfig
 from app.errors import APIError
 from app.limits import (MemoryTokenBuckets, RedisTokenBuckets, TokenLimiter, format_duration,
                         refill)
-from tests.test_gateway_support import (bearer, free_port, make_config, node,  # noqa: F401
+from tests.test_gateway_support import (METRICS_HEADERS, bearer, free_port, make_config, node,  # noqa: F401
                                         redis_url)
 
 
@@ -108,7 +108,7 @@ def test_requests_per_minute_per_org_with_openai_429():
         assert c.get("/health", headers=globex).status_code == 200
         # a new token for the same org shares the org's counter
         assert c.get("/v1/models", headers=bearer(cfg, "globex")).status_code == 429
-        metrics = c.get("/metrics").get_data(as_text=True)
+        metrics = c.get("/metrics", headers=METRICS_HEADERS).get_data(as_text=True)
         assert 'zen_gateway_org_rate_limited_total{limit="requests",org="globex"} 2.0' in metrics
     finally:
         close_app(app)

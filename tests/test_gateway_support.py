@@ -377,3 +377,7 @@ def redis_url():
     yield f"redis://127.0.0.1:{port}/0"
     proc.terminate()
     proc.wait(timeout=10)
+
+
+# GET /metrics of a gateway on the shipped configuration (config/default.toml's metrics_token).
+METRICS_HEADERS = {"Authorization": "Bearer zen-development-metrics-token"}

@@ -158,11 +158,6 @@ def test_answers_never_cross_between_orgs(stack):
     assert sorted(prompt_tokens.values()) == [prompt_tokens[i] for i in range(10)]   # grows with i: own prompt
 
 
-@pytest.mark.xfail(strict=True, reason="BUG (report): the gateway forwards the client's X-Request-Id as the "
-                                       "engine request id, so a second org reusing an id in flight gets the "
-                                       "node's 409 'request id ... is already in use' - it learns of, and can "
-                                       "block, another org's request (app/logs.py _assign_request_id, "
-                                       "app/inference.py to_node_payload)")
 def test_request_ids_of_different_orgs_do_not_collide(stack):
     a, b = fresh("alpha"), fresh("bravo")
     rid = "shared-" + uuid.uuid4().hex[:8]
@@ -192,10 +187,6 @@ def test_request_ids_of_different_orgs_do_not_collide(stack):
         t.join(150)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG (report): GET /metrics is served on the public API port without "
-                                       "authentication and carries per-org counters (zen_gateway_org_*{org=...}): "
-                                       "any caller sees every configured org's requests and token usage "
-                                       "(app/metrics.py init_metrics, app/__init__.py)")
 def test_metrics_do_not_reveal_other_orgs(stack):
     # "alpha" and "bravo" are configured orgs, so they have their own metric label.
     assert complete(stack, headers(stack, "bravo"), max_tokens=3).status_code == 200
