@@ -175,7 +175,5 @@ def test_compile_check_compiles_a_kernel_offline():
         assert want in names
     spec = next(s for s in cc.catalog(launch.TABLE["sm_90"]) if s.name == "silu_mul")
     res = cc.check(spec, "sm_90")
-    if res.errors and any("nvrtc" in e.lower() or "DynamicLibNotFound" in e for e in res.errors):
-        pytest.skip(f"offline compile tools missing here: {res.errors[0][:200]}")
-    assert res.ok, res.errors
+    assert res.ok, res.errors   # nvrtc/nvjitlink come with `pip install -e '.[cuda-offline]'` (make install)
     assert res.registers > 0 and res.f64 == 0 and res.spills == 0

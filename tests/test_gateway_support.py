@@ -350,7 +350,7 @@ def start_redis(port: int):
 
     exe = shutil.which("redis-server")
     if exe is None:
-        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+        pytest.fail("redis-server is not installed (apt-get install redis-server; .ci/run does it)")
     proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                              "--appendonly", "no", "--daemonize", "no", "--loglevel", "warning"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
