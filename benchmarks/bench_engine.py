@@ -1,0 +1,200 @@
+"""Engine micro-benchmark: prefill and decode throughput of the CPU forward pass per weight format.
+
+    python benchmarks/bench_engine.py [--model PATH] [--formats q4_1,q8_0,f16,f32] [--out bench-results/engine.json]
+
+Drives models.llama.LlamaModel directly (no scheduler) with a simple contiguous block table per sequence.
+Every figure is the median of several timed runs after a warm-up; the machine's CPU, core count, date and
+git commit go into the JSON next to the figures. `run_decode_batch(model, batch_size, steps)` measures
+aggregate decode tokens/s at a given batch and is meant to be reused by the engine-level benchmark.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from engine.backends.cpu import CpuBackend  # noqa: E402
+from models.gguf_file import read_gguf  # noqa: E402
+from models.llama import LlamaModel, StepInput  # noqa: E402
+
+DEFAULT_MODEL = ROOT / "models" / "weights" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+BLOCK_SIZE = 16
+STORED = "q4_1"  # the name under which the model's own (stored) formats are benchmarked
+
+
+# ------------------------------------------------------------------------------------------ harness
+class Sequences:
+    """KV cache and contiguous block tables for `n` sequences of up to `max_len` tokens each."""
+
+    def __init__(self, model: LlamaModel, n: int, max_len: int):
+        self.model = model
+        self.blocks_per_seq = -(-max_len // BLOCK_SIZE)
+        self.k_cache, self.v_cache = model.allocate_kv_cache(n * self.blocks_per_seq, BLOCK_SIZE)
+        self.block_tables = np.arange(n * self.blocks_per_seq, dtype=np.int32).reshape(n, self.blocks_per_seq)
+        self.lens = np.zeros(n, np.int64)
+        self.rng = np.random.default_rng(0)
+
+    def _slots(self, seq: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        blk = self.block_tables[seq, pos // BLOCK_SIZE].astype(np.int64)
+        return blk * BLOCK_SIZE + pos % BLOCK_SIZE
+
+    def prefill(self, seq: int, n_tokens: int) -> np.ndarray:
+        """Appends n_tokens random tokens to sequence `seq` in one step; returns its last logits."""
+        pos = np.arange(self.lens[seq], self.lens[seq] + n_tokens, dtype=np.int64)
+        seqs = np.full(n_tokens, seq, np.int32)
+        step = StepInput(
+            tokens=self.rng.integers(3, self.model.config.vocab_size, n_tokens).astype(np.int32),
+            positions=pos.astype(np.int32), token_seq=seqs, slot_mapping=self._slots(seqs, pos),
+            block_tables=self.block_tables, logits_indices=np.array([n_tokens - 1], np.int32),
+        )
+        logits = self.model.forward(step, self.k_cache, self.v_cache)
+        self.lens[seq] += n_tokens
+        return logits
+
+    def decode(self, seqs: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """One decode step: one token for each sequence in `seqs`."""
+        pos = self.lens[seqs]
+        step = StepInput(
+            tokens=tokens.astype(np.int32), positions=pos.astype(np.int32), token_seq=seqs.astype(np.int32),
+            slot_mapping=self._slots(seqs, pos), block_tables=self.block_tables,
+            logits_indices=np.arange(len(seqs), dtype=np.int32),
+        )
+        logits = self.model.forward(step, self.k_cache, self.v_cache)
+        self.lens[seqs] += 1
+        return logits
+
+
+def run_prefill(model: LlamaModel, n_tokens: int, repeats: int = 5) -> float:
+    """Prefill tokens/s of one prompt of n_tokens (median of `repeats` runs after a warm-up)."""
+    times = []
+    for i in range(repeats + 1):
+        s = Sequences(model, 1, n_tokens)
+        t0 = time.perf_counter()
+        s.prefill(0, n_tokens)
+        if i:
+            times.append(time.perf_counter() - t0)
+    return n_tokens / float(np.median(times))
+
+
+def run_decode_batch(model: LlamaModel, batch_size: int, steps: int, prompt_len: int = 16,
+                     warmup: int = 3) -> float:
+    """Aggregate decode tokens/s with `batch_size` sequences advancing together, one token each per step.
+
+    Each sequence first gets a prompt of `prompt_len` tokens; the figure is batch_size / median step time
+    (greedy next tokens, so the work is that of real generation)."""
+    s = Sequences(model, batch_size, prompt_len + warmup + steps + 1)
+    last = np.empty(batch_size, np.int64)
+    for q in range(batch_size):
+        last[q] = int(np.argmax(s.prefill(q, prompt_len)[0]))
+    seqs = np.arange(batch_size)
+    times = []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        logits = s.decode(seqs, last)
+        last = np.argmax(logits, axis=1)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return batch_size / float(np.median(times))
+
+
+# ------------------------------------------------------------------------------------------ report
+def machine_info() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                    capture_output=True, text=True).stdout.strip())
+    except (OSError, subprocess.CalledProcessError):
+        commit, dirty = "unknown", False
+    import numba
+    return {
+        "cpu": cpu, "cores": os.cpu_count(), "numba_threads": numba.config.NUMBA_NUM_THREADS,
+        "python": platform.python_version(), "numba": numba.__version__, "numpy": np.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": commit, "git_dirty": dirty,
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=str(DEFAULT_MODEL))
+    ap.add_argument("--formats", default="q4_1,q8_0,f16,f32",
+                    help=f"comma-separated; '{STORED}' is the model as stored (its own formats)")
+    ap.add_argument("--prefill", default="128,512", help="prompt lengths to time")
+    ap.add_argument("--decode-steps", type=int, default=64)
+    ap.add_argument("--batch", default="", help="also measure aggregate decode at these batch sizes, e.g. 16")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default=str(ROOT / "bench-results" / "engine.json"))
+    args = ap.parse_args(argv)
+
+    if not Path(args.model).exists():
+        print(f"model not found: {args.model} (run `make model`)", file=sys.stderr)
+        return 2
+    stored, _ = read_gguf(args.model)
+    stored_formats = sorted(stored.formats())
+    prefill_lens = [int(n) for n in args.prefill.split(",") if n]
+    batches = [int(n) for n in args.batch.split(",") if n]
+    results = []
+    for fmt in [f.strip() for f in args.formats.split(",") if f.strip()]:
+        t0 = time.perf_counter()
+        weights = stored if fmt == STORED else stored.converted(fmt)
+        model = LlamaModel(weights, CpuBackend())
+        load_s = time.perf_counter() - t0
+        # warm-up: compiles (or loads from cache) every kernel this path uses
+        run_prefill(model, max(prefill_lens or [16]), repeats=1)
+        run_decode_batch(model, 1, 4, warmup=1)
+        for b in batches:
+            run_decode_batch(model, b, 2, warmup=1)
+        row = {
+            "format": fmt, "weight_formats": stored_formats if fmt == STORED else [fmt],
+            "weight_mb": round(model.nbytes / 1e6, 1), "load_s": round(load_s, 2),
+            "prefill_tok_s": {str(n): round(run_prefill(model, n, args.repeats), 1) for n in prefill_lens},
+            "decode_tok_s": round(run_decode_batch(model, 1, args.decode_steps), 1),
+            "decode_batch_tok_s": {str(b): round(run_decode_batch(model, b, max(8, args.decode_steps // 4)), 1)
+                                   for b in batches},
+        }
+        results.append(row)
+        print(f"  {fmt}: done", file=sys.stderr, flush=True)
+        del model, weights
+
+    head = ["format", "weights MB"] + [f"prefill {n} tok/s" for n in prefill_lens] + ["decode b=1 tok/s"]
+    head += [f"decode b={b} tok/s" for b in batches]
+    rows = [[r["format"], f"{r['weight_mb']:.1f}"] + [f"{r['prefill_tok_s'][str(n)]:.0f}" for n in prefill_lens]
+            + [f"{r['decode_tok_s']:.0f}"] + [f"{r['decode_batch_tok_s'][str(b)]:.0f}" for b in batches]
+            for r in results]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for r in rows:
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
+
+    report = {"model": os.path.basename(args.model), "machine": machine_info(), "results": results}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
