@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import random
 import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlparse
