@@ -619,26 +619,22 @@ def _q4_scales(sp, t, b, nb, ns):
 @njit(cache=True, fastmath=True)
 def _dot_q4_i8(l0, l1, l2, l3, h0, h1, h2, h3, xqp, xo, k, passes):
     """int32 per lane: sum of the block's 32 nibble * int8 products for the x block at byte xo; with
-    two planes, 256 * (that sum) + the same sum for the second plane (at xo + k)."""
-    s = vdpbusd(vzero_i(), l0, vbcast4(xqp, xo))
-    s = vdpbusd(s, l1, vbcast4(xqp, xo + U(4)))
-    s = vdpbusd(s, l2, vbcast4(xqp, xo + U(8)))
-    s = vdpbusd(s, l3, vbcast4(xqp, xo + U(12)))
-    s = vdpbusd(s, h0, vbcast4(xqp, xo + U(16)))
-    s = vdpbusd(s, h1, vbcast4(xqp, xo + U(20)))
-    s = vdpbusd(s, h2, vbcast4(xqp, xo + U(24)))
-    s = vdpbusd(s, h3, vbcast4(xqp, xo + U(28)))
-    if passes == 2:
-        x1 = xo + U(k)
-        s = vdpbusd(vsll(s, 8), l0, vbcast4(xqp, x1))
-        s = vdpbusd(s, l1, vbcast4(xqp, x1 + U(4)))
-        s = vdpbusd(s, l2, vbcast4(xqp, x1 + U(8)))
-        s = vdpbusd(s, l3, vbcast4(xqp, x1 + U(12)))
-        s = vdpbusd(s, h0, vbcast4(xqp, x1 + U(16)))
-        s = vdpbusd(s, h1, vbcast4(xqp, x1 + U(20)))
-        s = vdpbusd(s, h2, vbcast4(xqp, x1 + U(24)))
-        s = vdpbusd(s, h3, vbcast4(xqp, x1 + U(28)))
-    return s
+    two planes, 256 * (that sum) + the same sum for the second plane (at xo + k).
+    Two (four) independent vpdpbusd chains: one chain of 8 (16) would wait on its latency when a tile
+    runs a single row of x (decode)."""
+    z = vzero_i()
+    a = vdpbusd(vdpbusd(z, l0, vbcast4(xqp, xo)), l1, vbcast4(xqp, xo + U(4)))
+    c = vdpbusd(vdpbusd(z, l2, vbcast4(xqp, xo + U(8))), l3, vbcast4(xqp, xo + U(12)))
+    a = vdpbusd(vdpbusd(a, h0, vbcast4(xqp, xo + U(16))), h1, vbcast4(xqp, xo + U(20)))
+    c = vdpbusd(vdpbusd(c, h2, vbcast4(xqp, xo + U(24))), h3, vbcast4(xqp, xo + U(28)))
+    if passes == 1:
+        return vadd(a, c)
+    x1 = xo + U(k)
+    e = vdpbusd(vdpbusd(z, l0, vbcast4(xqp, x1)), l1, vbcast4(xqp, x1 + U(4)))
+    g = vdpbusd(vdpbusd(z, l2, vbcast4(xqp, x1 + U(8))), l3, vbcast4(xqp, x1 + U(12)))
+    e = vdpbusd(vdpbusd(e, h0, vbcast4(xqp, x1 + U(16))), h1, vbcast4(xqp, x1 + U(20)))
+    g = vdpbusd(vdpbusd(g, h2, vbcast4(xqp, x1 + U(24))), h3, vbcast4(xqp, x1 + U(28)))
+    return vadd(vsll(vadd(a, c), 8), vadd(e, g))
 
 
 @njit(cache=True, fastmath=True)
@@ -682,25 +678,20 @@ def _q4_tile_i8(qp, sp, ns, xqp, xdp, xsp, k, passes, t, nb, i0, nrows):
 # ================================================================================= q8 int8 kernels
 @njit(cache=True, fastmath=True)
 def _dot_q8_i8(w0, w1, w2, w3, w4, w5, w6, w7, xqp, xo, k, passes):
-    s = vdpbusd(vzero_i(), w0, vbcast4(xqp, xo))
-    s = vdpbusd(s, w1, vbcast4(xqp, xo + U(4)))
-    s = vdpbusd(s, w2, vbcast4(xqp, xo + U(8)))
-    s = vdpbusd(s, w3, vbcast4(xqp, xo + U(12)))
-    s = vdpbusd(s, w4, vbcast4(xqp, xo + U(16)))
-    s = vdpbusd(s, w5, vbcast4(xqp, xo + U(20)))
-    s = vdpbusd(s, w6, vbcast4(xqp, xo + U(24)))
-    s = vdpbusd(s, w7, vbcast4(xqp, xo + U(28)))
-    if passes == 2:
-        x1 = xo + U(k)
-        s = vdpbusd(vsll(s, 8), w0, vbcast4(xqp, x1))
-        s = vdpbusd(s, w1, vbcast4(xqp, x1 + U(4)))
-        s = vdpbusd(s, w2, vbcast4(xqp, x1 + U(8)))
-        s = vdpbusd(s, w3, vbcast4(xqp, x1 + U(12)))
-        s = vdpbusd(s, w4, vbcast4(xqp, x1 + U(16)))
-        s = vdpbusd(s, w5, vbcast4(xqp, x1 + U(20)))
-        s = vdpbusd(s, w6, vbcast4(xqp, x1 + U(24)))
-        s = vdpbusd(s, w7, vbcast4(xqp, x1 + U(28)))
-    return s
+    """As _dot_q4_i8, for the 8 byte groups of a q8 block."""
+    z = vzero_i()
+    a = vdpbusd(vdpbusd(z, w0, vbcast4(xqp, xo)), w1, vbcast4(xqp, xo + U(4)))
+    c = vdpbusd(vdpbusd(z, w2, vbcast4(xqp, xo + U(8))), w3, vbcast4(xqp, xo + U(12)))
+    a = vdpbusd(vdpbusd(a, w4, vbcast4(xqp, xo + U(16))), w5, vbcast4(xqp, xo + U(20)))
+    c = vdpbusd(vdpbusd(c, w6, vbcast4(xqp, xo + U(24))), w7, vbcast4(xqp, xo + U(28)))
+    if passes == 1:
+        return vadd(a, c)
+    x1 = xo + U(k)
+    e = vdpbusd(vdpbusd(z, w0, vbcast4(xqp, x1)), w1, vbcast4(xqp, x1 + U(4)))
+    g = vdpbusd(vdpbusd(z, w2, vbcast4(xqp, x1 + U(8))), w3, vbcast4(xqp, x1 + U(12)))
+    e = vdpbusd(vdpbusd(e, w4, vbcast4(xqp, x1 + U(16))), w5, vbcast4(xqp, x1 + U(20)))
+    g = vdpbusd(vdpbusd(g, w6, vbcast4(xqp, x1 + U(24))), w7, vbcast4(xqp, x1 + U(28)))
+    return vadd(vsll(vadd(a, c), 8), vadd(e, g))
 
 
 @njit(cache=True, fastmath=True)
