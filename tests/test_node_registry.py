@@ -157,10 +157,7 @@ def test_cold_load_does_not_stall_other_streams(start_node, tiny_models, default
     assert loaded.get("status") == 200
     during = [b - a for a, b in zip(stamps, stamps[1:]) if loaded["start"] <= a <= loaded["end"]]
     assert len(during) > 10, "the load ended before the stream showed anything"
-    # the stream keeps flowing through the load (which takes seconds): at most a few long gaps
-    assert max(during) < 1.0, f"a token gap of {max(during):.3f} s during the cold load"
-    assert sum(1 for g in during if g > 0.05) <= 8, sorted(during)[-10:]
-    if max(during) > 0.1:
-        # Known: building the tokenizer (json.dumps + tokenizers.Tokenizer.from_str in models/tokenizer.py)
-        # holds the GIL for ~0.2-0.4 s in one C call; the loop thread cannot step meanwhile.
-        pytest.xfail(f"longest token gap during the cold load: {max(during):.3f} s (tokenizer build holds the GIL)")
+    # The stream keeps flowing through the load (which takes seconds). Tokenizers are built at start-up
+    # and the kernels release the GIL; what remains is numba loading the compiled kernels of a weight
+    # format this process has not run yet (measured 0.1-0.3 s on a loaded 2-core machine).
+    assert max(during) < 0.5, f"a token gap of {max(during):.3f} s during the cold load"

@@ -18,7 +18,7 @@ from engine.backends.cpu_linear import (
 ATTN_PARALLEL_MIN_WORK = 4096
 
 
-@njit(cache=True, fastmath=True)
+@njit(cache=True, nogil=True, fastmath=True)
 def rmsnorm(x, w, eps, out):
     """out[t] = x[t] / rms(x[t]) * w."""
     d = x.shape[1]
@@ -39,7 +39,7 @@ def rmsnorm(x, w, eps, out):
             out[t, i] = x[t, i] * inv * w[i]
 
 
-@njit(cache=True, fastmath=True, inline="always")
+@njit(cache=True, nogil=True, fastmath=True, inline="always")
 def _rotate(v, off, cos, sin, p, half):
     """Rotate-half RoPE of v[off : off + 2*half] at table row p, in place."""
     for i in range(half):
@@ -51,7 +51,7 @@ def _rotate(v, off, cos, sin, p, half):
         v[off + half + i] = b * c + a * s
 
 
-@njit(cache=True, fastmath=True)
+@njit(cache=True, nogil=True, fastmath=True)
 def rope_store_kv(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads):
     """Rotate q in place inside qkv; rotate k and write k, v into the paged cache at each token's slot."""
     bs = k_cache.shape[1]
@@ -74,7 +74,7 @@ def rope_store_kv(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_
                 v_cache[blk, off, h, i] = row[q_size + kv_size + h * dh + i]
 
 
-@njit(cache=True, fastmath=True)
+@njit(cache=True, nogil=True, fastmath=True)
 def _attend_items(c, stride, qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads,
                   scale, out, max_n):
     """Items c, c + stride, ... of the (token, kv head) grid: the `group` query heads sharing kv head kvh
@@ -144,7 +144,7 @@ def _attend_items(c, stride, qkv, k_cache, v_cache, block_tables, positions, tok
                          vmul(vload_f(opp, gi * U(dh) + U(16) * v), inv))
 
 
-@njit(cache=True, fastmath=True)
+@njit(cache=True, nogil=True, fastmath=True)
 def _part(qp, qo, kp, kop, j, nc):
     """q . k_j as a vector of partial sums (q at item qo; k_j at the item offset kop[j]), nc chunks of 64."""
     ko = U(ld_i64(kop, j))
@@ -159,7 +159,7 @@ def _part(qp, qo, kp, kop, j, nc):
     return a
 
 
-@njit(cache=True, fastmath=True)
+@njit(cache=True, nogil=True, fastmath=True)
 def _scores16(qp, qo, kp, kop, j0, nc):
     """q . k_j for the 16 keys j0 .. j0+15, one per lane: 16 partial-sum vectors folded by a tree
     of pair sums (fed in bit-reversed key order, so that the lanes come out in key order)."""
@@ -174,7 +174,7 @@ def _scores16(qp, qo, kp, kop, j0, nc):
     return vpairsum1(vpairsum2(vpairsum4(a0, a1), vpairsum4(a2, a3)), vpairsum2(vpairsum4(a4, a5), vpairsum4(a6, a7)))
 
 
-@njit(cache=True, fastmath=True)
+@njit(cache=True, nogil=True, fastmath=True)
 def _attend_items64(c, stride, qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads,
                     scale, out, max_n):
     """_attend_items for head sizes that are multiples of 64: scores 16 keys at a time, and the
@@ -243,7 +243,7 @@ def _attend_items64(c, stride, qkv, k_cache, v_cache, block_tables, positions, t
                 vstore_f(outp, oo + U(48), vmul(o3, inv))
 
 
-@njit(cache=True, parallel=True, fastmath=True)
+@njit(cache=True, nogil=True, parallel=True, fastmath=True)
 def paged_attention(qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads, scale, out):
     """Causal attention over the paged cache: query token t of sequence token_seq[t] at positions[t]
     attends to that sequence's positions 0..positions[t], found through its block table.
@@ -271,7 +271,7 @@ def paged_attention(qkv, k_cache, v_cache, block_tables, positions, token_seq, n
                     num_kv_heads, sc, out, mx)
 
 
-@njit(cache=True, fastmath=True)
+@njit(cache=True, nogil=True, fastmath=True)
 def _attend(c, stride, qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads,
             scale, out, max_n):
     if k_cache.shape[3] % 64 == 0:
@@ -282,7 +282,7 @@ def _attend(c, stride, qkv, k_cache, v_cache, block_tables, positions, token_seq
                       num_kv_heads, scale, out, max_n)
 
 
-@njit(cache=True, fastmath=True)
+@njit(cache=True, nogil=True, fastmath=True)
 def _attend_scalar(item, qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads,
                    scale, out):
     """The plain form of one (token, kv head) item, for head sizes that are not multiples of 16."""
@@ -316,7 +316,7 @@ def _attend_scalar(item, qkv, k_cache, v_cache, block_tables, positions, token_s
             out[t, h * dh + i] = o[i] / total
 
 
-@njit(cache=True, fastmath=True)
+@njit(cache=True, nogil=True, fastmath=True)
 def silu_mul(gate_up, out):
     """out = silu(gate) * up, with gate_up = [gate | up]."""
     f = out.shape[1]
