@@ -268,7 +268,7 @@ def launch_gateway(config: dict, *, node_urls: list[str], redis_url: str | None 
     metrics_dir.mkdir(exist_ok=True)
     env = {k: v for k, v in os.environ.items()
            if k not in ("ZEN_NODES", "REDIS_URL", "PORT", "JWT_SECRET", "NODE_SECRET", "ZEN_CONFIG",
-                        "GATEWAY_WORKERS", "GATEWAY_THREADS")}
+                        "GATEWAY_WORKERS", "GATEWAY_THREADS", "METRICS_TOKEN")}
     env.update({"ZEN_CONFIG": str(config_path), "PORT": str(port), "JWT_SECRET": jwt_secret,
                 "NODE_SECRET": node_secret, "GATEWAY_WORKERS": str(workers), "GATEWAY_THREADS": str(threads),
                 "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir), "PYTHONUNBUFFERED": "1"})

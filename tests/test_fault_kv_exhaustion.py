@@ -112,14 +112,25 @@ def test_long_prompts_beyond_the_pool_all_finish(serving_stack, tiny_models):  #
           f"at most {max(running_seen)} running")
 
 
-def test_a_sequence_larger_than_the_pool_ends(serving_stack, tiny_models):  # noqa: F811
-    """prompt 1000 + max_tokens 1500 tokens on a 2048-token pool: the request must end - refused with
-    a 400, or finished early - not spin. (The tiny model generates 1500 tokens in about a second.)"""
+def test_a_sequence_larger_than_the_pool_is_refused_not_spun(serving_stack, tiny_models):  # noqa: F811
+    """prompt 1000 + max_tokens 1500 on a 2048-token pool: preemption could never make room for it, so
+    it is refused at once (400 context_length_exceeded) instead of being recomputed forever; the same
+    prompt with a max_tokens that fits is served, and the pool is empty after both."""
     stack = serving_stack(nodes=[[tiny_models["a"] + "=tiny-a"]], node_options={"kv_cache_bytes": KV_BYTES})
+    headers = stack.auth("loadco")
+    capacity = stack.node_state()["models"][0]["kv_cache_blocks"] * BLOCK_TOKENS
     try:
-        r = requests.post(stack.url + "/v1/completions", headers=stack.auth("loadco"), timeout=(10, 20),
+        r = requests.post(stack.url + "/v1/completions", headers=headers, timeout=(10, 20),
                           json={"model": "zen-tiny", "prompt": prompt_ids(0), "max_tokens": 1500,
                                 "ignore_eos": True})
     except requests.ReadTimeout:
         pytest.fail("no answer in 20 s: the sequence is recomputed in a loop")
-    assert r.status_code in (200, 400), r.text
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded" and str(capacity) in err["message"], err
+    fits = capacity - PROMPT_TOKENS - 1
+    r = requests.post(stack.url + "/v1/completions", headers=headers, timeout=(10, 120),
+                      json={"model": "zen-tiny", "prompt": prompt_ids(0), "max_tokens": fits, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == fits
+    wait_until(lambda: stack.node_state()["kv_cache_usage"] == 0, 30, "the pool to be empty")

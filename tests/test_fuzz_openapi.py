@@ -46,13 +46,6 @@ def fuzz_gateway():
     node.stop()
 
 
-# One server-sent event as schemathesis reads a text/event-stream response before OpenAPI 3.2: the
-# media type's `schema` describes each event ({data, event, id, retry}), not the stream as a string.
-SSE_EVENT_SCHEMA = {"type": "object", "required": ["data"],
-                    "properties": {"data": {"type": "string"}, "event": {"type": "string"},
-                                   "id": {"type": "string"}, "retry": {"type": "integer"}}}
-
-
 def served_openapi(app) -> dict:
     r = app.test_client().get("/openapi.json")
     assert r.status_code == 200
@@ -69,21 +62,9 @@ def sse_schemas(doc: dict) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def api_schema(fuzz_gateway):
-    """The gateway's served description, loaded by schemathesis against the WSGI app (in-process).
-
-    Known finding (see test_sse_responses_are_described_per_event): the served description gives the
-    streams `{"type": "string"}`, which schemathesis applies to each event; until app/openapi.py
-    describes an event, the fuzzing runs on a copy whose stream schema is SSE_EVENT_SCHEMA, so that the
-    rest of every streamed response is still checked."""
+    """The gateway's served description, loaded by schemathesis against the WSGI app (in-process)."""
     app, _ = fuzz_gateway
-    doc = served_openapi(app)
-    for media in sse_schemas(doc):
-        if media.get("schema") == {"type": "string"}:
-            media["schema"] = SSE_EVENT_SCHEMA
-    loaded = schemathesis.openapi.from_dict(doc)
-    loaded.app = app
-    loaded.location = "/openapi.json"
-    return loaded
+    return schemathesis.openapi.from_wsgi("/openapi.json", app)
 
 
 @pytest.fixture(scope="module")

@@ -188,8 +188,16 @@ def test_request_ids_of_different_orgs_do_not_collide(stack):
 
 
 def test_metrics_do_not_reveal_other_orgs(stack):
+    """GET /metrics carries per-org counters: an org's own token does not open it (nor does none);
+    the operator's metrics token does."""
     # "alpha" and "bravo" are configured orgs, so they have their own metric label.
     assert complete(stack, headers(stack, "bravo"), max_tokens=3).status_code == 200
-    r = requests.get(stack.url + "/metrics", headers=headers(stack, "alpha"), timeout=30)
-    assert r.status_code in (401, 403, 404) or 'org="bravo"' not in r.text, \
-        [line for line in r.text.splitlines() if 'org="bravo"' in line][:5]
+    for h in (headers(stack, "alpha"), {}, {"Authorization": "Bearer not-the-metrics-token"}):
+        r = requests.get(stack.url + "/metrics", headers=h, timeout=30)
+        assert r.status_code in (401, 403, 404) or 'org="bravo"' not in r.text, \
+            [line for line in r.text.splitlines() if 'org="bravo"' in line][:5]
+        assert 'org="bravo"' not in r.text
+    token = stack.gateway.config.server.metrics_token
+    assert token, "the test gateway runs with a metrics token (config/default.toml)"
+    r = requests.get(stack.url + "/metrics", headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    assert r.status_code == 200 and 'org="bravo"' in r.text
