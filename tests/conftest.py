@@ -9,6 +9,11 @@ from models.loader import default_model_path
 from tests.tiny_model import make_tiny_tokenizer, make_tiny_weights, write_tiny_gguf
 
 
+# The simulator replaces numba.cuda for the whole process, so its tests run in a process of their own
+# (make test-sim); elsewhere their file is not collected at all.
+collect_ignore = [] if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" else ["test_cuda_kernels.py"]
+
+
 @pytest.fixture(scope="session")
 def tiny_gguf(tmp_path_factory) -> str:
     """A 2-layer random Llama (f32) with a byte-level BPE tokenizer, as a GGUF file."""
