@@ -506,6 +506,9 @@ def machine_info() -> dict:
     try:
         info["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
                                             text=True, timeout=10).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                 capture_output=True, text=True, timeout=10).stdout.split("\n")
+        info["git_uncommitted_changes"] = [line[3:] for line in changed if line.strip()][:50]
     except (OSError, subprocess.SubprocessError):
         pass
     return info
