@@ -188,6 +188,69 @@ def test_gather_rows_is_exact(rng, fmt):
     np.testing.assert_array_equal(CpuLinear([qt]).gather(rows), qt.dequantize()[rows])
 
 
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "f16", "f32"])
+@pytest.mark.parametrize("rows", [1, 5, 17])
+def test_matmul_with_fused_rmsnorm_and_silu_mul(rng, fmt, rows):
+    """The op before a product applied on the way in: rmsnorm(x) * w, or silu(gate) * up."""
+    n, k = 37, 96
+    qt = _tensor(rng, fmt, n, k)
+    dense = qt.dequantize().astype(np.float64)
+    for int8 in ([True, False] if fmt in QUANT else [False]):
+        lin = CpuLinear([qt], int8=int8)
+        tol = 2e-4 if int8 else 2e-6
+        x = _nonzero(rng, (rows, k), 3.0)
+        w = _nonzero(rng, k)
+        out = _nonzero(rng, (rows, n))
+        before = out.astype(np.float64)
+        lin(x, out, accumulate=True, norm=w, eps=1e-5)
+        want = before + R.rmsnorm(x, w, 1e-5) @ dense.T
+        assert _rel(out - before, want - before) < tol, _msg(f"rmsnorm-matmul {fmt} int8={int8}")
+        gu = _nonzero(rng, (rows, 2 * k), 2.0)
+        out = np.empty((rows, n), np.float32)
+        lin(gu, out, silu_mul=True)
+        assert _rel(out, R.silu_mul(gu) @ dense.T) < tol, _msg(f"silu_mul-matmul {fmt} int8={int8}")
+
+
+def test_fused_transform_on_stacked_parts_and_blas(rng):
+    """Parts in different formats share one transformed x; so does the BLAS path."""
+    k = 64
+    w = _nonzero(rng, k)
+    parts = [_tensor(rng, "q4_1", 20, k), _tensor(rng, "f16", 12, k)]
+    stacked = CpuLinear(parts)
+    blas = CpuLinear([_tensor(rng, "f32", 32, k)])
+    for lin, rows in ((stacked, 3), (blas, BLAS_MIN_ROWS + 1)):
+        dense = np.empty((lin.out_features, k), np.float32)
+        lin.dequantize_into(dense)
+        x = _nonzero(rng, (rows, k))
+        out = np.empty((rows, lin.out_features), np.float32)
+        lin(x, out, norm=w, eps=1e-6)
+        assert _rel(out, R.rmsnorm(x, w, 1e-6) @ dense.astype(np.float64).T) < 2e-4, _msg(f"rows={rows}")
+
+
+def test_fused_ops_match_the_composed_ones(rng):
+    """The forward's fused ops against their parts (the composition a backend without them gets)."""
+    from models.llama import LlamaModel, _ComposedOps
+    from tests.tiny_model import make_tiny_weights
+
+    class Plain:
+        """A CPU backend without the fused ops."""
+        def __init__(self):
+            self._b = CpuBackend()
+
+        def __getattr__(self, name):
+            if name in ("rmsnorm_matmul", "rope_attention", "silu_mul_matmul"):
+                raise AttributeError(name)
+            return getattr(self._b, name)
+
+    w = make_tiny_weights(seed=int(rng.integers(1 << 30)), fmt="q8_0")
+    fused, plain = LlamaModel(w, CpuBackend()), LlamaModel(w, Plain())
+    assert fused.ops is fused.backend and isinstance(plain.ops, _ComposedOps)
+    tokens = rng.integers(0, w.config.vocab_size, 11)
+    a = _forward_chunks(fused, tokens, [7, 1, 1, 2])
+    b = _forward_chunks(plain, tokens, [7, 1, 1, 2])
+    assert _rel(a, b) < 1e-5, _msg("fused vs composed forward")
+
+
 # ----------------------------------------------------------------------------- elementwise ops
 def test_rmsnorm_and_silu_mul(rng):
     for d in (64, 50):  # a width that is not a multiple of 16 exercises the scalar tail

@@ -25,6 +25,9 @@ class _Part:
     col0: int        # first output column it produces
 
 
+_NO_AUX = np.zeros(1, np.float32)  # the aux argument of a product without a fused transform
+
+
 class _Scratch:
     """One float32 buffer shared by every linear layer of a backend (layers run one at a time)."""
 
@@ -65,11 +68,22 @@ class CpuLinear:
         # BLAS pays off for float weights only (and for quantized ones on the exact float path)
         self.blas_min_rows = BLAS_MIN_ROWS if (not quantized or not self.int8) else 1 << 62
 
-    def __call__(self, x: np.ndarray, out: np.ndarray, accumulate: bool = False) -> None:
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        if x.shape[0] >= self.blas_min_rows:
-            self._blas(x, out, accumulate)
-            return
+    def __call__(self, x: np.ndarray, out: np.ndarray, accumulate: bool = False, norm: np.ndarray | None = None,
+                 eps: float = 1e-5, silu_mul: bool = False) -> None:
+        """out (+)= f(x) @ W.T with f(x) = x, rmsnorm(x) * norm (norm given), or silu(gate) * up
+        (silu_mul; x = [gate | up]): the op before the product, fused into it."""
+        if x.dtype != np.float32 or not x.flags.c_contiguous:
+            x = np.ascontiguousarray(x, dtype=np.float32)
+        kind, aux = (L.X_RMSNORM, norm) if norm is not None else (L.X_SILU_MUL, _NO_AUX) if silu_mul else \
+            (L.X_PLAIN, _NO_AUX)
+        eps = np.float32(eps)
+        if x.shape[0] >= self.blas_min_rows or len(self.parts) > 1 and kind != L.X_PLAIN:
+            # one transform for every part (or for BLAS), then plain products
+            if kind != L.X_PLAIN:
+                x, kind, aux = L.transform(x, kind, aux, eps), L.X_PLAIN, _NO_AUX
+            if x.shape[0] >= self.blas_min_rows:
+                self._blas(x, out, accumulate)
+                return
         if not out.flags.c_contiguous:
             tmp = np.ascontiguousarray(out) if accumulate else np.empty(out.shape, np.float32)
             self(x, tmp, accumulate)
@@ -79,13 +93,13 @@ class CpuLinear:
             a = p.arrays
             if p.family in ("q4", "q8"):
                 if not self.int8:
-                    L.matmul_quant_exact(x, a[0], a[1], out, p.col0, p.rows, accumulate)
+                    L.matmul_quant_exact(x, a[0], a[1], out, p.col0, p.rows, accumulate, kind, aux, eps)
                 elif p.family == "q4":
-                    L.matmul_q4_i8(x, a[0], a[1], out, p.col0, p.rows, accumulate, self.passes)
+                    L.matmul_q4_i8(x, a[0], a[1], out, p.col0, p.rows, accumulate, self.passes, kind, aux, eps)
                 else:
-                    L.matmul_q8_i8(x, a[0], a[1], out, p.col0, p.rows, accumulate, self.passes)
+                    L.matmul_q8_i8(x, a[0], a[1], out, p.col0, p.rows, accumulate, self.passes, kind, aux, eps)
             else:
-                L.matmul_float(L.FLOAT_KIND[p.family], x, a[0], out, p.col0, p.rows, accumulate)
+                L.matmul_float(L.FLOAT_KIND[p.family], x, a[0], out, p.col0, p.rows, accumulate, kind, aux, eps)
 
     def dequantize_t(self, wt: np.ndarray) -> None:
         """W.T as float32 [in, padded out] into wt (columns beyond out_features are padding)."""
@@ -186,6 +200,21 @@ class CpuBackend:
 
     def silu_mul(self, gate_up, out) -> None:
         ops.silu_mul(gate_up, out)
+
+    # --- fused ops (one kernel call where the list of ops has two)
+    def rmsnorm_matmul(self, x, w, eps, lin: CpuLinear, out, accumulate: bool = False) -> None:
+        """out (+)= rmsnorm(x) * w @ W.T"""
+        lin(x, out, accumulate, norm=w, eps=eps)
+
+    def silu_mul_matmul(self, gate_up, lin: CpuLinear, out, accumulate: bool = False) -> None:
+        """out (+)= (silu(gate) * up) @ W.T"""
+        lin(gate_up, out, accumulate, silu_mul=True)
+
+    def rope_attention(self, qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables, token_seq,
+                       num_heads, num_kv_heads, scale, out) -> None:
+        """rope_store_kv, then attention."""
+        ops.rope_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables, token_seq,
+                           num_heads, num_kv_heads, np.float32(scale), out)
 
     def sample(self, logits: np.ndarray, batch: SamplingBatch) -> SampleResult:
         return sample(logits, batch)

@@ -757,6 +757,77 @@ def _float_tile(wp, kind, xp, k, t, i0, nrows):
     return a0, a1, a2, a3
 
 
+# ======================================================== row transforms fused into the matmuls
+# A matmul can apply the op before it to each row of x on the way in (one call instead of two):
+X_PLAIN, X_RMSNORM, X_SILU_MUL = 0, 1, 2
+
+
+@njit(cache=True, nogil=True, fastmath=True)
+def rmsnorm_row(xp, xo, wp, d, eps, op, oo):
+    """out[oo : oo + d] = x[xo : xo + d] / rms * w (float32 items at the addresses xp, wp, op)."""
+    d16 = d - d % 16
+    acc = vzero_f()
+    for i in range(0, d16, 16):
+        v = vload_f(xp, xo + U(i))
+        acc = vfma(v, v, acc)
+    ss = vsum(acc)
+    for i in range(d16, d):
+        v = ld_f(xp, xo + U(i))
+        ss += v * v
+    inv = F(1.0) / np.sqrt(ss / F(d) + F(eps))
+    vi = vbcast_f(inv)
+    for i in range(0, d16, 16):
+        vstore_f(op, oo + U(i), vmul(vmul(vload_f(xp, xo + U(i)), vi), vload_f(wp, U(i))))
+    for i in range(d16, d):
+        st_f(op, oo + U(i), ld_f(xp, xo + U(i)) * inv * ld_f(wp, U(i)))
+
+
+@njit(cache=True, nogil=True, fastmath=True)
+def silu_mul_row(gp, go, f, op, oo):
+    """out[oo : oo + f] = silu(gate) * up for gate | up = the 2f items at gp[go:]."""
+    f16 = f - f % 16
+    one = vbcast_f(1.0)
+    neg = vbcast_f(-1.0)
+    for i in range(0, f16, 16):
+        g = vload_f(gp, go + U(i))
+        vstore_f(op, oo + U(i), vmul(vdiv(g, vadd(one, vexp(vmul(g, neg)))), vload_f(gp, go + U(f + i))))
+    for i in range(f16, f):
+        g = ld_f(gp, go + U(i))
+        st_f(op, oo + U(i), g / (F(1.0) + np.exp(-g)) * ld_f(gp, go + U(f + i)))
+
+
+@njit(cache=True, nogil=True, fastmath=True)
+def _transform_row(x, i, kind, aux, eps, xt):
+    k = xt.shape[1]
+    if kind == X_RMSNORM:
+        rmsnorm_row(addr(x), U(i) * U(x.shape[1]), addr(aux), k, eps, addr(xt), U(i) * U(k))
+    else:
+        silu_mul_row(addr(x), U(i) * U(x.shape[1]), k, addr(xt), U(i) * U(k))
+
+
+@njit(cache=True, nogil=True, fastmath=True, inline="always")
+def _transformed(x, kind, aux, eps):
+    """x itself (X_PLAIN), or rmsnorm(x) * aux (X_RMSNORM), or silu(gate) * up (X_SILU_MUL) as a new
+    array; rows in parallel when there are many."""
+    if kind == X_PLAIN:
+        return x
+    m = x.shape[0]
+    xt = np.empty((m, aux.shape[0] if kind == X_RMSNORM else x.shape[1] // 2), np.float32)
+    if m >= 16:
+        for i in prange(m):
+            _transform_row(x, i, kind, aux, eps, xt)
+    else:
+        for i in range(m):
+            _transform_row(x, i, kind, aux, eps, xt)
+    return xt
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+def transform(x, kind, aux, eps):
+    """_transformed as a kernel of its own (the BLAS path, matrices stacked from several formats)."""
+    return _transformed(x, kind, aux, eps)
+
+
 # ============================================================================= the matmul drivers
 # Each public kernel is a parallel loop over row tiles whose body is one call of a plain compiled
 # function (`_rows_*`): a small parallel body keeps numba's compile time down (with the whole tile
@@ -856,25 +927,26 @@ def _rows_float(kind, w, wp, x, t, out, col, rn, accumulate):
 # Public kernels: out[:, col0 : col0 + n_out] (+)= x @ W.T for one tiled matrix (x [M, K] and out
 # C-contiguous float32; qs, sc / w: the arrays of `repack`). One parallel loop over row tiles.
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
-def matmul_q4_i8(x, qs, sc, out, col0, n_out, accumulate, passes):
-    xq, xd, xs = _prepare(x, passes)
+def matmul_q4_i8(x, qs, sc, out, col0, n_out, accumulate, passes, kind, aux, eps):
+    xq, xd, xs = _prepare(_transformed(x, kind, aux, eps), passes)
     for ti in prange(qs.shape[0]):
         _rows_q4_i8(qs, sc, xq, xd, xs, U(ti), out, col0 + ti * 16, min(16, n_out - ti * 16), accumulate)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
-def matmul_q8_i8(x, qs, sc, out, col0, n_out, accumulate, passes):
-    xq, xd, xs = _prepare(x, passes)
+def matmul_q8_i8(x, qs, sc, out, col0, n_out, accumulate, passes, kind, aux, eps):
+    xq, xd, xs = _prepare(_transformed(x, kind, aux, eps), passes)
     for ti in prange(qs.shape[0]):
         _rows_q8_i8(qs, sc, xq, xd, xs, U(ti), out, col0 + ti * 16, min(16, n_out - ti * 16), accumulate)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
-def matmul_float(kind, x, w, out, col0, n_out, accumulate):
-    """Float weights w [nt, K, 16]: kind 0 float32, 1 f16, 2 bf16 (w uint16 for both)."""
+def matmul_float(wkind, x, w, out, col0, n_out, accumulate, kind, aux, eps):
+    """Float weights w [nt, K, 16]: wkind 0 float32, 1 f16, 2 bf16 (w uint16 for both)."""
     wp = addr(w)
+    xt = _transformed(x, kind, aux, eps)
     for ti in prange(w.shape[0]):
-        _rows_float(kind, w, wp, x, U(ti), out, col0 + ti * 16, min(16, n_out - ti * 16), accumulate)
+        _rows_float(wkind, w, wp, xt, U(ti), out, col0 + ti * 16, min(16, n_out - ti * 16), accumulate)
 
 
 FLOAT_KIND = {"f32": 0, "f16": 1, "bf16": 2}
@@ -948,12 +1020,13 @@ def _rows_quant_exact(qs, sc, t0, t1, x, out, col0, n_out, accumulate):
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
-def matmul_quant_exact(x, qs, sc, out, col0, n_out, accumulate):
+def matmul_quant_exact(x, qs, sc, out, col0, n_out, accumulate, kind, aux, eps):
     """The q4/q8 product with x as it is (no int8 rounding): exact, slower; the path without VNNI."""
     nt = qs.shape[0]
     nch = min(nt, 8)
+    xt = _transformed(x, kind, aux, eps)
     for c in prange(nch):
-        _rows_quant_exact(qs, sc, c * nt // nch, (c + 1) * nt // nch, x, out, col0, n_out, accumulate)
+        _rows_quant_exact(qs, sc, c * nt // nch, (c + 1) * nt // nch, xt, out, col0, n_out, accumulate)
 
 
 # ============================================================================== embedding lookup

@@ -22,21 +22,8 @@ ATTN_PARALLEL_MIN_WORK = 4096
 def rmsnorm(x, w, eps, out):
     """out[t] = x[t] / rms(x[t]) * w."""
     d = x.shape[1]
-    d16 = d - d % 16
     for t in range(x.shape[0]):
-        acc = vzero_f()
-        for i in range(0, d16, 16):
-            v = vload_f(x[t], U(i))
-            acc = vfma(v, v, acc)
-        ss = vsum(acc)
-        for i in range(d16, d):
-            ss += x[t, i] * x[t, i]
-        inv = F(1.0) / np.sqrt(ss / F(d) + F(eps))
-        vi = vbcast_f(inv)
-        for i in range(0, d16, 16):
-            vstore_f(out[t], U(i), vmul(vmul(vload_f(x[t], U(i)), vi), vload_f(w, U(i))))
-        for i in range(d16, d):
-            out[t, i] = x[t, i] * inv * w[i]
+        _L.rmsnorm_row(addr(x), U(t) * U(d), addr(w), d, F(eps), addr(out), U(t) * U(d))
 
 
 @njit(cache=True, nogil=True, fastmath=True, inline="always")
@@ -243,8 +230,8 @@ def _attend_items64(c, stride, qkv, k_cache, v_cache, block_tables, positions, t
                 vstore_f(outp, oo + U(48), vmul(o3, inv))
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=True)
-def paged_attention(qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads, scale, out):
+@njit(cache=True, nogil=True, fastmath=True, inline="always")
+def _paged_attention(qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads, scale, out):
     """Causal attention over the paged cache: query token t of sequence token_seq[t] at positions[t]
     attends to that sequence's positions 0..positions[t], found through its block table.
     Items (token, kv head) run on one thread when the step's attention is small (short decodes), else
@@ -280,6 +267,21 @@ def _attend(c, stride, qkv, k_cache, v_cache, block_tables, positions, token_seq
     else:
         _attend_items(c, stride, qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads,
                       num_kv_heads, scale, out, max_n)
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+def paged_attention(qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads, scale, out):
+    """Causal attention over the paged cache: query token t of sequence token_seq[t] at positions[t]
+    attends to that sequence's positions 0..positions[t], found through its block table."""
+    _paged_attention(qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads, scale, out)
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+def rope_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables, token_seq, num_heads,
+                   num_kv_heads, scale, out):
+    """rope_store_kv then paged_attention, in one call."""
+    rope_store_kv(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
+    _paged_attention(qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads, scale, out)
 
 
 @njit(cache=True, nogil=True, fastmath=True)
@@ -320,20 +322,8 @@ def _attend_scalar(item, qkv, k_cache, v_cache, block_tables, positions, token_s
 def silu_mul(gate_up, out):
     """out = silu(gate) * up, with gate_up = [gate | up]."""
     f = out.shape[1]
-    f16 = f - f % 16
-    one = vbcast_f(1.0)
-    neg = vbcast_f(-1.0)
     for t in range(gate_up.shape[0]):
-        g_row = gate_up[t]
-        o_row = out[t]
-        for i in range(0, f16, 16):
-            g = vload_f(g_row, U(i))
-            sig = vexp(vmul(g, neg))
-            # g / (1 + exp(-g)) * up
-            vstore_f(o_row, U(i), vmul(vdiv(g, vadd(one, sig)), vload_f(g_row, U(f + i))))
-        for i in range(f16, f):
-            g = g_row[i]
-            o_row[i] = g / (F(1.0) + np.exp(-g)) * g_row[f + i]
+        _L.silu_mul_row(addr(gate_up), U(t) * U(2 * f), f, addr(out), U(t) * U(f))
 
 
 def rope_tables(max_position: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
