@@ -372,7 +372,7 @@ _EXP_MIN = np.float32(-87.0)
 _NEG_INF32 = np.float32(-np.inf)
 
 
-@njit(cache=True, nogil=True, fastmath=True)
+@njit(cache=True, fastmath=True)
 def _exp_neg(x):
     """exp(x) for float32 x <= 0 (Cephes expf: ~1 ulp), 0 below -87; branch-free so loops vectorize."""
     xc = max(x, _EXP_MIN)
@@ -408,7 +408,7 @@ _fmin = _minmax_intrinsic("llvm.minnum.f32")
 # nb = ceil(V / BLOCK)), so per-block reductions are element-wise over BLOCK contiguous slices of nb
 # values and vectorize. A row's "draw order" is (block, position in block) = (t mod nb, t div nb).
 
-@njit(cache=True, nogil=True, fastmath=True)
+@njit(cache=True, fastmath=True)
 def _block_max(x, out):
     """out[b] = max of x over block b; returns the overall max."""
     nb, n = out.size, x.size
@@ -427,7 +427,7 @@ def _block_max(x, out):
     return m
 
 
-@njit(cache=True, nogil=True, fastmath=True)
+@njit(cache=True, fastmath=True)
 def _exp_sum(x, m, inv_t):
     """sum_t exp((x[t] - m) * inv_t), m = max x."""
     s = np.float32(0.0)
@@ -436,7 +436,7 @@ def _exp_sum(x, m, inv_t):
     return np.float64(s)
 
 
-@njit(cache=True, nogil=True, fastmath=True)
+@njit(cache=True, fastmath=True)
 def _block_kept_sum(x, m, inv_t, min_e, bval, bid, out):
     """out[b] = sum over block b of e = exp((x - m) * inv_t) over kept tokens: those at or before the cut
     (bval, bid) in (value desc, id asc) order with e >= min_e. Returns the total."""
@@ -459,7 +459,7 @@ def _block_kept_sum(x, m, inv_t, min_e, bval, bid, out):
     return total
 
 
-@njit(cache=True, nogil=True, fastmath=True)
+@njit(cache=True, fastmath=True)
 def _mass_ge(vals, wts, thr):
     """(sum of wts, count) over vals >= thr."""
     s = 0.0
@@ -471,13 +471,13 @@ def _mass_ge(vals, wts, thr):
     return s, c
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True)
 def _before(va, ia, vb, ib):
     """Sort order for cuts: larger value first, then smaller token id."""
     return va > vb or (va == vb and ia < ib)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True)
 def _select(vals, ids, wts, n, target):
     """Weighted quickselect: the position (after partial reordering of the arrays) of the first element,
     in (value desc, id asc) order, at which the cumulative weight reaches `target` (the last element
@@ -525,7 +525,7 @@ def _select(vals, ids, wts, n, target):
     return last if last >= 0 else 0
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True)
 def _kth_block_threshold(bmax, c):
     """The c-th largest block maximum (-inf when c >= number of blocks: every logit is a candidate)."""
     nb = bmax.size
@@ -539,7 +539,7 @@ def _kth_block_threshold(bmax, c):
     return vals[_select(vals, ids, wts, nb, np.float64(c))]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True)
 def _gather(x, bmax, thr):
     """Token ids and values of every x >= thr, in draw order (only blocks whose max reaches thr are read)."""
     nb, n = bmax.size, x.size
@@ -560,7 +560,7 @@ def _gather(x, bmax, thr):
     return ids[:cnt], vals[:cnt]
 
 
-@njit(cache=True, nogil=True, fastmath=True)
+@njit(cache=True, fastmath=True)
 def _weights(vals, m, inv_t):
     out = np.empty(vals.size, np.float32)
     for j in range(vals.size):
@@ -568,7 +568,7 @@ def _weights(vals, m, inv_t):
     return out
 
 
-@njit(cache=True, nogil=True, fastmath=True)
+@njit(cache=True, fastmath=True)
 def _sum64(a):
     s = 0.0
     for j in range(a.size):
@@ -576,7 +576,7 @@ def _sum64(a):
     return s
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True)
 def _argmax(x, bmax, m):
     """First index of the maximum m (blocks located through their maxima)."""
     nb = bmax.size
@@ -590,14 +590,14 @@ def _argmax(x, bmax, m):
     return best if best < x.size else 0  # 0: all NaN
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True)
 def _uniform01(seed, step):
     """A uniform in [0, 1) that is a pure function of (seed, step): splitmix64 of splitmix64(seed) + step."""
     z = _splitmix64(_splitmix64(np.uint64(seed)) + np.uint64(step))
     return np.float64(z >> np.uint64(11)) * (1.0 / 9007199254740992.0)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True)
 def _splitmix64(x):
     z = x + np.uint64(0x9E3779B97F4A7C15)
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
@@ -607,7 +607,7 @@ def _splitmix64(x):
 
 # --------------------------------------------------------------------------- one row
 
-@njit(cache=True, nogil=True)
+@njit(cache=True)
 def _process_row(w, i, bias_indptr, bias_ids, bias_vals, mask_indptr, mask_ids,
                  hist_indptr, hist_ids, hist_num_prompt, rep, pres, freq):
     """Bias, min_tokens mask and penalties applied in place to w (a copy of row i's logits)."""
@@ -639,7 +639,7 @@ def _process_row(w, i, bias_indptr, bias_ids, bias_vals, mask_indptr, mask_ids,
         w[t] = v
 
 
-@njit(cache=True, nogil=True, fastmath=True)
+@njit(cache=True, fastmath=True)
 def _weighted_range(vals, wts):
     """(min, max) of vals over positive weights."""
     lo = np.float32(np.inf)
@@ -651,7 +651,7 @@ def _weighted_range(vals, wts):
     return lo, hi
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True)
 def _cut(vals, ids, wts, target):
     """The (value, id) of the first element in (value desc, id asc) order at which the cumulative weight
     reaches target (the last weighted element if it never does). An empty ids means ids are positions.
@@ -699,7 +699,7 @@ def _cut(vals, ids, wts, target):
     return bv[pos], bi[pos]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True)
 def _draw_full(w, bmax, m, inv_t, min_p, bval, bid, u):
     """Inverse CDF of u over every kept token of the row, in draw order (block sums first)."""
     nb = bmax.size
@@ -723,7 +723,7 @@ def _draw_full(w, bmax, m, inv_t, min_p, bval, bid, u):
     return last if last >= 0 else _argmax(w, bmax, m)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True)
 def _draw_candidates(cid, cval, cw, bval, bid, min_p, u):
     """Inverse CDF of u over the kept candidates (given in draw order)."""
     total = 0.0
@@ -742,7 +742,7 @@ def _draw_candidates(cid, cval, cw, bval, bid, min_p, u):
     return cid[last] if last >= 0 else cid[0]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True)
 def _draw_row(w, bmax, m, temp, top_k, top_p, min_p, u):
     """Token drawn from row logits w (already processed) with block maxima bmax and max m."""
     V = w.size
@@ -793,7 +793,7 @@ def _draw_row(w, bmax, m, temp, top_k, top_p, min_p, u):
     return _draw_full(w, bmax, m, inv_t, min_p, bval, bid, u)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True)
 def _top_logprobs(raw, bmax, k, lse, out_ids, out_lp):
     """The k largest raw logits as (id, logprob), descending (ties: smaller id first)."""
     thr = _kth_block_threshold(bmax, np.int64(k))
@@ -814,7 +814,7 @@ def _top_logprobs(raw, bmax, k, lse, out_ids, out_lp):
         out_lp[a] = np.float32(np.float64(cval[a]) - lse)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True)
 def _sample_row(i, raw, temperature, top_p, top_k, min_p, rep, pres, freq, seed, step, num_logprobs,
                 bias_indptr, bias_ids, bias_vals, mask_indptr, mask_ids, hist_indptr, hist_ids, hist_num_prompt,
                 out_tok, out_lp, out_top_ids, out_top_lp):
@@ -844,7 +844,7 @@ def _sample_row(i, raw, temperature, top_p, top_k, min_p, rep, pres, freq, seed,
         _top_logprobs(raw, bmax_raw, num_logprobs[i], lse, out_top_ids[i], out_top_lp[i])
 
 
-@njit(parallel=True, cache=True, nogil=True)
+@njit(parallel=True, cache=True)
 def _sample_kernel(logits, temperature, top_p, top_k, min_p, rep, pres, freq, seed, step, num_logprobs,
                    bias_indptr, bias_ids, bias_vals, mask_indptr, mask_ids, hist_indptr, hist_ids, hist_num_prompt,
                    out_tok, out_lp, out_top_ids, out_top_lp):
@@ -855,7 +855,7 @@ def _sample_kernel(logits, temperature, top_p, top_k, min_p, rep, pres, freq, se
                     out_tok, out_lp, out_top_ids, out_top_lp)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True)
 def _process_rows(logits, out, rep, pres, freq, bias_indptr, bias_ids, bias_vals, mask_indptr, mask_ids,
                   hist_indptr, hist_ids, hist_num_prompt):
     for i in range(logits.shape[0]):

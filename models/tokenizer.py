@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from datetime import datetime
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -163,6 +164,9 @@ class Tokenizer:
         self.hf = hf
         self.hf.no_padding()
         self.hf.no_truncation()
+        # One instance serves a node's request threads and its engine thread; the library crashed the
+        # process (a general-protection fault in tokenizers.abi3.so) when they encoded and decoded at once.
+        self._lock = threading.Lock()
         self.bos_token, self.eos_token, self.unk_token, self.pad_token = bos_token, eos_token, unk_token, pad_token
         self.add_bos_token, self.add_eos_token = bool(add_bos_token), bool(add_eos_token)
         self.chat_template = chat_template
@@ -343,15 +347,18 @@ class Tokenizer:
         model asks for it (add_bos_token) and add_special_tokens is true."""
         if not isinstance(text, str):
             raise TypeError(f"text must be a string, got {type(text).__name__}")
-        return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+        with self._lock:
+            return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
-        return [e.ids for e in self.hf.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+        with self._lock:
+            return [e.ids for e in self.hf.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         ids = [int(i) for i in ids]
         self._check_ids(ids)
-        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+        with self._lock:
+            return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def _check_ids(self, ids: list[int]):
         n = self.vocab_size
@@ -364,7 +371,8 @@ class Tokenizer:
         character as U+FFFD); for logprobs display."""
         token_id = int(token_id)
         self._check_ids([token_id])
-        return self.hf.decode([token_id], skip_special_tokens=False)
+        with self._lock:
+            return self.hf.decode([token_id], skip_special_tokens=False)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes one token stands for (OpenAI's logprobs `bytes`)."""

@@ -158,6 +158,6 @@ def test_cold_load_does_not_stall_other_streams(start_node, tiny_models, default
     during = [b - a for a, b in zip(stamps, stamps[1:]) if loaded["start"] <= a <= loaded["end"]]
     assert len(during) > 10, "the load ended before the stream showed anything"
     # The stream keeps flowing through the load (which takes seconds). Tokenizers are built at start-up
-    # and the kernels release the GIL; what remains is numba loading the compiled kernels of a weight
-    # format this process has not run yet (measured 0.1-0.3 s on a loaded 2-core machine).
+    # so what remains is the loading thread holding the GIL (numba loading the compiled kernels of a weight
+    # format this process has not run yet, numpy repacking): measured 0.1-0.3 s on a loaded 2-core machine.
     assert max(during) < 0.5, f"a token gap of {max(during):.3f} s during the cold load"

@@ -61,6 +61,10 @@ class CpuLinear:
         self.out_features = col
         self.formats = tuple(t.format for t in tensors)
         self.nbytes = sum(a.nbytes for p in self.parts for a in p.arrays)
+        # the first part's bytes, for rope_attention to pull into the caches ahead of this product
+        first = self.parts[0].arrays
+        self.warm = (first[0].reshape(-1).view(np.uint8),
+                     first[1].reshape(-1).view(np.uint8) if len(first) > 1 else ops._NOTHING)
         self.int8 = L.INT8_DEFAULT if int8 is None else bool(int8)
         self.passes = 2
         self._scratch = scratch or _Scratch()
@@ -211,10 +215,12 @@ class CpuBackend:
         lin(gate_up, out, accumulate, silu_mul=True)
 
     def rope_attention(self, qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables, token_seq,
-                       num_heads, num_kv_heads, scale, out) -> None:
-        """rope_store_kv, then attention."""
+                       num_heads, num_kv_heads, scale, out, next_linear: CpuLinear | None = None) -> None:
+        """rope_store_kv, then attention. next_linear: the matmul that comes next, whose weights an idle
+        thread reads into the caches while a short decode attention runs."""
+        wa, wb = next_linear.warm if next_linear is not None else (ops._NOTHING, ops._NOTHING)
         ops.rope_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables, token_seq,
-                           num_heads, num_kv_heads, np.float32(scale), out)
+                           num_heads, num_kv_heads, np.float32(scale), out, wa, wb)
 
     def sample(self, logits: np.ndarray, batch: SamplingBatch) -> SampleResult:
         return sample(logits, batch)

@@ -547,7 +547,7 @@ def repack(fmt: str, data: np.ndarray, shape) -> tuple:
 # Hot code below takes raw addresses (addr(array), an integer) rather than arrays: numba reference-counts
 # arrays handed to inlined helpers, and in these loops that left NRT_incref calls (and every vector
 # register spilled around them) in the innermost loop: 4-5x slower. The callers keep the arrays alive.
-@njit(cache=True, nogil=True, fastmath=True)
+@njit(cache=True, fastmath=True)
 def _quantize_row(xp, xrow, k, qp, dp, sp, i, nb, passes):
     """Row i of x (float32 at xp, the row starting at item xrow) -> int8 planes of row i at qp
     ([M, passes, K]), block scales dp[i, b] and block sums sp[i, b] ([M, nb] float32).
@@ -587,7 +587,7 @@ def _quantize_row(xp, xrow, k, qp, dp, sp, i, nb, passes):
 
 
 # ====================================================================================== stores
-@njit(cache=True, nogil=True, fastmath=True)
+@njit(cache=True, fastmath=True)
 def _store(op, ld, i, col, acc, rn, accumulate):
     """out[i, col : col + rn] (+)= acc[:rn] for out (float32 at op) with row length ld."""
     o = i * U(ld) + U(col)
@@ -605,7 +605,7 @@ def _store(op, ld, i, col, acc, rn, accumulate):
 
 
 # ================================================================================= q4 int8 kernels
-@njit(cache=True, nogil=True, fastmath=True)
+@njit(cache=True, fastmath=True)
 def _q4_scales(sp, t, b, nb, ns):
     so = (t * U(nb) + b) * U(ns * 16)
     d = vload_h(sp, so)
@@ -616,7 +616,7 @@ def _q4_scales(sp, t, b, nb, ns):
     return d, m
 
 
-@njit(cache=True, nogil=True, fastmath=True)
+@njit(cache=True, fastmath=True)
 def _dot_q4_i8(l0, l1, l2, l3, h0, h1, h2, h3, xqp, xo, k, passes):
     """int32 per lane: sum of the block's 32 nibble * int8 products for the x block at byte xo; with
     two planes, 256 * (that sum) + the same sum for the second plane (at xo + k).
@@ -637,7 +637,7 @@ def _dot_q4_i8(l0, l1, l2, l3, h0, h1, h2, h3, xqp, xo, k, passes):
     return vadd(vsll(vadd(a, c), 8), vadd(e, g))
 
 
-@njit(cache=True, nogil=True, fastmath=True)
+@njit(cache=True, fastmath=True)
 def _q4_tile_i8(qp, sp, ns, xqp, xdp, xsp, k, passes, t, nb, i0, nrows):
     """Tile t against rows i0 .. i0+nrows-1 (nrows 1, 2 or 4) of the int8 x: 4 accumulators.
     Per block: d * xd * sum(nibble * xq) + m * (sum of the x block)."""
@@ -676,7 +676,7 @@ def _q4_tile_i8(qp, sp, ns, xqp, xdp, xsp, k, passes, t, nb, i0, nrows):
 
 
 # ================================================================================= q8 int8 kernels
-@njit(cache=True, nogil=True, fastmath=True)
+@njit(cache=True, fastmath=True)
 def _dot_q8_i8(w0, w1, w2, w3, w4, w5, w6, w7, xqp, xo, k, passes):
     """As _dot_q4_i8, for the 8 byte groups of a q8 block."""
     z = vzero_i()
@@ -694,7 +694,7 @@ def _dot_q8_i8(w0, w1, w2, w3, w4, w5, w6, w7, xqp, xo, k, passes):
     return vadd(vsll(vadd(a, c), 8), vadd(e, g))
 
 
-@njit(cache=True, nogil=True, fastmath=True)
+@njit(cache=True, fastmath=True)
 def _q8_tile_i8(qp, sp, xqp, xdp, xsp, k, passes, t, nb, i0, nrows):
     """Per block: d * xd * (sum((q + 128) * xq) - 128 * sum(xq)), from the stored unsigned bytes."""
     a0 = vzero_f()
@@ -733,7 +733,7 @@ def _q8_tile_i8(qp, sp, xqp, xdp, xsp, k, passes, t, nb, i0, nrows):
 
 
 # ========================================================================= float-weight kernels
-@njit(cache=True, nogil=True, fastmath=True)
+@njit(cache=True, fastmath=True)
 def _float_tile(wp, kind, xp, k, t, i0, nrows):
     """kind 0: float32 weights, 1: f16, 2: bf16 ([nt, K, 16] at wp); x float32 at xp."""
     a0 = vzero_f()
@@ -762,7 +762,7 @@ def _float_tile(wp, kind, xp, k, t, i0, nrows):
 X_PLAIN, X_RMSNORM, X_SILU_MUL = 0, 1, 2
 
 
-@njit(cache=True, nogil=True, fastmath=True)
+@njit(cache=True, fastmath=True)
 def rmsnorm_row(xp, xo, wp, d, eps, op, oo):
     """out[oo : oo + d] = x[xo : xo + d] / rms * w (float32 items at the addresses xp, wp, op)."""
     d16 = d - d % 16
@@ -782,7 +782,7 @@ def rmsnorm_row(xp, xo, wp, d, eps, op, oo):
         st_f(op, oo + U(i), ld_f(xp, xo + U(i)) * inv * ld_f(wp, U(i)))
 
 
-@njit(cache=True, nogil=True, fastmath=True)
+@njit(cache=True, fastmath=True)
 def silu_mul_row(gp, go, f, op, oo):
     """out[oo : oo + f] = silu(gate) * up for gate | up = the 2f items at gp[go:]."""
     f16 = f - f % 16
@@ -796,7 +796,7 @@ def silu_mul_row(gp, go, f, op, oo):
         st_f(op, oo + U(i), g / (F(1.0) + np.exp(-g)) * ld_f(gp, go + U(f + i)))
 
 
-@njit(cache=True, nogil=True, fastmath=True)
+@njit(cache=True, fastmath=True)
 def _transform_row(x, i, kind, aux, eps, xt):
     k = xt.shape[1]
     if kind == X_RMSNORM:
@@ -805,7 +805,7 @@ def _transform_row(x, i, kind, aux, eps, xt):
         silu_mul_row(addr(x), U(i) * U(x.shape[1]), k, addr(xt), U(i) * U(k))
 
 
-@njit(cache=True, nogil=True, fastmath=True, inline="always")
+@njit(cache=True, fastmath=True, inline="always")
 def _transformed(x, kind, aux, eps):
     """x itself (X_PLAIN), or rmsnorm(x) * aux (X_RMSNORM), or silu(gate) * up (X_SILU_MUL) as a new
     array; rows in parallel when there are many."""
@@ -822,7 +822,7 @@ def _transformed(x, kind, aux, eps):
     return xt
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+@njit(cache=True, parallel=True, fastmath=True)
 def transform(x, kind, aux, eps):
     """_transformed as a kernel of its own (the BLAS path, matrices stacked from several formats)."""
     return _transformed(x, kind, aux, eps)
@@ -832,13 +832,13 @@ def transform(x, kind, aux, eps):
 # Each public kernel is a parallel loop over row tiles whose body is one call of a plain compiled
 # function (`_rows_*`): a small parallel body keeps numba's compile time down (with the whole tile
 # loop inlined into it, numba's parfor passes took tens of seconds per kernel).
-@njit(cache=True, nogil=True, fastmath=True)
+@njit(cache=True, fastmath=True)
 def _quantize_x_row(x, i, passes, xq, xd, xs):
     k = x.shape[1]
     _quantize_row(addr(x), U(i) * U(k), k, addr(xq), addr(xd), addr(xs), U(i), k // QK, passes)
 
 
-@njit(cache=True, nogil=True, fastmath=True, inline="always")
+@njit(cache=True, fastmath=True, inline="always")
 def _prepare(x, passes):
     """x [M, K] -> int8 planes xq ([M, passes, K]), block scales xd and sums xs [M, nb];
     rows in parallel when there are many."""
@@ -856,7 +856,7 @@ def _prepare(x, passes):
     return xq, xd, xs
 
 
-@njit(cache=True, nogil=True, fastmath=True)
+@njit(cache=True, fastmath=True)
 def quantize_activations(x, passes=1):
     """The int8 form of x [M, K] that the int8 kernels use: xq [M, passes, K] int8, xd and xs [M, nb];
     per 32-block x ~ xq[:, 0] * xd (passes 1) or (256 * xq[:, 0] + xq[:, 1]) * xd (passes 2).
@@ -871,7 +871,7 @@ def quantize_activations(x, passes=1):
     return xq, xd, xs
 
 
-@njit(cache=True, nogil=True, fastmath=True, inline="always")
+@njit(cache=True, fastmath=True, inline="always")
 def _rows_i8(is_q4, qs, sc, xq, xd, xs, t, out, col, rn, accumulate):
     """Tile t against every row of x: 4 rows at a time (4 x 16 accumulators in registers), then the rest."""
     m, passes, k = xq.shape
@@ -896,17 +896,17 @@ def _rows_i8(is_q4, qs, sc, xq, xd, xs, t, out, col, rn, accumulate):
         _store(op, ld, U(i0), col, a0, rn, accumulate)
 
 
-@njit(cache=True, nogil=True, fastmath=True)
+@njit(cache=True, fastmath=True)
 def _rows_q4_i8(qs, sc, xq, xd, xs, t, out, col, rn, accumulate):
     _rows_i8(True, qs, sc, xq, xd, xs, t, out, col, rn, accumulate)
 
 
-@njit(cache=True, nogil=True, fastmath=True)
+@njit(cache=True, fastmath=True)
 def _rows_q8_i8(qs, sc, xq, xd, xs, t, out, col, rn, accumulate):
     _rows_i8(False, qs, sc, xq, xd, xs, t, out, col, rn, accumulate)
 
 
-@njit(cache=True, nogil=True, fastmath=True)
+@njit(cache=True, fastmath=True)
 def _rows_float(kind, w, wp, x, t, out, col, rn, accumulate):
     """Tile t of a float matrix (at wp: [nt, K, 16]; w keeps it alive) against every row of x."""
     m, k = x.shape
@@ -926,21 +926,21 @@ def _rows_float(kind, w, wp, x, t, out, col, rn, accumulate):
 
 # Public kernels: out[:, col0 : col0 + n_out] (+)= x @ W.T for one tiled matrix (x [M, K] and out
 # C-contiguous float32; qs, sc / w: the arrays of `repack`). One parallel loop over row tiles.
-@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+@njit(cache=True, parallel=True, fastmath=True)
 def matmul_q4_i8(x, qs, sc, out, col0, n_out, accumulate, passes, kind, aux, eps):
     xq, xd, xs = _prepare(_transformed(x, kind, aux, eps), passes)
     for ti in prange(qs.shape[0]):
         _rows_q4_i8(qs, sc, xq, xd, xs, U(ti), out, col0 + ti * 16, min(16, n_out - ti * 16), accumulate)
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+@njit(cache=True, parallel=True, fastmath=True)
 def matmul_q8_i8(x, qs, sc, out, col0, n_out, accumulate, passes, kind, aux, eps):
     xq, xd, xs = _prepare(_transformed(x, kind, aux, eps), passes)
     for ti in prange(qs.shape[0]):
         _rows_q8_i8(qs, sc, xq, xd, xs, U(ti), out, col0 + ti * 16, min(16, n_out - ti * 16), accumulate)
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+@njit(cache=True, parallel=True, fastmath=True)
 def matmul_float(wkind, x, w, out, col0, n_out, accumulate, kind, aux, eps):
     """Float weights w [nt, K, 16]: wkind 0 float32, 1 f16, 2 bf16 (w uint16 for both)."""
     wp = addr(w)
@@ -953,7 +953,7 @@ FLOAT_KIND = {"f32": 0, "f16": 1, "bf16": 2}
 
 
 # ======================================================= dequantizing (BLAS path, exact q4/q8 path)
-@njit(cache=True, nogil=True, fastmath=True)
+@njit(cache=True, fastmath=True)
 def _dequant_quant_tile(ap, sp, ns, is_q4, t, nb, wtp, ldw, col):
     """Tile t of a q4/q8 matrix (at ap, scales at sp) as float32: item j * ldw + col + r of wtp is
     W[16 t + r, j], i.e. W transposed."""
@@ -979,7 +979,7 @@ def _dequant_quant_tile(ap, sp, ns, is_q4, t, nb, wtp, ldw, col):
                     vstore_f(wtp, j * U(ldw) + U(col), vmul(vadd(vcvt(vand(vsrl(w, U(8) * c), mask)), off), d))
 
 
-@njit(cache=True, nogil=True, fastmath=True)
+@njit(cache=True, fastmath=True)
 def _dequant_float_tile(kind, ap, t, k, wtp, ldw, col):
     for j in range(U(k)):
         o = (t * U(k) + j) * U(16)
@@ -992,7 +992,7 @@ def _dequant_float_tile(kind, ap, t, k, wtp, ldw, col):
         vstore_f(wtp, j * U(ldw) + U(col), v)
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@njit(cache=True, parallel=True)
 def dequantize_quant_t(qs, sc, wt, col0):
     """W^T of a tiled q4/q8 matrix into columns col0 : col0 + 16 nt of wt [K, ldw] float32."""
     ap, sp, wtp = addr(qs), addr(sc), addr(wt)
@@ -1001,14 +1001,14 @@ def dequantize_quant_t(qs, sc, wt, col0):
                             col0 + ti * 16)
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@njit(cache=True, parallel=True)
 def dequantize_float_t(kind, w, wt, col0):
     ap, wtp = addr(w), addr(wt)
     for ti in prange(w.shape[0]):
         _dequant_float_tile(kind, ap, U(ti), w.shape[1], wtp, wt.shape[1], col0 + ti * 16)
 
 
-@njit(cache=True, nogil=True, fastmath=True)
+@njit(cache=True, fastmath=True)
 def _rows_quant_exact(qs, sc, t0, t1, x, out, col0, n_out, accumulate):
     """Tiles t0..t1-1: each dequantized to float32 [K, 16] in a scratch (L1/L2) and multiplied there."""
     k = x.shape[1]
@@ -1019,7 +1019,7 @@ def _rows_quant_exact(qs, sc, t0, t1, x, out, col0, n_out, accumulate):
         _rows_float(0, w, wp, x, U(0), out, col0 + ti * 16, min(16, n_out - ti * 16), accumulate)
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+@njit(cache=True, parallel=True, fastmath=True)
 def matmul_quant_exact(x, qs, sc, out, col0, n_out, accumulate, kind, aux, eps):
     """The q4/q8 product with x as it is (no int8 rounding): exact, slower; the path without VNNI."""
     nt = qs.shape[0]
@@ -1030,7 +1030,7 @@ def matmul_quant_exact(x, qs, sc, out, col0, n_out, accumulate, kind, aux, eps):
 
 
 # ============================================================================== embedding lookup
-@njit(cache=True, nogil=True)
+@njit(cache=True)
 def _half(bits):
     """IEEE half bits -> float32 (scalar)."""
     h = np.uint32(bits)
@@ -1047,7 +1047,7 @@ def _half(bits):
     return f32_from_bits(f)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True)
 def gather_quant(a, sc, rows, out):
     """out[i] = W[rows[i]] as float32 for a tiled q4 or q8 matrix (the embedding lookup)."""
     nb = a.shape[1]

@@ -13,6 +13,8 @@ from engine.backends.cpu_linear import (
     F, U, addr, ld_f, ld_i64, st_f, vadd, vbcast_f, vdiv, vexp, vfma, vhmax, vload_f, vmax, vmul, vstore_f, vsub, vsum, vzero_f, vpairsum1, vpairsum2, vpairsum4, vpairsum8,
 )
 
+_NOTHING = np.zeros(0, np.uint8)
+
 # Attention runs on one thread below this much work (query heads x context positions of the step):
 # a parallel region costs more than a short decode context's whole attention.
 ATTN_PARALLEL_MIN_WORK = 4096
@@ -231,11 +233,14 @@ def _attend_items64(c, stride, qkv, k_cache, v_cache, block_tables, positions, t
 
 
 @njit(cache=True, nogil=True, fastmath=True, inline="always")
-def _paged_attention(qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads, scale, out):
+def _paged_attention(qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads, scale, out,
+                     warm_a, warm_b, sink):
     """Causal attention over the paged cache: query token t of sequence token_seq[t] at positions[t]
     attends to that sequence's positions 0..positions[t], found through its block table.
     Items (token, kv head) run on one thread when the step's attention is small (short decodes), else
-    spread over threads round-robin (a prefill's later tokens see longer contexts)."""
+    spread over threads round-robin (a prefill's later tokens see longer contexts). While one thread
+    does a small attention, another reads warm_a and warm_b (the next matmul's weights) into the
+    caches: memory would sit idle otherwise."""
     max_n = 0
     work = 0
     for t in range(qkv.shape[0]):
@@ -249,8 +254,16 @@ def _paged_attention(qkv, k_cache, v_cache, block_tables, positions, token_seq, 
             _attend_scalar(np.int64(it), qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads,
                            num_kv_heads, sc, out)
     elif work * num_heads < ATTN_PARALLEL_MIN_WORK or nitems == 1:
-        _attend(i0, i1, qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads, sc,
-                out, mx)
+        if warm_a.shape[0] + warm_b.shape[0] > 0:
+            for task in prange(2):
+                if task == 0:
+                    _attend(i0, i1, qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads,
+                            num_kv_heads, sc, out, mx)
+                else:
+                    _touch(warm_a, warm_b, sink)
+        else:
+            _attend(i0, i1, qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads,
+                    sc, out, mx)
     else:
         nch = np.int64(min(nitems, 16))
         for c in prange(nch):
@@ -273,15 +286,29 @@ def _attend(c, stride, qkv, k_cache, v_cache, block_tables, positions, token_seq
 def paged_attention(qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads, scale, out):
     """Causal attention over the paged cache: query token t of sequence token_seq[t] at positions[t]
     attends to that sequence's positions 0..positions[t], found through its block table."""
-    _paged_attention(qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads, scale, out)
+    _paged_attention(qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads, scale, out,
+                     _NOTHING, _NOTHING, np.zeros(1, np.int64))
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
 def rope_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables, token_seq, num_heads,
-                   num_kv_heads, scale, out):
-    """rope_store_kv then paged_attention, in one call."""
+                   num_kv_heads, scale, out, warm_a, warm_b):
+    """rope_store_kv then paged_attention, in one call; warm_a, warm_b (uint8 views, may be empty): the
+    next matmul's weights, read into the caches by an otherwise idle thread during a small attention."""
     rope_store_kv(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
-    _paged_attention(qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads, scale, out)
+    _paged_attention(qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads, scale, out,
+                     warm_a, warm_b, np.zeros(1, np.int64))
+
+
+@njit(cache=True, nogil=True)
+def _touch(a, b, sink):
+    """Read one byte of every cache line of a and b (so that they come into the caches)."""
+    s = 0
+    for i in range(0, a.shape[0], 64):
+        s += a[i]
+    for i in range(0, b.shape[0], 64):
+        s += b[i]
+    sink[0] = s
 
 
 @njit(cache=True, nogil=True, fastmath=True)
