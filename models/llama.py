@@ -100,7 +100,8 @@ class LlamaModel:
             b.rmsnorm_matmul(h, ly.attn_norm, eps, ly.qkv, qkv)                    # q|k|v = rmsnorm(h) Wqkv^T
             b.rope_attention(qkv, step.positions, self.rope_cos, self.rope_sin,    # RoPE(q, k); cache k, v;
                              k_cache[i], v_cache[i], step.slot_mapping,            # attn = softmax(q K^T / sqrt(d)) V
-                             step.block_tables, step.token_seq, H, Hkv, self.scale, attn)
+                             step.block_tables, step.token_seq, H, Hkv, self.scale, attn,
+                             next_linear=ly.o)                                     # (a hint: Wo comes next)
             b.matmul(attn, ly.o, h, accumulate=True)                               # h += attn Wo^T
             b.rmsnorm_matmul(h, ly.ffn_norm, eps, ly.gate_up, gate_up)             # gate|up = rmsnorm(h) Wgu^T
             b.silu_mul_matmul(gate_up, ly.down, h, accumulate=True)                # h += (silu(gate) * up) Wdown^T
@@ -130,7 +131,7 @@ class _ComposedOps:
         self._b.matmul(normed, lin, out, accumulate=accumulate)
 
     def rope_attention(self, qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables, token_seq,
-                       num_heads, num_kv_heads, scale, out) -> None:
+                       num_heads, num_kv_heads, scale, out, next_linear=None) -> None:
         self._b.rope_store_kv(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
         self._b.attention(qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads,
                           scale, out)

@@ -316,6 +316,31 @@ def _attention_case(rng, seqs, h, hkv, dh, bs):
     return out.reshape(t, h, dh), ref
 
 
+def test_rope_attention_with_and_without_warming_the_next_weights(rng):
+    """rope_attention = rope_store_kv + attention; warming the next matmul's weights changes nothing."""
+    h, hkv, dh, bs = 9, 3, 64, 16
+    kc = _nonzero(rng, (6, bs, hkv, dh))
+    vc = _nonzero(rng, (6, bs, hkv, dh))
+    table = np.array([[4, 1, 3]], np.int32)
+    pos = np.array([37], np.int32)
+    slots = (table[0, pos // bs].astype(np.int64) * bs + pos % bs)
+    qkv = _nonzero(rng, (1, (h + 2 * hkv) * dh))
+    cos, sin = ops.rope_tables(64, dh, 1e4)
+    nxt = CpuLinear([_tensor(rng, "q4_1", 64, 64)])
+    outs = []
+    for warm in (None, nxt):
+        q, k, v, out = qkv.copy(), kc.copy(), vc.copy(), np.empty((1, h * dh), np.float32)
+        CpuBackend().rope_attention(q, pos, cos, sin, k, v, slots, table, np.zeros(1, np.int32), h, hkv, 0.125,
+                                    out, next_linear=warm)
+        outs.append((q, k, v, out))
+    q2, k2, v2, out2 = qkv.copy(), kc.copy(), vc.copy(), np.empty((1, h * dh), np.float32)
+    ops.rope_store_kv(q2, pos, cos, sin, k2, v2, slots, h, hkv)
+    ops.paged_attention(q2, k2, v2, table, pos, np.zeros(1, np.int32), h, hkv, np.float32(0.125), out2)
+    for q, k, v, out in outs:
+        for a, b in ((q, q2), (k, k2), (v, v2), (out, out2)):
+            np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("bs", [16, 5])
 def test_paged_attention_mixed_batch(rng, bs):
     """Decodes, a fresh prefill and a chunked prefill whose queries sit in the middle of a sequence."""
