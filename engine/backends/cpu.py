@@ -10,10 +10,11 @@ from engine.backends import cpu_ops as ops
 from engine.sampling import SampleResult, SamplingBatch, sample
 from models.quant import QuantTensor
 
-# From this many input rows on, a float-weight matrix is multiplied by numpy's BLAS instead of the
-# tiled kernels (measured by benchmarks/bench_engine.py; see README). Quantized matrices never take
-# that path where the int8 kernels run: they beat dequantize + BLAS at every row count measured.
-BLAS_MIN_ROWS = 48
+# From this many input rows on, a matrix would be dequantized and multiplied by numpy's BLAS instead of
+# the tiled kernels. Measured on the 2-core AVX-512 machine (SmolLM2 shapes, 16 to 512 rows): the float
+# kernels run at 190-220 GFLOP/s, OpenBLAS at 75-190 even without the dequantization, and the int8
+# kernels are faster still; so it is off. CpuLinear.blas_min_rows turns it on per matrix.
+BLAS_MIN_ROWS = 1 << 62
 
 
 @dataclass
@@ -68,9 +69,7 @@ class CpuLinear:
         self.int8 = L.INT8_DEFAULT if int8 is None else bool(int8)
         self.passes = 2
         self._scratch = scratch or _Scratch()
-        quantized = any(p.family in ("q4", "q8") for p in self.parts)
-        # BLAS pays off for float weights only (and for quantized ones on the exact float path)
-        self.blas_min_rows = BLAS_MIN_ROWS if (not quantized or not self.int8) else 1 << 62
+        self.blas_min_rows = BLAS_MIN_ROWS
 
     def __call__(self, x: np.ndarray, out: np.ndarray, accumulate: bool = False, norm: np.ndarray | None = None,
                  eps: float = 1e-5, silu_mul: bool = False) -> None:
@@ -78,9 +77,11 @@ class CpuLinear:
         (silu_mul; x = [gate | up]): the op before the product, fused into it."""
         if x.dtype != np.float32 or not x.flags.c_contiguous:
             x = np.ascontiguousarray(x, dtype=np.float32)
-        kind, aux = (L.X_RMSNORM, norm) if norm is not None else (L.X_SILU_MUL, _NO_AUX) if silu_mul else \
-            (L.X_PLAIN, _NO_AUX)
-        eps = np.float32(eps)
+        if norm is not None:
+            kind, aux = L.X_RMSNORM, norm
+        else:
+            kind, aux = (L.X_SILU_MUL if silu_mul else L.X_PLAIN), _NO_AUX
+        eps = float(eps)
         if x.shape[0] >= self.blas_min_rows or len(self.parts) > 1 and kind != L.X_PLAIN:
             # one transform for every part (or for BLAS), then plain products
             if kind != L.X_PLAIN:
@@ -95,13 +96,12 @@ class CpuLinear:
             return
         for p in self.parts:
             a = p.arrays
-            if p.family in ("q4", "q8"):
-                if not self.int8:
-                    L.matmul_quant_exact(x, a[0], a[1], out, p.col0, p.rows, accumulate, kind, aux, eps)
-                elif p.family == "q4":
-                    L.matmul_q4_i8(x, a[0], a[1], out, p.col0, p.rows, accumulate, self.passes, kind, aux, eps)
-                else:
-                    L.matmul_q8_i8(x, a[0], a[1], out, p.col0, p.rows, accumulate, self.passes, kind, aux, eps)
+            if p.family == "q4" and self.int8:
+                L.matmul_q4_i8(x, a[0], a[1], out, p.col0, p.rows, accumulate, self.passes, kind, aux, eps)
+            elif p.family == "q8" and self.int8:
+                L.matmul_q8_i8(x, a[0], a[1], out, p.col0, p.rows, accumulate, self.passes, kind, aux, eps)
+            elif p.family in ("q4", "q8"):
+                L.matmul_quant_exact(x, a[0], a[1], out, p.col0, p.rows, accumulate, kind, aux, eps)
             else:
                 L.matmul_float(L.FLOAT_KIND[p.family], x, a[0], out, p.col0, p.rows, accumulate, kind, aux, eps)
 
@@ -124,7 +124,7 @@ class CpuLinear:
         return wt
 
     def _blas(self, x, out, accumulate):
-        wt = self._dense_t()[:, :self.out_features]
+        wt = np.ascontiguousarray(self._dense_t()[:, :self.out_features])  # numpy's matmul is slow on views
         if accumulate:
             out += x @ wt
         else:

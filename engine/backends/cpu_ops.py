@@ -25,7 +25,7 @@ def rmsnorm(x, w, eps, out):
     """out[t] = x[t] / rms(x[t]) * w."""
     d = x.shape[1]
     for t in range(x.shape[0]):
-        _L.rmsnorm_row(addr(x), U(t) * U(d), addr(w), d, F(eps), addr(out), U(t) * U(d))
+        _L.rmsnorm_row(addr(x), U(t) * U(d), addr(w), d, eps, addr(out), U(t) * U(d))
 
 
 @njit(cache=True, nogil=True, fastmath=True, inline="always")
