@@ -173,8 +173,8 @@ def _generate(body: Mapping[str, Any], kind: str) -> Response:
         raise APIError(502, f"The engine node failed during generation: {exc}", code="engine_error") from None
     except APIError as exc:
         _tokens().settle(reservation, 0)
-        if exc.code == "context_length_exceeded" or exc.param in ("prompt", "messages",
-                                                                  "prompt_token_ids"):
+        if exc.param in ("prompt", "messages", "prompt_token_ids") or (
+                exc.code == "context_length_exceeded" and exc.param != "max_tokens"):
             exc.param = "messages" if kind == CHAT else "prompt"
         raise
     except BaseException:

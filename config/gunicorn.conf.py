@@ -61,3 +61,4 @@ def child_exit(server, worker):
 def on_exit(server):
     if _metrics_dir.startswith(tempfile.gettempdir()) and "zen-gateway-metrics-" in _metrics_dir:
         shutil.rmtree(_metrics_dir, ignore_errors=True)
+limit_request_field_size = 16384   # a JWT up to auth.max_token_bytes reaches the app (which answers 401 past it)
