@@ -31,17 +31,19 @@ class RunState:
         qkv = cfg.q_size + 2 * cfg.kv_size
         self.capacity = capacity
         self.h = z((capacity, cfg.hidden_size))                    # residual stream
-        self.x = z((capacity, cfg.hidden_size))                    # normed input of a block
+        self.x = z((capacity, cfg.hidden_size))                    # normed input of a block (unfused backends)
         self.qkv = z((capacity, qkv))                              # q | k | v
         self.attn = z((capacity, cfg.q_size))                      # attention output
         self.gate_up = z((capacity, 2 * cfg.intermediate_size))    # gate | up
-        self.mlp = z((capacity, cfg.intermediate_size))            # silu(gate) * up
+        self.mlp = z((capacity, cfg.intermediate_size))            # silu(gate) * up (unfused backends)
 
 
 class LlamaModel:
     def __init__(self, weights: ModelWeights, backend):
         cfg = self.config = weights.config
         b = self.backend = backend
+        # the ops the forward calls: the backend's own, or its basic ops composed where it does not fuse
+        self.ops = backend if all(hasattr(backend, op) for op in FUSED_OPS) else _ComposedOps(backend, self)
         self.embed = b.linear([weights.embed])
         self.lm_head = self.embed if weights.lm_head is None else b.linear([weights.lm_head])
         self.layers = [
@@ -87,32 +89,57 @@ class LlamaModel:
 
     def forward(self, step: StepInput, k_cache, v_cache):
         """Logits [len(logits_indices), V] for one engine step; writes the step's K/V into the cache."""
-        b, cfg = self.backend, self.config
+        b, cfg = self.ops, self.config
         t = len(step.tokens)
         rs = self._run_state(t)
-        h, x, qkv, attn, gate_up, mlp = (a[:t] for a in (rs.h, rs.x, rs.qkv, rs.attn, rs.gate_up, rs.mlp))
+        h, qkv, attn, gate_up = (a[:t] for a in (rs.h, rs.qkv, rs.attn, rs.gate_up))
         H, Hkv, eps = cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps
 
         b.embedding(self.embed, step.tokens, h)                                    # h = E[tokens]
         for i, ly in enumerate(self.layers):
-            b.rmsnorm(h, ly.attn_norm, eps, x)                                     # x = rmsnorm(h)
-            b.matmul(x, ly.qkv, qkv)                                               # q|k|v = x Wqkv^T
-            b.rope_store_kv(qkv, step.positions, self.rope_cos, self.rope_sin,     # RoPE(q, k); cache k, v
-                            k_cache[i], v_cache[i], step.slot_mapping, H, Hkv)
-            b.attention(qkv, k_cache[i], v_cache[i], step.block_tables,            # softmax(q K^T / sqrt(d)) V
-                        step.positions, step.token_seq, H, Hkv, self.scale, attn)
+            b.rmsnorm_matmul(h, ly.attn_norm, eps, ly.qkv, qkv)                    # q|k|v = rmsnorm(h) Wqkv^T
+            b.rope_attention(qkv, step.positions, self.rope_cos, self.rope_sin,    # RoPE(q, k); cache k, v;
+                             k_cache[i], v_cache[i], step.slot_mapping,            # attn = softmax(q K^T / sqrt(d)) V
+                             step.block_tables, step.token_seq, H, Hkv, self.scale, attn,
+                             next_linear=ly.o)                                     # (a hint: Wo comes next)
             b.matmul(attn, ly.o, h, accumulate=True)                               # h += attn Wo^T
-            b.rmsnorm(h, ly.ffn_norm, eps, x)                                      # x = rmsnorm(h)
-            b.matmul(x, ly.gate_up, gate_up)                                       # gate|up = x Wgu^T
-            b.silu_mul(gate_up, mlp)                                               # m = silu(gate) * up
-            b.matmul(mlp, ly.down, h, accumulate=True)                             # h += m Wdown^T
+            b.rmsnorm_matmul(h, ly.ffn_norm, eps, ly.gate_up, gate_up)             # gate|up = rmsnorm(h) Wgu^T
+            b.silu_mul_matmul(gate_up, ly.down, h, accumulate=True)                # h += (silu(gate) * up) Wdown^T
 
         last = h[step.logits_indices]
-        normed = b.zeros(last.shape)
-        b.rmsnorm(last, self.final_norm, eps, normed)                              # final norm
         logits = b.zeros((len(step.logits_indices), cfg.vocab_size))
-        b.matmul(normed, self.lm_head, logits)                                     # logits = x E^T (tied)
+        b.rmsnorm_matmul(last, self.final_norm, eps, self.lm_head, logits)        # logits = rmsnorm(h) E^T (tied)
         return logits
+
+
+FUSED_OPS = ("rmsnorm_matmul", "rope_attention", "silu_mul_matmul")
+
+
+class _ComposedOps:
+    """A backend without the fused ops the forward calls, with them composed from its basic ops:
+    rmsnorm then matmul, rope_store_kv then attention, silu_mul then matmul (scratch: the RunState)."""
+
+    def __init__(self, backend, model: "LlamaModel"):
+        self._b, self._model = backend, model
+
+    def __getattr__(self, name):
+        return getattr(self._b, name)
+
+    def rmsnorm_matmul(self, x, w, eps, lin, out, accumulate: bool = False) -> None:
+        normed = self._model._state.x[:x.shape[0]]
+        self._b.rmsnorm(x, w, eps, normed)
+        self._b.matmul(normed, lin, out, accumulate=accumulate)
+
+    def rope_attention(self, qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables, token_seq,
+                       num_heads, num_kv_heads, scale, out, next_linear=None) -> None:
+        self._b.rope_store_kv(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
+        self._b.attention(qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads,
+                          scale, out)
+
+    def silu_mul_matmul(self, gate_up, lin, out, accumulate: bool = False) -> None:
+        mlp = self._model._state.mlp[:gate_up.shape[0]]
+        self._b.silu_mul(gate_up, mlp)
+        self._b.matmul(mlp, lin, out, accumulate=accumulate)
 
 
 @dataclass

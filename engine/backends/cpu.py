@@ -10,24 +10,43 @@ from engine.backends import cpu_ops as ops
 from engine.sampling import SampleResult, SamplingBatch, sample
 from models.quant import QuantTensor
 
-# From this many input rows on, dequantizing a matrix once and multiplying with BLAS beats the
-# fused kernels (measured by benchmarks/bench_engine.py; see README).
-BLAS_MIN_ROWS = 48
+# From this many input rows on, a matrix would be dequantized and multiplied by numpy's BLAS instead of
+# the tiled kernels. Measured on the 2-core AVX-512 machine (SmolLM2 shapes, 16 to 512 rows): the float
+# kernels run at 190-220 GFLOP/s, OpenBLAS at 75-190 even without the dequantization, and the int8
+# kernels are faster still; so it is off. CpuLinear.blas_min_rows turns it on per matrix.
+BLAS_MIN_ROWS = 1 << 62
 
 
 @dataclass
 class _Part:
     """One stored matrix of a (possibly fused) linear layer, in its tiled layout."""
-    family: str
-    arrays: tuple
+    family: str      # q4, q8, f32, f16, bf16
+    arrays: tuple    # (qs, sc) for q4/q8, (w,) for float formats
     rows: int
-    col0: int  # first output column it produces
+    col0: int        # first output column it produces
+
+
+_NO_AUX = np.zeros(1, np.float32)  # the aux argument of a product without a fused transform
+
+
+class _Scratch:
+    """One float32 buffer shared by every linear layer of a backend (layers run one at a time)."""
+
+    def __init__(self):
+        self.buf = np.empty(0, np.float32)
+
+    def get(self, k: int, n: int) -> np.ndarray:
+        if self.buf.size < k * n:
+            self.buf = np.empty(k * n, np.float32)
+        return self.buf[:k * n].reshape(k, n)
 
 
 class CpuLinear:
-    """y = x @ W.T for one or more stored matrices stacked along the output (e.g. q|k|v, gate|up)."""
+    """y = x @ W.T for one or more stored matrices stacked along the output (e.g. q|k|v, gate|up).
 
-    def __init__(self, tensors: list[QuantTensor]):
+    int8: quantize x to int8 for the q4/q8 kernels (default: where the CPU has AVX-512 VNNI)."""
+
+    def __init__(self, tensors: list[QuantTensor], int8: bool | None = None, scratch: _Scratch | None = None):
         self.in_features = tensors[0].shape[1]
         if any(t.shape[1] != self.in_features for t in tensors):
             raise ValueError("fused matrices must share their input size")
@@ -43,83 +62,115 @@ class CpuLinear:
         self.out_features = col
         self.formats = tuple(t.format for t in tensors)
         self.nbytes = sum(a.nbytes for p in self.parts for a in p.arrays)
-        self._dense: np.ndarray | None = None
+        # the first part's bytes, for rope_attention to pull into the caches ahead of this product
+        first = self.parts[0].arrays
+        self.warm = (first[0].reshape(-1).view(np.uint8),
+                     first[1].reshape(-1).view(np.uint8) if len(first) > 1 else ops._NOTHING)
+        self.int8 = L.INT8_DEFAULT if int8 is None else bool(int8)
+        self.passes = 2
+        self._scratch = scratch or _Scratch()
+        self.blas_min_rows = BLAS_MIN_ROWS
 
-    def __call__(self, x: np.ndarray, out: np.ndarray, accumulate: bool = False) -> None:
-        if x.shape[0] >= BLAS_MIN_ROWS:
-            self._blas(x, out, accumulate)
+    def __call__(self, x: np.ndarray, out: np.ndarray, accumulate: bool = False, norm: np.ndarray | None = None,
+                 eps: float = 1e-5, silu_mul: bool = False) -> None:
+        """out (+)= f(x) @ W.T with f(x) = x, rmsnorm(x) * norm (norm given), or silu(gate) * up
+        (silu_mul; x = [gate | up]): the op before the product, fused into it."""
+        if x.dtype != np.float32 or not x.flags.c_contiguous:
+            x = np.ascontiguousarray(x, dtype=np.float32)
+        if norm is not None:
+            kind, aux = L.X_RMSNORM, norm
+        else:
+            kind, aux = (L.X_SILU_MUL if silu_mul else L.X_PLAIN), _NO_AUX
+        eps = float(eps)
+        if x.shape[0] >= self.blas_min_rows or len(self.parts) > 1 and kind != L.X_PLAIN:
+            # one transform for every part (or for BLAS), then plain products
+            if kind != L.X_PLAIN:
+                x, kind, aux = L.transform(x, kind, aux, eps), L.X_PLAIN, _NO_AUX
+            if x.shape[0] >= self.blas_min_rows:
+                self._blas(x, out, accumulate)
+                return
+        if not out.flags.c_contiguous:
+            tmp = np.ascontiguousarray(out) if accumulate else np.empty(out.shape, np.float32)
+            self(x, tmp, accumulate)
+            out[...] = tmp
             return
         for p in self.parts:
             a = p.arrays
-            if p.family == "q4":
-                kern = L.gemv_q4 if x.shape[0] <= L.GEMV_MAX_ROWS else L.gemm_q4
-                kern(x, a[0], a[1], a[2], out, p.col0, p.rows, accumulate)
-            elif p.family == "q8":
-                kern = L.gemv_q8 if x.shape[0] <= L.GEMV_MAX_ROWS else L.gemm_q8
-                kern(x, a[0], a[1], out, p.col0, p.rows, accumulate)
-            elif p.family == "f32":
-                L.gemm_f32(x, a[0], out, p.col0, p.rows, accumulate)
+            if p.family == "q4" and self.int8:
+                L.matmul_q4_i8(x, a[0], a[1], out, p.col0, p.rows, accumulate, self.passes, kind, aux, eps)
+            elif p.family == "q8" and self.int8:
+                L.matmul_q8_i8(x, a[0], a[1], out, p.col0, p.rows, accumulate, self.passes, kind, aux, eps)
+            elif p.family in ("q4", "q8"):
+                L.matmul_quant_exact(x, a[0], a[1], out, p.col0, p.rows, accumulate, kind, aux, eps)
             else:
-                L.gemm_half(x, a[0], p.family == "bf16", out, p.col0, p.rows, accumulate)
+                L.matmul_float(L.FLOAT_KIND[p.family], x, a[0], out, p.col0, p.rows, accumulate, kind, aux, eps)
+
+    def dequantize_t(self, wt: np.ndarray) -> None:
+        """W.T as float32 [in, padded out] into wt (columns beyond out_features are padding)."""
+        for p in self.parts:
+            if p.family in ("q4", "q8"):
+                L.dequantize_quant_t(p.arrays[0], p.arrays[1], wt, p.col0)
+            else:
+                L.dequantize_float_t(L.FLOAT_KIND[p.family], p.arrays[0], wt, p.col0)
 
     def dequantize_into(self, w: np.ndarray) -> None:
         """W as float32 [out, in]."""
-        for p in self.parts:
-            dst = w[p.col0:p.col0 + p.rows]
-            a = p.arrays
-            if p.family == "q4":
-                L.dequantize_q4(a[0], a[1], a[2], p.rows, dst)
-            elif p.family == "q8":
-                L.dequantize_q8(a[0], a[1], p.rows, dst)
-            else:
-                dst[:] = _dense_float(p)
+        w[:] = self._dense_t()[:, :self.out_features].T
+
+    def _dense_t(self) -> np.ndarray:
+        # padded so that each part's tiles fit (parts start at multiples of 1, tiles write 16 columns)
+        wt = self._scratch.get(self.in_features, self.out_features + L.TILE * len(self.parts))
+        self.dequantize_t(wt)
+        return wt
 
     def _blas(self, x, out, accumulate):
-        # Scratch reused across calls of the same layer: a prefill dequantizes each matrix once per step.
-        if self._dense is None:
-            self._dense = np.empty((self.out_features, self.in_features), np.float32)
-        self.dequantize_into(self._dense)
+        wt = np.ascontiguousarray(self._dense_t()[:, :self.out_features])  # numpy's matmul is slow on views
         if accumulate:
-            out += x @ self._dense.T
+            out += x @ wt
         else:
-            np.matmul(x, self._dense.T, out=out)
+            np.matmul(x, wt, out=out)
 
     def release_scratch(self) -> None:
-        self._dense = None
+        self._scratch.buf = np.empty(0, np.float32)
 
     def gather(self, rows: np.ndarray) -> np.ndarray:
         """Rows of W as float32 (the embedding lookup of a tied or input embedding)."""
-        p = self.parts[0]
+        rows = np.asarray(rows, np.int64)
         out = np.empty((len(rows), self.in_features), np.float32)
-        a = p.arrays
-        if p.family == "q4":
-            L.gather_rows_q4(a[0], a[1], a[2], rows, out)
-        elif p.family == "q8":
-            L.gather_rows_q8(a[0], a[1], rows, out)
-        else:
-            out[:] = _widen(p.family, a[0][rows // L.TILE, :, rows % L.TILE])
+        for p in self.parts:
+            sel = (rows >= p.col0) & (rows < p.col0 + p.rows)
+            if not sel.any():
+                continue
+            r = rows[sel] - p.col0
+            if p.family in ("q4", "q8"):
+                tmp = np.empty((len(r), self.in_features), np.float32)
+                L.gather_quant(p.arrays[0], p.arrays[1], r, tmp)
+                out[sel] = tmp
+            else:
+                out[sel] = L.gather_float(L.FLOAT_KIND[p.family], p.arrays[0], r)
         return out
-
-
-def _widen(family: str, v: np.ndarray) -> np.ndarray:
-    if family == "f32":
-        return v
-    if family == "f16":
-        return v.view(np.float16).astype(np.float32)
-    return (v.astype(np.uint32) << 16).view(np.float32)
-
-
-def _dense_float(p: _Part) -> np.ndarray:
-    w = p.arrays[0]  # [nt, K, TILE]
-    return _widen(p.family, w.transpose(0, 2, 1).reshape(-1, w.shape[1])[:p.rows])
 
 
 class CpuBackend:
     name = "cpu"
 
+    def __init__(self, int8_activations: bool | None = None, int8_passes: int = 2):
+        """int8_activations: multiply quantized weights with activations rounded to int8 (vpdpbusd;
+        the default where the CPU has AVX-512 VNNI) or exactly in float32 (False).
+        int8_passes: 2 (default) rounds each activation block twice (~16 bits: logits match the float
+        path to ~1e-5); 1 is llama.cpp's single int8 rounding, faster for batches and prefill but
+        measurably less exact on this model (logit cosine 0.991-0.998 against the float reference)."""
+        if int8_passes not in (1, 2):
+            raise ValueError(f"int8_passes must be 1 or 2, got {int8_passes!r}")
+        self.int8 = L.INT8_DEFAULT if int8_activations is None else bool(int8_activations)
+        self.int8_passes = int8_passes
+        self._scratch = _Scratch()
+
     # --- weights and buffers
     def linear(self, tensors: list[QuantTensor]) -> CpuLinear:
-        return CpuLinear(tensors)
+        lin = CpuLinear(tensors, self.int8, self._scratch)
+        lin.passes = self.int8_passes
+        return lin
 
     def vector(self, v: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(v, dtype=np.float32)
@@ -153,6 +204,23 @@ class CpuBackend:
 
     def silu_mul(self, gate_up, out) -> None:
         ops.silu_mul(gate_up, out)
+
+    # --- fused ops (one kernel call where the list of ops has two)
+    def rmsnorm_matmul(self, x, w, eps, lin: CpuLinear, out, accumulate: bool = False) -> None:
+        """out (+)= rmsnorm(x) * w @ W.T"""
+        lin(x, out, accumulate, norm=w, eps=eps)
+
+    def silu_mul_matmul(self, gate_up, lin: CpuLinear, out, accumulate: bool = False) -> None:
+        """out (+)= (silu(gate) * up) @ W.T"""
+        lin(gate_up, out, accumulate, silu_mul=True)
+
+    def rope_attention(self, qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables, token_seq,
+                       num_heads, num_kv_heads, scale, out, next_linear: CpuLinear | None = None) -> None:
+        """rope_store_kv, then attention. next_linear: the matmul that comes next, whose weights an idle
+        thread reads into the caches while a short decode attention runs."""
+        wa, wb = next_linear.warm if next_linear is not None else (ops._NOTHING, ops._NOTHING)
+        ops.rope_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables, token_seq,
+                           num_heads, num_kv_heads, np.float32(scale), out, wa, wb)
 
     def sample(self, logits: np.ndarray, batch: SamplingBatch) -> SampleResult:
         return sample(logits, batch)

@@ -1,24 +1,34 @@
-"""Non-matmul ops of the forward pass as numba kernels for the CPU (layouts: tests/reference.py)."""
+"""Non-matmul ops of the forward pass as numba kernels for the CPU (layouts: tests/reference.py).
+
+They use the 16-lane SIMD values of cpu_linear (accumulators in registers, a vector exp), with scalar
+tails for sizes that are not multiples of 16.
+"""
 from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
 
+from engine.backends import cpu_linear as _L
+from engine.backends.cpu_linear import (
+    F, U, addr, ld_f, ld_i64, st_f, vadd, vbcast_f, vdiv, vexp, vfma, vhmax, vload_f, vmax, vmul, vstore_f, vsub, vsum, vzero_f, vpairsum1, vpairsum2, vpairsum4, vpairsum8,
+)
 
-@njit(cache=True, fastmath=True)
+_NOTHING = np.zeros(0, np.uint8)
+
+# Attention runs on one thread below this much work (query heads x context positions of the step):
+# a parallel region costs more than a short decode context's whole attention.
+ATTN_PARALLEL_MIN_WORK = 4096
+
+
+@njit(cache=True, nogil=True, fastmath=True)
 def rmsnorm(x, w, eps, out):
     """out[t] = x[t] / rms(x[t]) * w."""
     d = x.shape[1]
     for t in range(x.shape[0]):
-        ss = np.float32(0.0)
-        for i in range(d):
-            ss += x[t, i] * x[t, i]
-        inv = np.float32(1.0) / np.sqrt(ss / np.float32(d) + np.float32(eps))
-        for i in range(d):
-            out[t, i] = x[t, i] * inv * w[i]
+        _L.rmsnorm_row(addr(x), U(t) * U(d), addr(w), d, eps, addr(out), U(t) * U(d))
 
 
-@njit(cache=True, fastmath=True, inline="always")
+@njit(cache=True, nogil=True, fastmath=True, inline="always")
 def _rotate(v, off, cos, sin, p, half):
     """Rotate-half RoPE of v[off : off + 2*half] at table row p, in place."""
     for i in range(half):
@@ -30,7 +40,7 @@ def _rotate(v, off, cos, sin, p, half):
         v[off + half + i] = b * c + a * s
 
 
-@njit(cache=True, fastmath=True)
+@njit(cache=True, nogil=True, fastmath=True)
 def rope_store_kv(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads):
     """Rotate q in place inside qkv; rotate k and write k, v into the paged cache at each token's slot."""
     bs = k_cache.shape[1]
@@ -53,58 +63,297 @@ def rope_store_kv(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_
                 v_cache[blk, off, h, i] = row[q_size + kv_size + h * dh + i]
 
 
-@njit(cache=True, parallel=True, fastmath=True)
+@njit(cache=True, nogil=True, fastmath=True)
+def _attend_items(c, stride, qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads,
+                  scale, out, scores, o):
+    """Items c, c + stride, ... of the (token, kv head) grid: the `group` query heads sharing kv head kvh
+    attend over the token's positions 0..positions[t] through its sequence's block table.
+    Needs head_dim % 16 == 0. (Raw addresses in the loops: see cpu_linear's note on reference counts.)"""
+    bs, dh = k_cache.shape[1], k_cache.shape[3]
+    group = num_heads // num_kv_heads
+    nitems = qkv.shape[0] * num_kv_heads
+    sld = scores.shape[0] // group
+    qp, kp, vp, outp, sp, opp = addr(qkv), addr(k_cache), addr(v_cache), addr(out), addr(scores), addr(o)
+    qld, old = U(qkv.shape[1]), U(out.shape[1])
+    nv = U(dh // 16)
+    pos_stride = U(num_kv_heads * dh)  # items between consecutive positions of one block
+    for item in range(c, nitems, stride):
+        t = item // num_kv_heads
+        kvh = item % num_kv_heads
+        s = token_seq[t]
+        n = positions[t] + 1
+        q0 = U(t) * qld + U(kvh * group * dh)
+        # scores = q . k_j * scale
+        for jb in range((n + bs - 1) // bs):
+            base = U(block_tables[s, jb]) * U(bs) * pos_stride + U(kvh * dh)
+            for off in range(min(bs, n - jb * bs)):
+                ko = base + U(off) * pos_stride
+                j = U(jb * bs + off)
+                for gi in range(U(group)):
+                    qo = q0 + gi * U(dh)
+                    acc = vmul(vload_f(qp, qo), vload_f(kp, ko))
+                    for v in range(U(1), nv):
+                        acc = vfma(vload_f(qp, qo + U(16) * v), vload_f(kp, ko + U(16) * v), acc)
+                    st_f(sp, gi * U(sld) + j, vsum(acc) * scale)
+        # softmax numerators (scores padded to a multiple of 16 with -1e30), 1 / sum kept at index n
+        n16 = (n + 15) // 16 * 16
+        for gi in range(U(group)):
+            so = gi * U(sld)
+            for j in range(n, n16):
+                st_f(sp, so + U(j), F(-1e30))
+            mx = vload_f(sp, so)
+            for j in range(16, n16, 16):
+                mx = vmax(mx, vload_f(sp, so + U(j)))
+            m = vbcast_f(vhmax(mx))
+            tot = vzero_f()
+            for j in range(0, n16, 16):
+                e = vexp(vsub(vload_f(sp, so + U(j)), m))
+                vstore_f(sp, so + U(j), e)
+                tot = vadd(tot, e)
+            st_f(sp, so + U(n), F(1.0) / vsum(tot))
+            for v in range(nv):
+                vstore_f(opp, gi * U(dh) + U(16) * v, vzero_f())
+        # o = p @ V
+        for jb in range((n + bs - 1) // bs):
+            base = U(block_tables[s, jb]) * U(bs) * pos_stride + U(kvh * dh)
+            for off in range(min(bs, n - jb * bs)):
+                vo = base + U(off) * pos_stride
+                j = U(jb * bs + off)
+                for gi in range(U(group)):
+                    p = vbcast_f(ld_f(sp, gi * U(sld) + j))
+                    oo = gi * U(dh)
+                    for v in range(nv):
+                        vstore_f(opp, oo + U(16) * v, vfma(vload_f(vp, vo + U(16) * v), p, vload_f(opp, oo + U(16) * v)))
+        for gi in range(U(group)):
+            inv = vbcast_f(ld_f(sp, gi * U(sld) + U(n)))
+            for v in range(nv):
+                vstore_f(outp, U(t) * old + U(kvh * group * dh) + gi * U(dh) + U(16) * v,
+                         vmul(vload_f(opp, gi * U(dh) + U(16) * v), inv))
+
+
+@njit(cache=True, nogil=True, fastmath=True)
+def _part(qp, qo, kp, kop, j, nc):
+    """q . k_j as a vector of partial sums (q at item qo; k_j at the item offset kop[j]), nc chunks of 64."""
+    ko = U(ld_i64(kop, j))
+    a = vmul(vload_f(qp, qo), vload_f(kp, ko))
+    a = vfma(vload_f(qp, qo + U(16)), vload_f(kp, ko + U(16)), a)
+    a = vfma(vload_f(qp, qo + U(32)), vload_f(kp, ko + U(32)), a)
+    a = vfma(vload_f(qp, qo + U(48)), vload_f(kp, ko + U(48)), a)
+    for c in range(U(1), nc):
+        o = U(64) * c
+        for v in range(U(4)):
+            a = vfma(vload_f(qp, qo + o + U(16) * v), vload_f(kp, ko + o + U(16) * v), a)
+    return a
+
+
+@njit(cache=True, nogil=True, fastmath=True)
+def _scores16(qp, qo, kp, kop, j0, nc):
+    """q . k_j for the 16 keys j0 .. j0+15, one per lane: 16 partial-sum vectors folded by a tree
+    of pair sums (fed in bit-reversed key order, so that the lanes come out in key order)."""
+    a0 = vpairsum8(_part(qp, qo, kp, kop, j0, nc), _part(qp, qo, kp, kop, j0 + U(8), nc))
+    a1 = vpairsum8(_part(qp, qo, kp, kop, j0 + U(4), nc), _part(qp, qo, kp, kop, j0 + U(12), nc))
+    a2 = vpairsum8(_part(qp, qo, kp, kop, j0 + U(2), nc), _part(qp, qo, kp, kop, j0 + U(10), nc))
+    a3 = vpairsum8(_part(qp, qo, kp, kop, j0 + U(6), nc), _part(qp, qo, kp, kop, j0 + U(14), nc))
+    a4 = vpairsum8(_part(qp, qo, kp, kop, j0 + U(1), nc), _part(qp, qo, kp, kop, j0 + U(9), nc))
+    a5 = vpairsum8(_part(qp, qo, kp, kop, j0 + U(5), nc), _part(qp, qo, kp, kop, j0 + U(13), nc))
+    a6 = vpairsum8(_part(qp, qo, kp, kop, j0 + U(3), nc), _part(qp, qo, kp, kop, j0 + U(11), nc))
+    a7 = vpairsum8(_part(qp, qo, kp, kop, j0 + U(7), nc), _part(qp, qo, kp, kop, j0 + U(15), nc))
+    return vpairsum1(vpairsum2(vpairsum4(a0, a1), vpairsum4(a2, a3)), vpairsum2(vpairsum4(a4, a5), vpairsum4(a6, a7)))
+
+
+@njit(cache=True, nogil=True, fastmath=True)
+def _attend_items64(c, stride, qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads,
+                    scale, out, scores, kofs):
+    """_attend_items for head sizes that are multiples of 64: scores 16 keys at a time, and the
+    weighted sum of V with its 64-wide output chunk in registers."""
+    bs, dh = k_cache.shape[1], k_cache.shape[3]
+    group = num_heads // num_kv_heads
+    nitems = qkv.shape[0] * num_kv_heads
+    sld = kofs.shape[0]
+    qp, kp, vp, outp, sp, kop = addr(qkv), addr(k_cache), addr(v_cache), addr(out), addr(scores), addr(kofs)
+    qld, old = U(qkv.shape[1]), U(out.shape[1])
+    nc = U(dh // 64)
+    pos_stride = num_kv_heads * dh
+    vscale = vbcast_f(scale)
+    for item in range(c, nitems, stride):
+        t = item // num_kv_heads
+        kvh = item % num_kv_heads
+        s = token_seq[t]
+        n = positions[t] + 1
+        n16 = (n + 15) // 16 * 16
+        # item offsets of each position's k (and v) in the cache; the padding repeats the last one
+        j = 0
+        for jb in range((n + bs - 1) // bs):
+            base = block_tables[s, jb] * bs * pos_stride + kvh * dh
+            for off in range(min(bs, n - j)):
+                kofs[j] = base + off * pos_stride
+                j += 1
+        for j in range(n, n16):
+            kofs[j] = kofs[n - 1]
+        q0 = U(t) * qld + U(kvh * group * dh)
+        for gi in range(U(group)):
+            qo = q0 + gi * U(dh)
+            so = gi * U(sld)
+            for j0 in range(0, n16, 16):
+                vstore_f(sp, so + U(j0), vmul(_scores16(qp, qo, kp, kop, U(j0), nc), vscale))
+            for j in range(n, n16):
+                st_f(sp, so + U(j), F(-1e30))
+            mx = vload_f(sp, so)
+            for j in range(16, n16, 16):
+                mx = vmax(mx, vload_f(sp, so + U(j)))
+            m = vbcast_f(vhmax(mx))
+            tot = vzero_f()
+            for j in range(0, n16, 16):
+                e = vexp(vsub(vload_f(sp, so + U(j)), m))
+                vstore_f(sp, so + U(j), e)
+                tot = vadd(tot, e)
+            inv = vbcast_f(F(1.0) / vsum(tot))
+            for ch in range(nc):
+                co = U(64) * ch
+                o0 = vzero_f()
+                o1 = vzero_f()
+                o2 = vzero_f()
+                o3 = vzero_f()
+                for j in range(U(n)):
+                    vo = U(ld_i64(kop, j)) + co
+                    p = vbcast_f(ld_f(sp, so + j))
+                    o0 = vfma(vload_f(vp, vo), p, o0)
+                    o1 = vfma(vload_f(vp, vo + U(16)), p, o1)
+                    o2 = vfma(vload_f(vp, vo + U(32)), p, o2)
+                    o3 = vfma(vload_f(vp, vo + U(48)), p, o3)
+                oo = U(t) * old + U(kvh * group * dh) + gi * U(dh) + co
+                vstore_f(outp, oo, vmul(o0, inv))
+                vstore_f(outp, oo + U(16), vmul(o1, inv))
+                vstore_f(outp, oo + U(32), vmul(o2, inv))
+                vstore_f(outp, oo + U(48), vmul(o3, inv))
+
+
+@njit(cache=True, nogil=True, fastmath=True, inline="always")
+def _paged_attention(qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads, scale, out,
+                     warm_a, warm_b, sink):
+    """Causal attention over the paged cache: query token t of sequence token_seq[t] at positions[t]
+    attends to that sequence's positions 0..positions[t], found through its block table.
+    Items (token, kv head) run on one thread when the step's attention is small (short decodes), else
+    spread over threads round-robin (a prefill's later tokens see longer contexts). While one thread
+    does a small attention, another reads warm_a and warm_b (the next matmul's weights) into the
+    caches: memory would sit idle otherwise."""
+    max_n = 0
+    work = 0
+    for t in range(qkv.shape[0]):
+        max_n = max(max_n, positions[t] + 1)
+        work += positions[t] + 1
+    nitems = qkv.shape[0] * num_kv_heads
+    # the helpers get exactly one signature each (a prange index is unsigned; literals are not)
+    i0, i1, mx, sc = np.int64(0), np.int64(1), np.int64(max_n), F(scale)
+    if k_cache.shape[3] % 16:
+        for it in prange(nitems):
+            _attend_scalar(np.int64(it), qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads,
+                           num_kv_heads, sc, out)
+    elif work * num_heads < ATTN_PARALLEL_MIN_WORK or nitems == 1:
+        if warm_a.shape[0] + warm_b.shape[0] > 0:
+            for task in prange(2):
+                if task == 0:
+                    _attend(i0, i1, qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads,
+                            num_kv_heads, sc, out, mx)
+                else:
+                    _touch(warm_a, warm_b, sink)
+        else:
+            _attend(i0, i1, qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads,
+                    sc, out, mx)
+    else:
+        nch = np.int64(min(nitems, 16))
+        for c in prange(nch):
+            _attend(np.int64(c), nch, qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads,
+                    num_kv_heads, sc, out, mx)
+
+
+@njit(cache=True, nogil=True, fastmath=True)
+def _attend(c, stride, qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads,
+            scale, out, max_n):
+    """The scratch lives here, not in the items functions: they use it only through raw addresses,
+    which would not keep it alive (see cpu_linear.addr)."""
+    group = num_heads // num_kv_heads
+    sld = max_n + 16  # scores padded to a multiple of 16, plus a slot for 1 / sum
+    scores = np.empty(group * sld, np.float32)
+    if k_cache.shape[3] % 64 == 0:
+        kofs = np.empty(sld, np.int64)
+        _attend_items64(c, stride, qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads,
+                        num_kv_heads, scale, out, scores, kofs)
+    else:
+        o = np.empty(group * k_cache.shape[3], np.float32)
+        _attend_items(c, stride, qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads,
+                      num_kv_heads, scale, out, scores, o)
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=True)
 def paged_attention(qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads, scale, out):
     """Causal attention over the paged cache: query token t of sequence token_seq[t] at positions[t]
     attends to that sequence's positions 0..positions[t], found through its block table."""
-    bs = k_cache.shape[1]
-    dh = k_cache.shape[3]
+    _paged_attention(qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads, scale, out,
+                     _NOTHING, _NOTHING, np.zeros(1, np.int64))
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+def rope_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables, token_seq, num_heads,
+                   num_kv_heads, scale, out, warm_a, warm_b):
+    """rope_store_kv then paged_attention, in one call; warm_a, warm_b (uint8 views, may be empty): the
+    next matmul's weights, read into the caches by an otherwise idle thread during a small attention."""
+    rope_store_kv(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
+    _paged_attention(qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads, scale, out,
+                     warm_a, warm_b, np.zeros(1, np.int64))
+
+
+@njit(cache=True, nogil=True)
+def _touch(a, b, sink):
+    """Read one byte of every cache line of a and b (so that they come into the caches)."""
+    s = 0
+    for i in range(0, a.shape[0], 64):
+        s += a[i]
+    for i in range(0, b.shape[0], 64):
+        s += b[i]
+    sink[0] = s
+
+
+@njit(cache=True, nogil=True, fastmath=True)
+def _attend_scalar(item, qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads,
+                   scale, out):
+    """The plain form of one (token, kv head) item, for head sizes that are not multiples of 16."""
+    bs, dh = k_cache.shape[1], k_cache.shape[3]
     group = num_heads // num_kv_heads
-    ntok = qkv.shape[0]
-    for item in prange(ntok * num_heads):
-        t = item // num_heads
-        h = item % num_heads
-        kvh = h // group
-        s = token_seq[t]
-        n = positions[t] + 1
-        q0 = h * dh
-        scores = np.empty(n, np.float32)
-        mx = -np.inf
+    t = item // num_kv_heads
+    kvh = item % num_kv_heads
+    s = token_seq[t]
+    n = positions[t] + 1
+    scores = np.empty(n, np.float32)
+    o = np.empty(dh, np.float32)
+    for h in range(kvh * group, (kvh + 1) * group):
+        mx = F(-np.inf)
         for j in range(n):
-            blk = block_tables[s, j // bs]
-            off = j % bs
-            acc = np.float32(0.0)
+            blk, off = block_tables[s, j // bs], j % bs
+            acc = F(0.0)
             for i in range(dh):
-                acc += qkv[t, q0 + i] * k_cache[blk, off, kvh, i]
-            acc *= scale
-            scores[j] = acc
-            if acc > mx:
-                mx = acc
-        total = np.float32(0.0)
+                acc += qkv[t, h * dh + i] * k_cache[blk, off, kvh, i]
+            scores[j] = acc * scale
+            mx = max(mx, scores[j])
+        total = F(0.0)
         for j in range(n):
-            e = np.exp(scores[j] - mx)
-            scores[j] = e
-            total += e
-        o = np.zeros(dh, np.float32)
+            scores[j] = np.exp(scores[j] - mx)
+            total += scores[j]
+        o[:] = 0.0
         for j in range(n):
-            blk = block_tables[s, j // bs]
-            off = j % bs
-            pj = scores[j]
+            blk, off = block_tables[s, j // bs], j % bs
             for i in range(dh):
-                o[i] += pj * v_cache[blk, off, kvh, i]
-        inv = np.float32(1.0) / total
+                o[i] += scores[j] * v_cache[blk, off, kvh, i]
         for i in range(dh):
-            out[t, q0 + i] = o[i] * inv
+            out[t, h * dh + i] = o[i] / total
 
 
-@njit(cache=True, fastmath=True)
+@njit(cache=True, nogil=True, fastmath=True)
 def silu_mul(gate_up, out):
     """out = silu(gate) * up, with gate_up = [gate | up]."""
     f = out.shape[1]
     for t in range(gate_up.shape[0]):
-        for i in range(f):
-            g = gate_up[t, i]
-            out[t, i] = g / (np.float32(1.0) + np.exp(-g)) * gate_up[t, f + i]
+        _L.silu_mul_row(addr(gate_up), U(t) * U(2 * f), f, addr(out), U(t) * U(f))
 
 
 def rope_tables(max_position: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
@@ -112,3 +361,6 @@ def rope_tables(max_position: int, head_dim: int, theta: float) -> tuple[np.ndar
     inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
     ang = np.arange(max_position, dtype=np.float64)[:, None] * inv_freq[None, :]
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+_L.flush_stale_caches(globals(), "cpu_ops", _L.__file__)
