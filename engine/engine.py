@@ -94,6 +94,7 @@ class Engine:
         self.num_steps = 0
         self.last_step_tokens = 0
         self.last_batch_size = 0
+        self.num_preemptions = 0   # sequences sent back to the queue for recompute (blocks ran out)
 
     def warm_up(self) -> None:
         """Run each kernel variant once (decode, small and large prefill, sampling) so numba's compiled
@@ -182,6 +183,7 @@ class Engine:
         deltas = [self._finished_delta(seq) for seq in out.timed_out]
         self.last_step_tokens = out.num_tokens
         self.last_batch_size = len(out.scheduled)
+        self.num_preemptions += len(out.preempted)
         if not out.scheduled:
             return deltas
         sampled, result = self.runner.execute(out.scheduled)

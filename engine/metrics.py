@@ -125,6 +125,8 @@ class NodeMetrics:
                                             "prefix cache.", ("model", "quantization"), registry=r)
         self.prefix_cache_hits = Counter(p + "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                                          ("model", "quantization"), registry=r)
+        self.num_preemptions = Counter(p + "num_preemptions", "Sequences preempted (their KV blocks taken back; "
+                                       "recomputed later).", ("model", "quantization"), registry=r)
         self.model_loads = Counter(p + "model_loads", "Model loads (start-up and cold loads).",
                                    ("model", "quantization"), registry=r)
         self.model_evictions = Counter(p + "model_evictions", "Models evicted to make room or unloaded.",
@@ -170,11 +172,13 @@ class NodeMetrics:
         self.model_evictions.labels(model, quantization).inc()
 
     def step_listener(self, model: str, quantization: str):
-        """A callable for EngineLoop.step_listeners: batch size per step, prefix-cache queries and hits."""
+        """A callable for EngineLoop.step_listeners: batch size per step, prefix-cache queries and hits,
+        preemptions."""
         batch = self.iteration_batch_size.labels(model, quantization)
         queries = self.prefix_cache_queries.labels(model, quantization)
         hits = self.prefix_cache_hits.labels(model, quantization)
-        seen = [0, 0]   # the pool's cumulative counts at the previous step (this engine's own)
+        preemptions = self.num_preemptions.labels(model, quantization)
+        seen = [0, 0, 0]   # the engine's cumulative counts at the previous step
 
         def on_step(engine, step_seconds, deltas) -> None:
             if engine.last_batch_size:
@@ -184,7 +188,9 @@ class NodeMetrics:
                 queries.inc(q - seen[0])
             if h > seen[1]:
                 hits.inc(h - seen[1])
-            seen[0], seen[1] = q, h
+            if engine.num_preemptions > seen[2]:
+                preemptions.inc(engine.num_preemptions - seen[2])
+            seen[0], seen[1], seen[2] = q, h, engine.num_preemptions
 
         return on_step
 

@@ -356,6 +356,11 @@ class ModelRegistry:
             if closed:
                 loop.stop()
                 return
+            # Everything alive now (modules, numba's compiled code, the model) lives until an eviction:
+            # out of the cyclic GC's full collections, which otherwise walk it all while holding the
+            # GIL (60-70 ms with SmolLM2 loaded) and stall every model's token streams; the next
+            # load's many short-lived objects trigger such collections.
+            gc.freeze()
             log.info("model loaded", extra={"event": "model_loaded", "model": spec.id, "quantization": label,
                                             "load_time_s": round(seconds, 3), "bytes": m.bytes})
             for e in extra:
@@ -423,7 +428,11 @@ class ModelRegistry:
         m.loop.stop()
         if self.on_evicted is not None:
             self.on_evicted(m)
-        gc.collect()   # the weights and KV arrays go with the last reference
+        # The model's objects were frozen with the rest (see _load); their cycles (loop <-> listeners)
+        # hold the weights and KV arrays until a collection that sees them.
+        gc.unfreeze()
+        gc.collect()
+        gc.freeze()
 
     def close(self) -> None:
         with self._lock:

@@ -143,7 +143,7 @@ def test_preempted_sequences_finish_with_the_same_tokens(tiny_gguf):
     roomy = run(make_engine(tiny_gguf, num_blocks=64), reqs())
     eng = make_engine(tiny_gguf, num_blocks=12)   # 4 x (10 + 20) tokens need 32 blocks of 4
     tight = run(eng, reqs())
-    assert sum(s.num_preemptions for s in []) == 0
+    assert eng.num_preemptions > 0, "the tight pool should have forced preemptions"
     assert tight == roomy
 
 
@@ -157,7 +157,7 @@ def test_preemption_happens_under_pressure(tiny_gguf):
     while eng.has_unfinished():
         eng.step()
         preempted = max(preempted, sum(s.num_preemptions for s in seqs))
-    assert preempted > 0
+    assert preempted > 0 and eng.num_preemptions >= preempted
     assert all(s.finish_reason == "length" and s.num_output_tokens == 20 for s in seqs)
     eng.pool.check_invariants([])
 

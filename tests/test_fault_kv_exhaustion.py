@@ -105,8 +105,10 @@ def test_long_prompts_beyond_the_pool_all_finish(serving_stack, tiny_models):  #
     assert max(running_seen) < REQUESTS, running_seen
     wait_until(lambda: stack.node_state()["kv_cache_usage"] == 0 and stack.node_state()["queue"]["running"] == 0,
                30, "the pool to be empty")
-    finished = metric(scrape(stack.nodes[0].url), "zen_node_request_success_total", finished_reason="length")
+    scraped = scrape(stack.nodes[0].url)
+    finished = metric(scraped, "zen_node_request_success_total", finished_reason="length")
     assert finished >= 2 * REQUESTS
+    assert metric(scraped, "zen_node_num_preemptions_total", model="tiny-a") >= 1, "nothing was preempted"
     print(f"{REQUESTS} x ({PROMPT_TOKENS} + {MAX_TOKENS}) tokens on a pool of {blocks} blocks "
           f"({per_request} per request) in {elapsed:.1f} s; pool peak {max(usage_seen):.2f}, "
           f"at most {max(running_seen)} running")

@@ -157,7 +157,8 @@ def test_cold_load_does_not_stall_other_streams(start_node, tiny_models, default
     assert loaded.get("status") == 200
     during = [b - a for a, b in zip(stamps, stamps[1:]) if loaded["start"] <= a <= loaded["end"]]
     assert len(during) > 10, "the load ended before the stream showed anything"
-    # The stream keeps flowing through the load (which takes seconds). Tokenizers are built at start-up
-    # so what remains is the loading thread holding the GIL (numba loading the compiled kernels of a weight
-    # format this process has not run yet, numpy repacking): measured 0.1-0.3 s on a loaded 2-core machine.
-    assert max(during) < 0.5, f"a token gap of {max(during):.3f} s during the cold load"
+    # The stream keeps flowing through the load (which takes seconds): tokenizers are built at start-up,
+    # the loaded heap is frozen out of full GC collections and the GIL changes hands every 0.5 ms. Gaps
+    # measured on a 2-core machine: 12-18 ms at most (a few SmolLM2 decode steps; 35-52 ms without the
+    # GC freeze and the short switch interval). What remains is the load's own CPU work on 2 cores.
+    assert max(during) < 0.1, f"a token gap of {max(during):.3f} s during the cold load"

@@ -133,15 +133,16 @@ def test_metrics_registries_are_per_app_and_absent_values_are_not_exported():
     assert max(les) >= 480
 
 
-def test_step_listener_counts_batch_and_prefix_deltas():
+def test_step_listener_counts_batch_prefix_and_preemption_deltas():
     m = NodeMetrics()
     on_step = m.step_listener("m", "f32")
     pool = types.SimpleNamespace(prefix_query_tokens=0, prefix_hit_tokens=0)
-    eng = types.SimpleNamespace(last_batch_size=3, pool=pool)
-    for q, h in ((10, 0), (30, 16), (30, 16)):
-        pool.prefix_query_tokens, pool.prefix_hit_tokens = q, h
+    eng = types.SimpleNamespace(last_batch_size=3, pool=pool, num_preemptions=0)
+    for q, h, p in ((10, 0, 0), (30, 16, 2), (30, 16, 3)):
+        pool.prefix_query_tokens, pool.prefix_hit_tokens, eng.num_preemptions = q, h, p
         on_step(eng, 0.01, [])
     s = _samples(m)
     ml = (("model", "m"), ("quantization", "f32"))
     assert s[("zen_node_prefix_cache_queries_total", ml)] == 30 and s[("zen_node_prefix_cache_hits_total", ml)] == 16
+    assert s[("zen_node_num_preemptions_total", ml)] == 3
     assert s[("zen_node_iteration_batch_size_count", ml)] == 3 and s[("zen_node_iteration_batch_size_sum", ml)] == 9
