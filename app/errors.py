@@ -125,13 +125,6 @@ def register_error_handlers(app: Flask) -> None:
 
     @app.errorhandler(Exception)
     def _unexpected(exc: Exception):
-        # Storage errors of the rate limiter under the fail-closed policy land here too.
-        from app.limits import is_storage_error  # local: limits imports this module
-        if is_storage_error(exc):
-            log.error("rate-limit storage unavailable; failing closed",
-                      extra={"event": "limits_storage_down"})
-            return APIError(503, "Rate limiting is temporarily unavailable; retry shortly.",
-                            code="service_unavailable", headers={"Retry-After": "1"}).response()
         log.exception("unhandled error", extra={"event": "unhandled_error"})
         rid = getattr(g, "request_id", None)
         return APIError(500, f"The server had an error while processing your request "

@@ -166,25 +166,58 @@ class Reservation:
     settled: bool = field(default=False)
 
 
+class StorageHealth:
+    """Whether the limits storage (Redis) answered its last call, shared by both limiters of a worker.
+
+    Only changes are logged: the first failure (error, with the policy that now applies) and the first
+    answer after it (warning), never one line per request."""
+
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
+        self._down_since: float | None = None
+        self._lock = threading.Lock()
+
+    def down_for(self) -> float | None:
+        """Seconds since the storage last failed, or None while it answers."""
+        with self._lock:
+            return None if self._down_since is None else time.monotonic() - self._down_since
+
+    def failed(self, exc: BaseException) -> None:
+        with self._lock:
+            first = self._down_since is None
+            self._down_since = time.monotonic()
+        if first:
+            then = ("failing closed: API requests get 503" if self.policy == "closed"
+                    else "failing open: per-process in-memory limits")
+            log.error("rate-limit storage (Redis) unavailable (%s); policy %s, %s until it answers again",
+                      exc.__class__.__name__, self.policy, then, extra={"event": "limits_storage_down"})
+
+    def answered(self) -> None:
+        with self._lock:
+            was_down = self._down_since is not None
+            self._down_since = None
+        if was_down:
+            log.warning("rate-limit storage recovered: using Redis again",
+                        extra={"event": "limits_storage_recovered"})
+
+
 class TokenLimiter:
     """Reserve-then-settle on the org's token bucket, with Redis failure handling."""
 
-    def __init__(self, config: LimitsConfig) -> None:
+    def __init__(self, config: LimitsConfig, health: StorageHealth | None = None) -> None:
         self._config = config
         self._memory = MemoryTokenBuckets()
         self._redis = (RedisTokenBuckets(config.storage_url, config.redis_timeout_s)
                        if config.uses_redis else None)
-        self._redis_down_since: float | None = None
-        self._lock = threading.Lock()
+        self.health = health or StorageHealth(config.redis_failure_policy)
 
     def _backend(self):
         """Redis unless it failed less than redis_retry_s ago (then the fallback)."""
         if self._redis is None:
             return self._memory
-        with self._lock:
-            down = self._redis_down_since
-            if down is not None and time.monotonic() - down < self._config.redis_retry_s:
-                return None
+        down = self.health.down_for()
+        if down is not None and down < self._config.redis_retry_s:
+            return None
         return self._redis
 
     def _call(self, op: str, org: str, amount: float, tier: TierConfig) -> BucketResult:
@@ -193,20 +226,11 @@ class TokenLimiter:
         if backend is not None:
             try:
                 result = getattr(backend, op)(org, amount, capacity, rate)
-                if backend is self._redis and self._redis_down_since is not None:
-                    with self._lock:
-                        self._redis_down_since = None
-                    log.warning("token-bucket storage recovered: using Redis again",
-                                extra={"event": "limits_storage_recovered"})
+                if backend is self._redis:
+                    self.health.answered()
                 return result
             except redis.RedisError as exc:
-                with self._lock:
-                    first = self._redis_down_since is None
-                    self._redis_down_since = time.monotonic()
-                if first:
-                    log.error("token-bucket storage (Redis) unavailable: %s; policy %s",
-                              exc.__class__.__name__, self._config.redis_failure_policy,
-                              extra={"event": "limits_storage_down"})
+                self.health.failed(exc)
         # Redis is down (now or recently).
         if self._config.redis_failure_policy == "closed":
             raise APIError(503, "Rate limiting is temporarily unavailable; retry shortly.",
@@ -285,10 +309,6 @@ def token_limit_error(org: str, tier: TierConfig, cost: int, result: BucketResul
     return APIError(429, message, type="tokens", code="rate_limit_exceeded", headers=headers)
 
 
-def is_storage_error(exc: BaseException) -> bool:
-    return isinstance(exc, (limits.errors.StorageError, redis.RedisError))
-
-
 # -- flask-limiter: requests per minute per org ------------------------------------------------
 
 def _org_key() -> str:
@@ -330,13 +350,26 @@ def init_limits(app: Flask, config: GatewayConfig) -> Limiter:
     """Bind both limiters to `app`; call after auth (its hook must run first)."""
     limiter = build_request_limiter(config.limits)
     limiter.init_app(app)
-    app.extensions[EXTENSION_KEY] = TokenLimiter(config.limits)
+    health = StorageHealth(config.limits.redis_failure_policy)
+    app.extensions[EXTENSION_KEY] = TokenLimiter(config.limits, health)
+    # Failing closed, flask-limiter raises its storage errors; failing open it falls back by itself.
+    watch_requests = config.limits.uses_redis and config.limits.redis_failure_policy == "closed"
+
+    def _storage_unavailable(exc: Exception):
+        health.failed(exc)
+        return APIError(503, "Rate limiting is temporarily unavailable; retry shortly.",
+                        code="service_unavailable", headers={"Retry-After": "1"}).response()
+
+    app.register_error_handler(limits.errors.StorageError, _storage_unavailable)
+    app.register_error_handler(redis.RedisError, _storage_unavailable)
 
     @app.before_request
     def _request_limit_headers():
         # Runs after flask-limiter's check: remember the requests-per-minute state.
         if g.get("caller") is None:
             return
+        if watch_requests and not _exempt():
+            health.answered()   # the check above went to Redis and got its answer
         current = limiter.current_limit
         if current is None:
             return

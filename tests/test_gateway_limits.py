@@ -235,3 +235,24 @@ def test_token_bucket_redis_down_policies():
     logging.getLogger("zen.gateway").removeHandler(records)
     down = [r.getMessage() for r in records.records if getattr(r, "event", "") == "limits_storage_down"]
     assert any("policy open" in m for m in down) and any("policy closed" in m for m in down)
+
+
+def test_storage_health_logs_only_changes():
+    from app.limits import StorageHealth
+    records = _Records()
+    logging.getLogger("zen.gateway").addHandler(records)
+    try:
+        health = StorageHealth("closed")
+        health.answered()                              # up from the start: nothing to say
+        assert health.down_for() is None
+        for _ in range(5):
+            health.failed(ConnectionError("refused"))  # one line for the whole outage
+        assert health.down_for() is not None and health.down_for() >= 0
+        health.answered()
+        health.answered()
+    finally:
+        logging.getLogger("zen.gateway").removeHandler(records)
+    events = [(r.levelname, r.event) for r in records.records if getattr(r, "event", "").startswith("limits_storage")]
+    assert events == [("ERROR", "limits_storage_down"), ("WARNING", "limits_storage_recovered")]
+    assert "failing closed" in records.records[0].getMessage()
+    assert health.down_for() is None
