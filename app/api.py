@@ -217,11 +217,11 @@ def _answer_stream(req: InferenceRequest, kind: str, outcome: NodeStream, reserv
     log_fields = {"event": "request", "method": request.method, "path": request.path,
                   "request_id": req.request_id, "org": req.org, **g.log_fields}
 
+    result = {"status": 200, "usage": None, "completion_tokens": 0}
+
     def generate():
-        status: int | str = 200
-        usage = None
-        completion_tokens = 0
         last_token_at = None
+        completion_tokens = 0
         try:
             yield from writer.start()
             for event in outcome.events():
@@ -235,13 +235,14 @@ def _answer_stream(req: InferenceRequest, kind: str, outcome: NodeStream, reserv
                     if event.get("index", 0) == 0:
                         last_token_at = now
                     completion_tokens += 1
+                    result["completion_tokens"] = completion_tokens
                     yield writer.token(event)
                 elif kind_ == "done":
-                    usage = usage_of(event.get("usage"))
+                    result["usage"] = usage_of(event.get("usage"))
                     yield from writer.done(event)
             yield SSE_DONE
         except NodeStreamError as exc:
-            status = "stream"
+            result["status"] = "stream"
             log.warning("engine stream failed after the first token", extra={
                 "event": "stream_error", "request_id": req.request_id, "org": req.org,
                 "node": outcome.node, "error": str(exc)})
@@ -249,25 +250,31 @@ def _answer_stream(req: InferenceRequest, kind: str, outcome: NodeStream, reserv
                                   code="engine_error")
             yield SSE_DONE
         except GeneratorExit:
-            status = "disconnect"
+            result["status"] = "disconnect"
+            outcome.close()   # at once: the node aborts the sequence
             raise
-        finally:
-            outcome.close()
-            if usage is None:
-                usage = {"prompt_tokens": req.inputs.estimated_tokens(),
-                         "completion_tokens": completion_tokens}
-                usage["total_tokens"] = usage["prompt_tokens"] + completion_tokens
-            tokens.settle(reservation, usage["total_tokens"])
-            metrics.usage(req.org, m.alias, usage["prompt_tokens"], usage["completion_tokens"])
-            metrics.latency(m.alias, req.latency_class.value, e2e_s=time.perf_counter() - started)
-            metrics.request_done(req.org, endpoint, status)
-            log.info("request", extra={
-                **log_fields, "status": status,
-                "duration_ms": round((time.perf_counter() - started) * 1e3, 3),
-                "prompt_tokens": usage["prompt_tokens"],
-                "completion_tokens": usage["completion_tokens"]})
+
+    def finish():
+        # After the response's last byte went out (the server closes the response then): the
+        # bookkeeping, and the read of the node's last bytes that frees its connection for reuse,
+        # do not hold back the end of the client's stream.
+        ended = time.perf_counter()
+        outcome.close()
+        usage = result["usage"]
+        if usage is None:
+            usage = {"prompt_tokens": req.inputs.estimated_tokens(),
+                     "completion_tokens": result["completion_tokens"]}
+            usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        tokens.settle(reservation, usage["total_tokens"])
+        metrics.usage(req.org, m.alias, usage["prompt_tokens"], usage["completion_tokens"])
+        metrics.latency(m.alias, req.latency_class.value, e2e_s=ended - started)
+        metrics.request_done(req.org, endpoint, result["status"])
+        log.info("request", extra={
+            **log_fields, "status": result["status"], "duration_ms": round((ended - started) * 1e3, 3),
+            "prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"]})
 
     resp = Response(generate(), mimetype="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
                              "x-latency-class": req.latency_class.value})
+    resp.call_on_close(finish)
     return resp

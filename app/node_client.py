@@ -47,23 +47,39 @@ class NodeStream:
     first_events: list[dict]
     attempts: int
     _lines: Iterator[bytes] | None = field(default=None, repr=False)
+    finished: bool = False   # the node's "done" event was read
 
     def events(self) -> Iterator[dict]:
         """Every event: those already read, then the rest as they arrive.
 
         Raises NodeStreamError when the connection breaks or the node sends an error event.
         """
-        yield from self.first_events
-        if self.first_events and self.first_events[-1].get("type") == "done":
+        for event in self.first_events:
+            self.finished = event.get("type") == "done"
+            yield event
+        if self.finished:
             return
-        yield from _read_events(self._lines, self.node)
+        for event in _read_events(self._lines, self.node):
+            self.finished = event.get("type") == "done"
+            yield event
 
     def close(self) -> None:
-        """Close the upstream connection; the node aborts the sequence."""
+        """Close the upstream stream. A finished one is read to its end first (a few bytes: the
+        [DONE] line and the end of the chunked body), which gives its connection back to the pool
+        for the next request; one closed early drops the connection, and the node aborts the sequence."""
         try:
+            if self.finished and self._lines is not None:
+                for _ in zip(range(_TRAILER_LINES), self._lines):
+                    pass
             self.response.close()
         except Exception:
-            pass
+            try:
+                self.response.close()
+            except Exception:
+                pass
+
+
+_TRAILER_LINES = 8   # what may follow the done event: blank lines and [DONE]; a node sending more is cut off
 
 
 PING = {"type": "ping"}
@@ -116,6 +132,9 @@ class NodeClient:
         self.pool = pool
         self.config = pool.config
         self.session = requests.Session()
+        # Node URLs come from the config: no proxy, netrc or CA variables to look up in the
+        # environment (requests walks all of os.environ on every request otherwise).
+        self.session.trust_env = False
         adapter = HTTPAdapter(pool_connections=max(4, len(self.config.urls)),
                               pool_maxsize=pool_size, max_retries=0)
         self.session.mount("http://", adapter)

@@ -216,6 +216,7 @@ class NodePool:
         self.routing = routing
         self._clock = clock
         self._session = session or requests.Session()
+        self._session.trust_env = False   # see NodeClient
         self._views = {url: NodeView(url) for url in nodes.urls}
         self._lock = threading.Lock()
         self._refresh_lock = threading.Lock()

@@ -33,7 +33,8 @@ logconfig_dict = {       # gunicorn's own messages as JSON lines too
     "root": {"level": "WARNING", "handlers": ["stderr"]},
     "loggers": {
         "gunicorn.error": {"level": "INFO", "handlers": ["stderr"], "propagate": False},
-        "gunicorn.access": {"level": "INFO", "handlers": ["stderr"], "propagate": False},
+        # the app logs each request (with its org, model and timings); no second line from gunicorn
+        "gunicorn.access": {"level": "WARNING", "handlers": ["stderr"], "propagate": False},
     },
 }
 # gunicorn >= 27 opens a control socket at one fixed path per user; several gateways (or a

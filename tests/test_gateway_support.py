@@ -51,8 +51,8 @@ class StandInNode:
       error_after_tokens: a stream sends an error event after this many tokens
       token_delay_s: pause between streamed tokens; response_delay_s: before answering
       state: fields merged over the default /state body
-    Every generate payload is kept in `received`; streams cut by the client count in
-    `client_disconnects`.
+    Every generate payload is kept in `received` (and the connection it came on in
+    `generate_peers`); streams cut by the client count in `client_disconnects`.
     """
 
     def __init__(self, secret: str = NODE_SECRET, node_id: str = "standin-0",
@@ -69,6 +69,7 @@ class StandInNode:
         self.received: list[dict] = []
         self.client_disconnects = 0
         self.state_polls = 0
+        self.generate_peers: set = set()   # (host, port) of each connection a generate request came on
         self.stopped = False
         self._lock = threading.Lock()
         self._server: ThreadingHTTPServer | None = None
@@ -198,6 +199,7 @@ class StandInNode:
                 payload = json.loads(raw)
                 with node._lock:
                     node.received.append(payload)
+                    node.generate_peers.add(self.client_address)
                 if node.response_delay_s:
                     time.sleep(node.response_delay_s)
                 if node.busy:
