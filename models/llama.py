@@ -57,6 +57,10 @@ class LlamaModel:
             )
             for lw in weights.layers
         ]
+        # The same layer loop as one backend call, where the backend can stack the layers' weights
+        # (cpu: engine/backends/cpu_layers.py); None runs the loop below op by op.
+        self.layer_stack = backend.layer_stack(self.layers) \
+            if self.ops is backend and hasattr(backend, "layer_stack") else None
         self.final_norm = b.vector(weights.final_norm)
         self.rope_cos, self.rope_sin = b.rope_tables(cfg.max_position, cfg.head_dim, cfg.rope_theta)
         self.scale = cfg.head_dim ** -0.5
@@ -96,6 +100,20 @@ class LlamaModel:
         H, Hkv, eps = cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps
 
         b.embedding(self.embed, step.tokens, h)                                    # h = E[tokens]
+        if self.layer_stack is not None:                                           # the loop below, in one call
+            self.layer_stack.run(h, qkv, attn, gate_up, step, k_cache, v_cache, self.rope_cos, self.rope_sin,
+                                 H, Hkv, self.scale, eps)
+        else:
+            self._layers(step, h, qkv, attn, gate_up, k_cache, v_cache)
+
+        last = h[step.logits_indices]
+        logits = b.zeros((len(step.logits_indices), cfg.vocab_size))
+        b.rmsnorm_matmul(last, self.final_norm, eps, self.lm_head, logits)        # logits = rmsnorm(h) E^T (tied)
+        return logits
+
+    def _layers(self, step: StepInput, h, qkv, attn, gate_up, k_cache, v_cache) -> None:
+        b, cfg = self.ops, self.config
+        H, Hkv, eps = cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps
         for i, ly in enumerate(self.layers):
             b.rmsnorm_matmul(h, ly.attn_norm, eps, ly.qkv, qkv)                    # q|k|v = rmsnorm(h) Wqkv^T
             b.rope_attention(qkv, step.positions, self.rope_cos, self.rope_sin,    # RoPE(q, k); cache k, v;
@@ -105,11 +123,6 @@ class LlamaModel:
             b.matmul(attn, ly.o, h, accumulate=True)                               # h += attn Wo^T
             b.rmsnorm_matmul(h, ly.ffn_norm, eps, ly.gate_up, gate_up)             # gate|up = rmsnorm(h) Wgu^T
             b.silu_mul_matmul(gate_up, ly.down, h, accumulate=True)                # h += (silu(gate) * up) Wdown^T
-
-        last = h[step.logits_indices]
-        logits = b.zeros((len(step.logits_indices), cfg.vocab_size))
-        b.rmsnorm_matmul(last, self.final_norm, eps, self.lm_head, logits)        # logits = rmsnorm(h) E^T (tied)
-        return logits
 
 
 FUSED_OPS = ("rmsnorm_matmul", "rope_attention", "silu_mul_matmul")

@@ -234,13 +234,13 @@ def test_fused_ops_match_the_composed_ones(rng):
             self._b = CpuBackend()
 
         def __getattr__(self, name):
-            if name in ("rmsnorm_matmul", "rope_attention", "silu_mul_matmul"):
+            if name in ("rmsnorm_matmul", "rope_attention", "silu_mul_matmul", "layer_stack"):
                 raise AttributeError(name)
             return getattr(self._b, name)
 
     w = make_tiny_weights(seed=int(rng.integers(1 << 30)), fmt="q8_0")
     fused, plain = LlamaModel(w, CpuBackend()), LlamaModel(w, Plain())
-    assert fused.ops is fused.backend and isinstance(plain.ops, _ComposedOps)
+    assert fused.ops is fused.backend and isinstance(plain.ops, _ComposedOps) and plain.layer_stack is None
     tokens = rng.integers(0, w.config.vocab_size, 11)
     a = _forward_chunks(fused, tokens, [7, 1, 1, 2])
     b = _forward_chunks(plain, tokens, [7, 1, 1, 2])
@@ -468,3 +468,45 @@ def test_the_dangling_address_check_finds_a_freed_scratch():
         "    for i in range(n):\n"
         "        keep[i] = st_f(p, i, 1.0)\n")
     assert bad == ["f: addr(scratch) line 4"]
+
+
+# ------------------------------------------------------------------------ every layer in one call
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_layer_stack_matches_the_layer_loop_bit_for_bit(rng, fmt):
+    """run_layers (one call for every layer) runs the same kernels as the forward's layer loop: the
+    logits are identical, for prefill chunks and decodes of two sequences in one step."""
+    from models.llama import LlamaModel, StepInput
+    from tests.tiny_model import make_tiny_weights
+    w = make_tiny_weights(seed=int(rng.integers(1 << 30)), fmt=fmt)
+    model = LlamaModel(w, CpuBackend(int8_activations=True))
+    stack = model.layer_stack
+    assert stack is not None
+    # the layers read the stacked weights: one copy, not two
+    assert all(ly.qkv.parts[0].arrays[0].base is stack.arrays["qkv"][0] for ly in model.layers)
+    bs, cfg = 4, w.config
+    table = np.arange(16, dtype=np.int32).reshape(2, 8)
+    logits = {}
+    for use_stack in (True, False):
+        model.layer_stack = stack if use_stack else None
+        k, v = model.allocate_kv_cache(16, bs)
+        got = []
+        for n, start in ((9, 0), (1, 9), (1, 10)):       # sequence 0 prefill, then decodes of both
+            seqs = np.array([0] * n + [1] * n, np.int32)
+            pos = np.concatenate([np.arange(start, start + n)] * 2).astype(np.int32)
+            tokens = np.random.default_rng(start).integers(0, cfg.vocab_size, 2 * n).astype(np.int32)
+            step = StepInput(tokens, pos, seqs, table[seqs, pos // bs].astype(np.int64) * bs + pos % bs, table,
+                             np.array([n - 1, 2 * n - 1], np.int32))
+            got.append(np.array(model.forward(step, k, v)))
+        logits[use_stack] = np.concatenate(got)
+    np.testing.assert_array_equal(logits[True], logits[False])
+
+
+def test_layer_stack_only_where_the_layers_share_a_layout(rng):
+    from models.llama import LlamaModel
+    from models.weights import ModelWeights
+    from tests.tiny_model import make_tiny_weights
+    w = make_tiny_weights(seed=int(rng.integers(1 << 30)), fmt="q8_0")
+    assert LlamaModel(w, CpuBackend(int8_activations=False)).layer_stack is None   # exact float path
+    assert LlamaModel(w.converted("f16"), CpuBackend()).layer_stack is None       # float weights
+    mixed = ModelWeights(w.config, w.embed, [w.layers[0], w.converted("q4_1").layers[1]], w.final_norm, w.lm_head)
+    assert LlamaModel(mixed, CpuBackend(int8_activations=True)).layer_stack is None  # q8 then q4 in one slot

@@ -7,6 +7,7 @@ import numpy as np
 
 from engine.backends import cpu_linear as L
 from engine.backends import cpu_ops as ops
+from engine.backends.cpu_layers import LayerStack
 from engine.sampling import SampleResult, SamplingBatch, sample
 from models.quant import QuantTensor
 
@@ -183,6 +184,11 @@ class CpuBackend:
 
     def download(self, a) -> np.ndarray:
         return a
+
+    def layer_stack(self, layers) -> LayerStack | None:
+        """The layers' weights stacked for run_layers (one call per step for every layer), where their
+        layouts allow it; None otherwise (the forward then calls the ops layer by layer)."""
+        return LayerStack.of(layers)
 
     # --- ops
     def embedding(self, table: CpuLinear, tokens: np.ndarray, out: np.ndarray) -> None:

@@ -1,0 +1,95 @@
+"""Every decoder layer of a step in one kernel call, for models whose layers share one weight layout.
+
+The forward pass calls five kernels per layer (models/llama.py). From Python each call costs a few
+microseconds of interpreter and dispatch on top of the kernel's own parallel launch; a decode step of
+a 30-layer model makes 150 of them, which is a tenth of SmolLM2's batch-1 step on 2 cores. Here one
+@njit function runs the same kernels, in the same order, on the same arrays: the logits are the same
+bit for bit, and the per-call cost is the launch alone.
+
+It needs each slot (q|k|v, o, gate|up, down) to be one q4/q8 matrix of the same shape in every
+layer, multiplied on int8 activations, so that the slot's matrices stack into one array
+(`LayerStack`): a numba function takes a few arrays cheaply, not tuples of hundreds.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from engine.backends import cpu_linear as L
+from engine.backends import cpu_ops as ops
+
+
+@njit(cache=True)
+def _linear(x, qs, sc, out, n_out, accumulate, passes, kind, aux, eps):
+    if qs.shape[2] == 4:   # 4 lanes of bytes per 32-block: q4; 8: q8
+        L.matmul_q4_i8(x, qs, sc, out, 0, n_out, accumulate, passes, kind, aux, eps)
+    else:
+        L.matmul_q8_i8(x, qs, sc, out, 0, n_out, accumulate, passes, kind, aux, eps)
+
+
+@njit(cache=True)
+def run_layers(h, qkv, attn, gate_up, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables, token_seq,
+               num_heads, num_kv_heads, scale, eps, passes, rows, attn_norm, ffn_norm,
+               qkv_qs, qkv_sc, o_qs, o_sc, gu_qs, gu_sc, down_qs, down_sc, warm_a, warm_b):
+    """The layer loop of LlamaModel.forward: h (the residual stream) in and out, K/V written into the
+    caches [layer, ...]. rows: the output sizes of the four slots; *_qs, *_sc: each slot's matrices
+    stacked over the layers; warm_a, warm_b: [layer] bytes of o (rope_attention warms them)."""
+    no_aux = np.zeros(1, np.float32)
+    for i in range(attn_norm.shape[0]):
+        _linear(h, qkv_qs[i], qkv_sc[i], qkv, rows[0], False, passes, L.X_RMSNORM, attn_norm[i], eps)
+        ops.rope_attention(qkv, positions, cos, sin, k_cache[i], v_cache[i], slot_mapping, block_tables, token_seq,
+                           num_heads, num_kv_heads, scale, attn, warm_a[i], warm_b[i])
+        _linear(attn, o_qs[i], o_sc[i], h, rows[1], True, passes, L.X_PLAIN, no_aux, eps)
+        _linear(h, gu_qs[i], gu_sc[i], gate_up, rows[2], False, passes, L.X_RMSNORM, ffn_norm[i], eps)
+        _linear(gate_up, down_qs[i], down_sc[i], h, rows[3], True, passes, L.X_SILU_MUL, no_aux, eps)
+
+
+class LayerStack:
+    """The layers' matrices stacked per slot (one array each for qs and for scales, [layer, ...]);
+    each layer's CpuLinear then reads its own slice of them, so the weights are held once."""
+
+    SLOTS = ("qkv", "o", "gate_up", "down")
+
+    def __init__(self, layers):
+        n = len(layers)
+        self.passes = layers[0].qkv.passes
+        self.rows = np.array([getattr(layers[0], s).parts[0].rows for s in self.SLOTS], np.int64)
+        self.attn_norm = np.ascontiguousarray(np.stack([ly.attn_norm for ly in layers]), np.float32)
+        self.ffn_norm = np.ascontiguousarray(np.stack([ly.ffn_norm for ly in layers]), np.float32)
+        self.arrays = {}
+        for s in self.SLOTS:
+            lins = [getattr(ly, s) for ly in layers]
+            qs = np.stack([lin.parts[0].arrays[0] for lin in lins])
+            sc = np.stack([lin.parts[0].arrays[1] for lin in lins])
+            warm_a, warm_b = qs.reshape(n, -1).view(np.uint8), sc.reshape(n, -1).view(np.uint8)
+            for i, lin in enumerate(lins):   # the layers' own linears now read the stacked copy
+                lin.parts[0].arrays = (qs[i], sc[i])
+                lin.warm = (warm_a[i], warm_b[i])
+            self.arrays[s] = (qs, sc, warm_a, warm_b)
+
+    @classmethod
+    def of(cls, layers) -> "LayerStack | None":
+        """A stack of these layers (CpuLinear slots), or None where their layouts differ."""
+        if not layers:
+            return None
+        first = layers[0]
+        for s in cls.SLOTS:
+            ref = getattr(first, s)
+            for ly in layers:
+                lin = getattr(ly, s)
+                if len(lin.parts) != 1 or lin.parts[0].family not in ("q4", "q8") or not lin.int8 \
+                        or lin.passes != ref.passes or lin.parts[0].rows != ref.parts[0].rows \
+                        or any(a.shape != b.shape or a.dtype != b.dtype
+                               for a, b in zip(lin.parts[0].arrays, ref.parts[0].arrays)):
+                    return None
+        return cls(layers)
+
+    def run(self, h, qkv, attn, gate_up, step, k_cache, v_cache, cos, sin, num_heads, num_kv_heads, scale, eps):
+        a = self.arrays
+        run_layers(h, qkv, attn, gate_up, step.positions, cos, sin, k_cache, v_cache, step.slot_mapping,
+                   step.block_tables, step.token_seq, num_heads, num_kv_heads, np.float32(scale), float(eps),
+                   self.passes, self.rows, self.attn_norm, self.ffn_norm, a["qkv"][0], a["qkv"][1], a["o"][0],
+                   a["o"][1], a["gate_up"][0], a["gate_up"][1], a["down"][0], a["down"][1], a["o"][2], a["o"][3])
+
+
+L.flush_stale_caches(globals(), "cpu_layers", L.__file__, ops.__file__)
