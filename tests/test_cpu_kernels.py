@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -510,3 +511,31 @@ def test_layer_stack_only_where_the_layers_share_a_layout(rng):
     assert LlamaModel(w.converted("f16"), CpuBackend()).layer_stack is None       # float weights
     mixed = ModelWeights(w.config, w.embed, [w.layers[0], w.converted("q4_1").layers[1]], w.final_norm, w.lm_head)
     assert LlamaModel(mixed, CpuBackend(int8_activations=True)).layer_stack is None  # q8 then q4 in one slot
+
+
+def test_layer_stack_runs_from_numba_cache_in_a_new_process(tmp_path):
+    """run_layers calls parallel kernels; a cached caller of parallel kernels used to segfault when a
+    later process loaded it from numba's cache. Two fresh processes: the second surely loads it."""
+    import subprocess
+    import sys
+    script = tmp_path / "stack.py"
+    script.write_text(
+        "import numpy as np\n"
+        "from engine.backends.cpu import CpuBackend\n"
+        "from models.llama import LlamaModel, StepInput\n"
+        "from tests.tiny_model import make_tiny_weights\n"
+        "m = LlamaModel(make_tiny_weights(seed=5, fmt='q8_0'), CpuBackend(int8_activations=True))\n"
+        "assert m.layer_stack is not None\n"
+        "k, v = m.allocate_kv_cache(4, 4)\n"
+        "pos = np.arange(3, dtype=np.int32)\n"
+        "step = StepInput(np.array([5, 6, 7], np.int32), pos, np.zeros(3, np.int32), pos.astype(np.int64),\n"
+        "                 np.arange(4, dtype=np.int32)[None, :], np.array([2], np.int32))\n"
+        "print(float(np.asarray(m.forward(step, k, v)).sum()))\n")
+    root = str(Path(__file__).resolve().parents[1])
+    outs = []
+    for _ in range(2):
+        r = subprocess.run([sys.executable, str(script)], cwd=root, capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "PYTHONPATH": root})
+        assert r.returncode == 0, f"exit {r.returncode}: {r.stderr[-2000:]}"
+        outs.append(r.stdout.strip())
+    assert outs[0] == outs[1] and outs[0]

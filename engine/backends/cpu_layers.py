@@ -12,14 +12,25 @@ layer, multiplied on int8 activations, so that the slot's matrices stack into on
 """
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 from numba import njit
+from numba.core.errors import NumbaPerformanceWarning
 
 from engine.backends import cpu_linear as L
 from engine.backends import cpu_ops as ops
 
 
-@njit(cache=True)
+# parallel=True below although these functions have no parallel loop of their own: they call parallel
+# kernels, and a cached non-parallel caller of parallel kernels segfaults when it is loaded from numba's
+# cache (numba issues #4807, #8578); as parallel functions they load fine. numba warns that it found
+# nothing to parallelize; that is expected here.
+warnings.filterwarnings("ignore", message=r"(?s).*'parallel=True' was specified but no transformation.*cpu_layers\.py",
+                        category=NumbaPerformanceWarning)
+
+
+@njit(cache=True, parallel=True)
 def _linear(x, qs, sc, out, n_out, accumulate, passes, kind, aux, eps):
     if qs.shape[2] == 4:   # 4 lanes of bytes per 32-block: q4; 8: q8
         L.matmul_q4_i8(x, qs, sc, out, 0, n_out, accumulate, passes, kind, aux, eps)
@@ -27,14 +38,14 @@ def _linear(x, qs, sc, out, n_out, accumulate, passes, kind, aux, eps):
         L.matmul_q8_i8(x, qs, sc, out, 0, n_out, accumulate, passes, kind, aux, eps)
 
 
-@njit(cache=True)
+@njit(cache=True, parallel=True)
 def run_layers(h, qkv, attn, gate_up, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables, token_seq,
                num_heads, num_kv_heads, scale, eps, passes, rows, attn_norm, ffn_norm,
                qkv_qs, qkv_sc, o_qs, o_sc, gu_qs, gu_sc, down_qs, down_sc, warm_a, warm_b):
     """The layer loop of LlamaModel.forward: h (the residual stream) in and out, K/V written into the
     caches [layer, ...]. rows: the output sizes of the four slots; *_qs, *_sc: each slot's matrices
     stacked over the layers; warm_a, warm_b: [layer] bytes of o (rope_attention warms them)."""
-    no_aux = np.zeros(1, np.float32)
+    no_aux = attn_norm[0, :1]   # the aux argument of a product without a fused transform (unused)
     for i in range(attn_norm.shape[0]):
         _linear(h, qkv_qs[i], qkv_sc[i], qkv, rows[0], False, passes, L.X_RMSNORM, attn_norm[i], eps)
         ops.rope_attention(qkv, positions, cos, sin, k_cache[i], v_cache[i], slot_mapping, block_tables, token_seq,
