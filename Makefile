@@ -70,7 +70,10 @@ bench-engine: install model
 	$(VPY) benchmarks/bench_engine.py
 	$(VPY) benchmarks/bench_batching.py
 
+# First the peers' workload (short prompts, 64 output tokens: how llama.cpp's server was measured),
+# then the shipped prompt mix (a quarter long prompts, 32-128 output tokens).
 bench: install model
+	$(VPY) benchmarks/bench_serving.py --start --lengths short --max-tokens 64 --output bench-results/serving-short-64.json
 	$(VPY) benchmarks/bench_serving.py --start
 
 token: install

@@ -466,7 +466,9 @@ def start_stack(args, out_dir: Path) -> tuple[list[Service], str, str, str]:
         node = Service("engine node", [sys.executable, "-m", "engine", "serve", "--host", "127.0.0.1",
                                        "--port", str(node_port), "--models", str(model_path),
                                        "--kv-cache-bytes", args.kv_cache_bytes, "--threads", str(args.node_threads),
-                                       "--max-num-seqs", str(args.max_num_seqs), "--log-level", "warning"],
+                                       "--max-num-seqs", str(args.max_num_seqs),
+                                       "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                                       "--log-level", "warning"],
                        env, out_dir / "node.log")
         services.append(node)
         log(f"starting engine node on {node_url} ({model_path.name}) ...")
@@ -614,6 +616,8 @@ def build_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--kv-cache-bytes", default="1GiB", help="KV cache of the node --start starts")
     ap.add_argument("--node-threads", type=int, default=96)
     ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=256,
+                    help="tokens per engine step of the node --start starts (prefill chunk + decodes)")
     ap.add_argument("--gateway-threads", type=int, default=64)
     ap.add_argument("--gateway-workers", type=int, default=None)
     ap.add_argument("--quick", action="store_true", help="a small run (few requests), about a minute")

@@ -5,6 +5,8 @@ import argparse
 import sys
 import time
 
+from engine.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
+
 
 def _generate(args) -> int:
     from engine.llm import LLM
@@ -95,7 +97,7 @@ def main(argv=None) -> int:
     s.add_argument("--preload", nargs="*", default=None, metavar="ID",
                    help="model ids to load at start (default: the listed models, in order, while they fit)")
     s.add_argument("--max-num-seqs", type=int, default=64)
-    s.add_argument("--max-num-batched-tokens", type=int, default=512)
+    s.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
     s.add_argument("--max-model-len", type=int, default=None)
     s.add_argument("--block-size", type=int, default=16)
     s.add_argument("--load-wait", type=float, default=120.0, metavar="SECONDS",

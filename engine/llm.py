@@ -8,7 +8,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine, SequenceDelta
 from engine.request import InferenceRequest, LatencyClass
 from engine.sampling import SamplingParams
-from engine.scheduler import SchedulerConfig
+from engine.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, SchedulerConfig
 from engine.sequence import TokenLogprob
 
 
@@ -38,7 +38,7 @@ class LLM:
 
     def __init__(self, model: str, quantization: str | None = None, backend: str = "auto",
                  kv_cache_bytes: int = 1 << 30, max_model_len: int | None = None,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512, block_size: int = 16,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, block_size: int = 16,
                  enable_prefix_caching: bool = True):
         self.engine = Engine(EngineConfig(
             model=model, quantization=quantization, backend=backend, kv_cache_bytes=kv_cache_bytes,

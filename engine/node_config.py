@@ -8,6 +8,8 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
+
 log = logging.getLogger("engine.node")
 
 DEV_NODE_SECRET = "zen-development-node-secret"   # the gateway's shipped default ([nodes] secret)
@@ -59,7 +61,7 @@ class NodeConfig:
     backend: str = "auto"
     block_size: int = 16
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int | None = None
     preload: list[str] | None = None           # ids loaded at start; None: the listed models, in order, while they fit
     load_wait_s: float = 120.0                 # how long a request waits for a cold load before a 503
