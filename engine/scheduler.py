@@ -85,12 +85,16 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
 
         # Running sequences: decodes before prefill chunks, each group in priority order, so a long
-        # prompt never starves the streams in progress.
+        # prompt never starves the streams in progress. While requests wait that could start, a
+        # prompt's chunk takes at most half the budget: a short prompt behind a long one starts at
+        # the next step, not after the whole long prefill.
         self.running.sort(key=lambda s: (s.num_tokens - s.num_computed_tokens > 1, self.priority(s, now)))
+        can_start = self.waiting and len(self.running) < self.config.max_num_seqs
+        chunk = max(1, budget // 2) if can_start else budget
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget, chunk)
             while not self.kv.allocate_slots(seq, n):
                 victim = self._lowest_priority_running(now, exclude=[s for s, _ in out.scheduled])
                 self._preempt(victim, out)

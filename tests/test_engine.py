@@ -124,6 +124,25 @@ def test_realtime_first_token_before_earlier_batch_requests(tiny_gguf):
     assert max(first[f"r{i}"] for i in range(2)) < min(first[f"b{i}"] for i in range(6))
 
 
+def test_a_short_prompt_starts_before_a_long_prefill_ends(tiny_gguf):
+    """Chunked prefill shares the step: a short prompt arriving while a long one is being prefilled
+    gets its first token within a step or two, not after the long prompt's whole prefill."""
+    eng = make_engine(tiny_gguf, num_blocks=64, max_batched=16)
+    eng.add_request(req("long", prompt(70, 120), max_tokens=2))
+    first_token = {}
+    steps = 0
+    while eng.has_unfinished():
+        if steps == 1:
+            eng.add_request(req("short", prompt(71, 4), max_tokens=2))
+        steps += 1
+        for d in eng.step():
+            if d.token_ids:
+                first_token.setdefault(d.request_id, steps)
+    assert first_token["short"] <= 3, first_token          # ~8 steps of 16 tokens for the long prompt
+    assert first_token["short"] < first_token["long"], first_token
+    eng.pool.check_invariants([])
+
+
 def test_batch_work_is_not_starved(tiny_gguf):
     eng = make_engine(tiny_gguf, max_num_seqs=1, max_batched=16, starvation_s=0.05)
     eng.add_request(req("batch", prompt(30, 8), LatencyClass.BATCH, max_tokens=2))
