@@ -85,16 +85,19 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
 
         # Running sequences: decodes before prefill chunks, each group in priority order, so a long
-        # prompt never starves the streams in progress. While requests wait that could start, a
-        # prompt's chunk takes at most half the budget: a short prompt behind a long one starts at
-        # the next step, not after the whole long prefill.
+        # prompt never starves the streams in progress. While requests wait that could start, the
+        # prompts already running take at most half the budget together: a short prompt behind long
+        # ones starts at the next step, not after their whole prefill.
         self.running.sort(key=lambda s: (s.num_tokens - s.num_computed_tokens > 1, self.priority(s, now)))
         can_start = self.waiting and len(self.running) < self.config.max_num_seqs
-        chunk = max(1, budget // 2) if can_start else budget
+        prefill_room = max(1, budget // 2) if can_start else budget
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget, chunk)
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            n = min(remaining, budget) if remaining == 1 else min(remaining, budget, prefill_room)
+            if n == 0:
+                break   # decodes come first, so only prompts are left: they continue next step
             while not self.kv.allocate_slots(seq, n):
                 victim = self._lowest_priority_running(now, exclude=[s for s, _ in out.scheduled])
                 self._preempt(victim, out)
@@ -103,6 +106,8 @@ class Scheduler:
             else:
                 out.scheduled.append((seq, n))
                 budget -= n
+                if remaining > 1:
+                    prefill_room -= n
                 i += 1
                 continue
             # seq itself was preempted; the list shifted under i

@@ -127,8 +127,9 @@ def test_realtime_first_token_before_earlier_batch_requests(tiny_gguf):
 def test_a_short_prompt_starts_before_a_long_prefill_ends(tiny_gguf):
     """Chunked prefill shares the step: a short prompt arriving while a long one is being prefilled
     gets its first token within a step or two, not after the long prompt's whole prefill."""
-    eng = make_engine(tiny_gguf, num_blocks=64, max_batched=16)
+    eng = make_engine(tiny_gguf, num_blocks=96, max_batched=16)
     eng.add_request(req("long", prompt(70, 120), max_tokens=2))
+    eng.add_request(req("long2", prompt(72, 120), max_tokens=2))   # two long prompts share the half
     first_token = {}
     steps = 0
     while eng.has_unfinished():
@@ -138,8 +139,8 @@ def test_a_short_prompt_starts_before_a_long_prefill_ends(tiny_gguf):
         for d in eng.step():
             if d.token_ids:
                 first_token.setdefault(d.request_id, steps)
-    assert first_token["short"] <= 3, first_token          # ~8 steps of 16 tokens for the long prompt
-    assert first_token["short"] < first_token["long"], first_token
+    assert first_token["short"] <= 3, first_token          # ~15 steps of 16 tokens for the long prompts
+    assert first_token["short"] < min(first_token["long"], first_token["long2"]), first_token
     eng.pool.check_invariants([])
 
 
