@@ -63,6 +63,24 @@ def rope_store_kv(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_
                 v_cache[blk, off, h, i] = row[q_size + kv_size + h * dh + i]
 
 
+@njit(cache=True, nogil=True, fastmath=True, inline="always")
+def _softmax_numerators(sp, so, n, n16):
+    """The n scores at sp[so:] -> exp(score - max), in place, with the row padded to n16 (a multiple of
+    16) by scores of -1e30 (numerators of 0); returns 1 / their sum."""
+    for j in range(n, n16):
+        st_f(sp, so + U(j), F(-1e30))
+    mx = vload_f(sp, so)
+    for j in range(16, n16, 16):
+        mx = vmax(mx, vload_f(sp, so + U(j)))
+    m = vbcast_f(vhmax(mx))
+    tot = vzero_f()
+    for j in range(0, n16, 16):
+        e = vexp(vsub(vload_f(sp, so + U(j)), m))
+        vstore_f(sp, so + U(j), e)
+        tot = vadd(tot, e)
+    return F(1.0) / vsum(tot)
+
+
 @njit(cache=True, nogil=True, fastmath=True)
 def _attend_items(c, stride, qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads,
                   scale, out, scores, o):
@@ -95,22 +113,11 @@ def _attend_items(c, stride, qkv, k_cache, v_cache, block_tables, positions, tok
                     for v in range(U(1), nv):
                         acc = vfma(vload_f(qp, qo + U(16) * v), vload_f(kp, ko + U(16) * v), acc)
                     st_f(sp, gi * U(sld) + j, vsum(acc) * scale)
-        # softmax numerators (scores padded to a multiple of 16 with -1e30), 1 / sum kept at index n
+        # softmax numerators, 1 / sum kept at index n
         n16 = (n + 15) // 16 * 16
         for gi in range(U(group)):
             so = gi * U(sld)
-            for j in range(n, n16):
-                st_f(sp, so + U(j), F(-1e30))
-            mx = vload_f(sp, so)
-            for j in range(16, n16, 16):
-                mx = vmax(mx, vload_f(sp, so + U(j)))
-            m = vbcast_f(vhmax(mx))
-            tot = vzero_f()
-            for j in range(0, n16, 16):
-                e = vexp(vsub(vload_f(sp, so + U(j)), m))
-                vstore_f(sp, so + U(j), e)
-                tot = vadd(tot, e)
-            st_f(sp, so + U(n), F(1.0) / vsum(tot))
+            st_f(sp, so + U(n), _softmax_numerators(sp, so, n, n16))
             for v in range(nv):
                 vstore_f(opp, gi * U(dh) + U(16) * v, vzero_f())
         # o = p @ V
@@ -196,18 +203,7 @@ def _attend_items64(c, stride, qkv, k_cache, v_cache, block_tables, positions, t
             so = gi * U(sld)
             for j0 in range(0, n16, 16):
                 vstore_f(sp, so + U(j0), vmul(_scores16(qp, qo, kp, kop, U(j0), nc), vscale))
-            for j in range(n, n16):
-                st_f(sp, so + U(j), F(-1e30))
-            mx = vload_f(sp, so)
-            for j in range(16, n16, 16):
-                mx = vmax(mx, vload_f(sp, so + U(j)))
-            m = vbcast_f(vhmax(mx))
-            tot = vzero_f()
-            for j in range(0, n16, 16):
-                e = vexp(vsub(vload_f(sp, so + U(j)), m))
-                vstore_f(sp, so + U(j), e)
-                tot = vadd(tot, e)
-            inv = vbcast_f(F(1.0) / vsum(tot))
+            inv = vbcast_f(_softmax_numerators(sp, so, n, n16))
             for ch in range(nc):
                 co = U(64) * ch
                 o0 = vzero_f()
