@@ -68,7 +68,9 @@ class NodeStream:
         [DONE] line and the end of the chunked body), which gives its connection back to the pool
         for the next request; one closed early drops the connection, and the node aborts the sequence."""
         try:
-            if self.finished and self._lines is not None:
+            sock = getattr(getattr(self.response.raw, "connection", None), "sock", None)
+            if self.finished and self._lines is not None and sock is not None:
+                sock.settimeout(_TRAILER_TIMEOUT_S)   # urllib3 sets its own again when it reuses it
                 for _ in zip(range(_TRAILER_LINES), self._lines):
                     pass
             self.response.close()
@@ -79,7 +81,10 @@ class NodeStream:
                 pass
 
 
-_TRAILER_LINES = 8   # what may follow the done event: blank lines and [DONE]; a node sending more is cut off
+# What may follow the done event: blank lines and [DONE], at once. A node that sends more, or
+# stalls, loses the connection instead of holding up the request's bookkeeping.
+_TRAILER_LINES = 8
+_TRAILER_TIMEOUT_S = 0.5
 
 
 PING = {"type": "ping"}

@@ -111,6 +111,12 @@ class Engine:
                                         self.runner.k_cache, self.runner.v_cache)
             b.sample(logits, SamplingBatch.build([RowSpec(SamplingParams(temperature=0.0), seed=0, step=0)]))
 
+    def release(self) -> None:
+        """Drop the weights and the KV cache, once nothing steps this engine any more: their memory
+        goes now, whatever else still refers to the engine object."""
+        self.runner.k_cache = self.runner.v_cache = None
+        self.runner.model = self.model = None
+
     # ------------------------------------------------------------------------------------ requests
     def validate(self, request: InferenceRequest) -> None:
         n = len(request.prompt_token_ids)

@@ -93,10 +93,12 @@ class EngineLoop:
         self._cmds.append(("abort", request_id, None))
         self._wake.set()
 
-    def stop(self, timeout: float = 5.0) -> None:
+    def stop(self, timeout: float = 5.0) -> bool:
+        """Stop the loop thread; whether it has ended (it finishes the step in progress first)."""
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     @property
     def num_streams(self) -> int:

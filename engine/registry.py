@@ -425,11 +425,14 @@ class ModelRegistry:
     def _stop(self, m: ResidentModel, why: str) -> None:
         log.info("model evicted", extra={"event": "model_evicted", "model": m.id, "quantization": m.quantization,
                                          "reason": why, "bytes": m.bytes})
-        m.loop.stop()
+        stopped = m.loop.stop()
         if self.on_evicted is not None:
             self.on_evicted(m)
-        # The model's objects were frozen with the rest (see _load); their cycles (loop <-> listeners)
-        # hold the weights and KV arrays until a collection that sees them.
+        # The model's objects are frozen with the rest (see _load) and its callers may still hold it:
+        # the weights and the KV cache are let go of explicitly, so their memory is back now.
+        m.loop.step_listeners.clear()   # the node's listeners refer back to m
+        if stopped:
+            m.engine.release()
         gc.unfreeze()
         gc.collect()
         gc.freeze()

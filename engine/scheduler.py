@@ -89,8 +89,7 @@ class Scheduler:
         # prompts already running take at most half the budget together: a short prompt behind long
         # ones starts at the next step, not after their whole prefill.
         self.running.sort(key=lambda s: (s.num_tokens - s.num_computed_tokens > 1, self.priority(s, now)))
-        can_start = self.waiting and len(self.running) < self.config.max_num_seqs
-        prefill_room = max(1, budget // 2) if can_start else budget
+        prefill_room = max(1, budget // 2) if self._others_could_start(now) else budget
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -145,6 +144,23 @@ class Scheduler:
         return out
 
     # ---- helpers
+    def _others_could_start(self, now: float) -> bool:
+        """Whether a waiting request could start this step beside the running prompts: a batch slot
+        is free and one waits that is not held back (an n > 1 sibling waiting for its leader's
+        prompt) and ranks at least as high as the best running prompt."""
+        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
+            return False
+        prompts = [self.priority(s, now)[0] for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        if not prompts:
+            return False
+        best = min(prompts)
+        for seq in self.waiting:
+            leader = seq.prefill_leader
+            held = leader is not None and not leader.is_finished and not leader.is_prefilled
+            if not held and self.priority(seq, now)[0] <= best:
+                return True
+        return False
+
     def _expire_waiting(self, now: float, out: SchedulerOutput) -> None:
         for seq in list(self.waiting):
             timeout = seq.request.queue_timeout_s

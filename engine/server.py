@@ -48,9 +48,9 @@ POLL_S = 0.2                               # how often a waiting request thread 
 HEARTBEAT_S = 1.0                          # a stream without tokens this long sends an SSE comment
 MAX_BODY_BYTES = 16 << 20
 # How long a thread running Python may keep the GIL while another waits (CPython's default: 5 ms). An
-# engine step takes and gives back the GIL around each of its kernel calls; behind a busy thread (a
-# cold load, request parsing) every hand-back could cost a full interval, which stretched steps of
-# 1-5 ms into tens of milliseconds.
+# engine step takes and gives back the GIL several times (its Python parts, kernels that release it);
+# behind a busy thread (a cold load, request parsing) every hand-back could cost a full interval,
+# which stretched steps of 1-5 ms into tens of milliseconds.
 GIL_SWITCH_INTERVAL_S = 0.0005
 SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__)
 _STANDARD_LOG_ATTRS = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}

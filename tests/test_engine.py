@@ -144,6 +144,52 @@ def test_a_short_prompt_starts_before_a_long_prefill_ends(tiny_gguf):
     eng.pool.check_invariants([])
 
 
+def _prefill_chunks(requests, steps=4, budget=256):
+    """The scheduler alone (no model): the tokens each sequence gets at each step."""
+    from engine.kv_cache import BlockPool, KVCacheManager
+    from engine.scheduler import Scheduler
+    from engine.sequence import Sequence
+    kv = KVCacheManager(BlockPool(1000), 16, "m")
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget), kv)
+    arrivals = {}   # step -> the sequences that arrive then
+    for r, start_step in requests:
+        leader = None
+        for i in range(r.sampling.n):
+            seq = Sequence(len(arrivals.get(start_step, [])) + 100 * start_step, r, i, 0)
+            seq.prefill_leader = leader
+            leader = leader or seq
+            arrivals.setdefault(start_step, []).append(seq)
+    out = []
+    for step in range(steps):
+        for seq in arrivals.get(step, []):
+            sched.add(seq)
+        scheduled = sched.schedule(now=0.0).scheduled
+        out.append({seq.request.request_id + f"/{seq.index}": n for seq, n in scheduled})
+        for seq, n in scheduled:
+            seq.num_computed_tokens += n
+            kv.cache_computed_blocks(seq)
+            if seq.num_computed_tokens >= seq.num_tokens:
+                seq.append_token(5)
+    return out
+
+
+def test_prompts_keep_the_whole_budget_when_nothing_else_could_start():
+    """The half-budget bound on running prompts applies only while another request could start now:
+    not for an n > 1 sibling waiting for its leader's prompt, nor for a lower-priority request."""
+    n2 = InferenceRequest("n2", "m", list(range(1, 1001)), SamplingParams(n=2), LatencyClass.STANDARD)
+    steps = _prefill_chunks([(n2, 0)])
+    assert [s.get("n2/0") for s in steps] == [256, 256, 256, 232], steps
+    def rt():
+        return InferenceRequest("rt", "m", list(range(1, 1001)), SamplingParams(), LatencyClass.REALTIME)
+
+    batch = InferenceRequest("b", "m", list(range(2001, 2030)), SamplingParams(), LatencyClass.BATCH)
+    steps = _prefill_chunks([(rt(), 0), (batch, 1)], steps=2)
+    assert steps[1] == {"rt/0": 256}, steps                     # the batch request waits a step
+    other = InferenceRequest("o", "m", list(range(2001, 2030)), SamplingParams(), LatencyClass.REALTIME)
+    steps = _prefill_chunks([(rt(), 0), (other, 1)], steps=2)
+    assert steps[1] == {"rt/0": 128, "o/0": 29}, steps          # an equal-priority one starts at once
+
+
 def test_batch_work_is_not_starved(tiny_gguf):
     eng = make_engine(tiny_gguf, max_num_seqs=1, max_batched=16, starvation_s=0.05)
     eng.add_request(req("batch", prompt(30, 8), LatencyClass.BATCH, max_tokens=2))

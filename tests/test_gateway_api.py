@@ -202,6 +202,18 @@ def test_finished_node_streams_give_their_connection_back(client, auth, node):
     assert len(node.generate_peers) == 1, node.generate_peers
 
 
+def test_a_node_stalling_after_done_does_not_hold_the_request(client, auth, node):
+    """The read of a finished stream's last bytes is bounded: a node that stalls after its done
+    event costs the connection, not the request's time (its usage is settled at once)."""
+    node.trailer_delay_s = 3.0
+    for stream in (True, False):
+        t0 = time.monotonic()
+        with client.post(CHAT, headers=auth, json=chat_body(stream=stream, max_tokens=3)) as r:
+            assert r.status_code == 200
+            r.get_data()
+        assert time.monotonic() - t0 < 1.5, f"stream={stream}: {time.monotonic() - t0:.2f} s"
+
+
 def test_client_disconnect_closes_the_node_stream(client, auth, node):
     node.token_delay_s = 0.05
     r = client.post(CHAT, headers=auth, json=chat_body(stream=True, max_tokens=200,

@@ -49,7 +49,8 @@ class StandInNode:
       busy: answer 503 (queue full) with Retry-After
       fail_after_tokens: a stream breaks (connection dropped) after this many tokens
       error_after_tokens: a stream sends an error event after this many tokens
-      token_delay_s: pause between streamed tokens; response_delay_s: before answering
+      token_delay_s: pause between streamed tokens; response_delay_s: before answering;
+      trailer_delay_s: pause between the done event and the end of the stream
       state: fields merged over the default /state body
     Every generate payload is kept in `received` (and the connection it came on in
     `generate_peers`); streams cut by the client count in `client_disconnects`.
@@ -65,6 +66,7 @@ class StandInNode:
         self.error_after_tokens: int | None = None
         self.token_delay_s = 0.0
         self.response_delay_s = 0.0
+        self.trailer_delay_s = 0.0   # between the done event and the end of the body
         self.state: dict[str, Any] = {}
         self.received: list[dict] = []
         self.client_disconnects = 0
@@ -271,6 +273,8 @@ class StandInNode:
                     self._event({"type": "done", "choices": [
                         {"index": i, "finish_reason": fin} for i, (_, fin) in enumerate(choices)],
                         "usage": usage, "timings": timings})
+                    if node.trailer_delay_s:
+                        time.sleep(node.trailer_delay_s)
                     self._chunk(b"")
                 except (BrokenPipeError, ConnectionResetError):
                     with node._lock:

@@ -109,6 +109,36 @@ def test_inspect_model_estimates(tmp_path):
     assert inspect_model(path).version == info.version
 
 
+def test_an_evicted_model_gives_its_memory_back_at_once(tiny_models):
+    """Eviction frees the weights and the KV cache right away, although the heap is frozen out of the
+    GC and the node's listeners make a reference cycle with the resident model."""
+    import gc
+    import weakref
+
+    from engine.config import EngineConfig
+    from engine.registry import ModelRegistry
+
+    def engine_config(spec, quantization):
+        return EngineConfig(model=spec.path, model_id=spec.id, quantization=quantization, backend="cpu",
+                            kv_cache_bytes=4 << 20)
+
+    def on_loaded(m):   # as the node does: a listener that refers back to the model
+        m.loop.step_listeners.append(lambda *args, _m=m: None)
+
+    reg = ModelRegistry([ModelSpec(tiny_models["a"], "tiny-a"), ModelSpec(tiny_models["b"], "tiny-b")],
+                        ONE_MODEL_BUDGET, engine_config, on_loaded=on_loaded)
+    try:
+        a = reg.load("tiny-a", None, 120)
+        refs = [weakref.ref(a.engine.runner.k_cache), weakref.ref(a.engine.model)]
+        reg.load("tiny-b", None, 120)              # evicts tiny-a
+        assert [m.id for m in reg.resident()] == ["tiny-b"]
+        assert all(r() is None for r in refs), "the evicted model's KV cache or weights are still alive"
+        assert a.loop.failed is None
+    finally:
+        reg.close()
+        gc.unfreeze()
+
+
 def test_health_503_until_startup_models_load(tiny_models):
     from engine.server import create_app
     app = create_app(NodeConfig(models=[ModelSpec(tiny_models["a"], "tiny-a")], backend="cpu",

@@ -188,6 +188,8 @@ class CpuBackend:
     def layer_stack(self, layers) -> LayerStack | None:
         """The layers' weights stacked for run_layers (one call per step for every layer), where their
         layouts allow it; None otherwise (the forward then calls the ops layer by layer)."""
+        if any(getattr(ly, s).blas_min_rows != BLAS_MIN_ROWS for ly in layers for s in LayerStack.SLOTS):
+            return None   # a matrix sent to numpy's BLAS for large batches: the op-by-op path does that
         return LayerStack.of(layers)
 
     # --- ops

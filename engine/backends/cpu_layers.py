@@ -7,7 +7,8 @@ a 30-layer model makes 150 of them, which is a tenth of SmolLM2's batch-1 step o
 bit for bit, and the per-call cost is the launch alone.
 
 It needs each slot (q|k|v, o, gate|up, down) to be one q4/q8 matrix of the same shape in every
-layer, multiplied on int8 activations, so that the slot's matrices stack into one array
+layer, multiplied on int8 activations (the same number of passes everywhere), so that the slot's
+matrices stack into one array
 (`LayerStack`): a numba function takes a few arrays cheaply, not tuples of hundreds.
 """
 from __future__ import annotations
@@ -30,7 +31,7 @@ warnings.filterwarnings("ignore", message=r"(?s).*'parallel=True' was specified 
                         category=NumbaPerformanceWarning)
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, nogil=True)
 def _linear(x, qs, sc, out, n_out, accumulate, passes, kind, aux, eps):
     if qs.shape[2] == 4:   # 4 lanes of bytes per 32-block: q4; 8: q8
         L.matmul_q4_i8(x, qs, sc, out, 0, n_out, accumulate, passes, kind, aux, eps)
@@ -38,13 +39,15 @@ def _linear(x, qs, sc, out, n_out, accumulate, passes, kind, aux, eps):
         L.matmul_q8_i8(x, qs, sc, out, 0, n_out, accumulate, passes, kind, aux, eps)
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, nogil=True)
 def run_layers(h, qkv, attn, gate_up, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables, token_seq,
                num_heads, num_kv_heads, scale, eps, passes, rows, attn_norm, ffn_norm,
                qkv_qs, qkv_sc, o_qs, o_sc, gu_qs, gu_sc, down_qs, down_sc, warm_a, warm_b):
     """The layer loop of LlamaModel.forward: h (the residual stream) in and out, K/V written into the
     caches [layer, ...]. rows: the output sizes of the four slots; *_qs, *_sc: each slot's matrices
-    stacked over the layers; warm_a, warm_b: [layer] bytes of o (rope_attention warms them)."""
+    stacked over the layers; warm_a, warm_b: [layer] bytes of o (rope_attention warms them).
+    It runs without the GIL: a step can take a quarter of a second, and the node's HTTP threads and
+    other models' loops go on meanwhile."""
     no_aux = attn_norm[0, :1]   # the aux argument of a product without a fused transform (unused)
     for i in range(attn_norm.shape[0]):
         _linear(h, qkv_qs[i], qkv_sc[i], qkv, rows[0], False, passes, L.X_RMSNORM, attn_norm[i], eps)
@@ -89,7 +92,7 @@ class LayerStack:
             for ly in layers:
                 lin = getattr(ly, s)
                 if len(lin.parts) != 1 or lin.parts[0].family not in ("q4", "q8") or not lin.int8 \
-                        or lin.passes != ref.passes or lin.parts[0].rows != ref.parts[0].rows \
+                        or lin.passes != first.qkv.passes or lin.parts[0].rows != ref.parts[0].rows \
                         or any(a.shape != b.shape or a.dtype != b.dtype
                                for a, b in zip(lin.parts[0].arrays, ref.parts[0].arrays)):
                     return None
