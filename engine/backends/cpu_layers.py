@@ -31,7 +31,7 @@ warnings.filterwarnings("ignore", message=r"(?s).*'parallel=True' was specified 
                         category=NumbaPerformanceWarning)
 
 
-@njit(cache=True, parallel=True, nogil=True)
+@njit(cache=True, parallel=True)
 def _linear(x, qs, sc, out, n_out, accumulate, passes, kind, aux, eps):
     if qs.shape[2] == 4:   # 4 lanes of bytes per 32-block: q4; 8: q8
         L.matmul_q4_i8(x, qs, sc, out, 0, n_out, accumulate, passes, kind, aux, eps)
@@ -39,15 +39,16 @@ def _linear(x, qs, sc, out, n_out, accumulate, passes, kind, aux, eps):
         L.matmul_q8_i8(x, qs, sc, out, 0, n_out, accumulate, passes, kind, aux, eps)
 
 
-@njit(cache=True, parallel=True, nogil=True)
+@njit(cache=True, parallel=True)
 def run_layers(h, qkv, attn, gate_up, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables, token_seq,
                num_heads, num_kv_heads, scale, eps, passes, rows, attn_norm, ffn_norm,
                qkv_qs, qkv_sc, o_qs, o_sc, gu_qs, gu_sc, down_qs, down_sc, warm_a, warm_b):
     """The layer loop of LlamaModel.forward: h (the residual stream) in and out, K/V written into the
     caches [layer, ...]. rows: the output sizes of the four slots; *_qs, *_sc: each slot's matrices
     stacked over the layers; warm_a, warm_b: [layer] bytes of o (rope_attention warms them).
-    It runs without the GIL: a step can take a quarter of a second, and the node's HTTP threads and
-    other models' loops go on meanwhile."""
+    It keeps the GIL for the step: released, the node's other Python threads (token streams, request
+    parsing) ran during the step and took the two cores from the kernels' threads (bench_batching at
+    16 sequences: 600 tok/s instead of 710); they run between steps instead."""
     no_aux = attn_norm[0, :1]   # the aux argument of a product without a fused transform (unused)
     for i in range(attn_norm.shape[0]):
         _linear(h, qkv_qs[i], qkv_sc[i], qkv, rows[0], False, passes, L.X_RMSNORM, attn_norm[i], eps)
