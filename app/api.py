@@ -217,25 +217,23 @@ def _answer_stream(req: InferenceRequest, kind: str, outcome: NodeStream, reserv
     log_fields = {"event": "request", "method": request.method, "path": request.path,
                   "request_id": req.request_id, "org": req.org, **g.log_fields}
 
-    result = {"status": 200, "usage": None, "completion_tokens": 0}
+    result = {"status": 200, "usage": None, "completion_tokens": 0}   # what finish() reports
 
     def generate():
         last_token_at = None
-        completion_tokens = 0
         try:
             yield from writer.start()
             for event in outcome.events():
                 kind_ = event.get("type")
                 if kind_ == "token":
                     now = time.perf_counter()
-                    if completion_tokens == 0:
+                    if result["completion_tokens"] == 0:
                         metrics.latency(m.alias, req.latency_class.value, ttft_s=now - started)
                     elif event.get("index", 0) == 0 and last_token_at is not None:
                         metrics.latency(m.alias, req.latency_class.value, itl_s=now - last_token_at)
                     if event.get("index", 0) == 0:
                         last_token_at = now
-                    completion_tokens += 1
-                    result["completion_tokens"] = completion_tokens
+                    result["completion_tokens"] += 1
                     yield writer.token(event)
                 elif kind_ == "done":
                     result["usage"] = usage_of(event.get("usage"))

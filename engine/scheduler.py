@@ -88,12 +88,12 @@ class Scheduler:
         # prompt never starves the streams in progress. While requests wait that could start, the
         # prompts already running take at most half the budget together: a short prompt behind long
         # ones starts at the next step, not after their whole prefill.
-        self.running.sort(key=lambda s: (s.num_tokens - s.num_computed_tokens > 1, self.priority(s, now)))
+        self.running.sort(key=lambda s: (s.num_pending_tokens > 1, self.priority(s, now)))
         prefill_room = max(1, budget // 2) if self._others_could_start(now) else budget
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            remaining = seq.num_tokens - seq.num_computed_tokens
+            remaining = seq.num_pending_tokens
             n = min(remaining, budget) if remaining == 1 else min(remaining, budget, prefill_room)
             if n == 0:
                 break   # decodes come first, so only prompts are left: they continue next step
@@ -150,7 +150,7 @@ class Scheduler:
         prompt) and ranks at least as high as the best running prompt."""
         if not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return False
-        prompts = [self.priority(s, now)[0] for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        prompts = [self.priority(s, now)[0] for s in self.running if s.num_pending_tokens > 1]
         if not prompts:
             return False
         best = min(prompts)

@@ -60,6 +60,11 @@ class Sequence:
         return len(self.token_ids)
 
     @property
+    def num_pending_tokens(self) -> int:
+        """Tokens to compute before the next sample: 1 while decoding, more while (re)filling a prompt."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 

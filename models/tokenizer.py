@@ -164,8 +164,10 @@ class Tokenizer:
         self.hf = hf
         self.hf.no_padding()
         self.hf.no_truncation()
-        # One instance serves a node's request threads and its engine thread; the library crashed the
-        # process (a general-protection fault in tokenizers.abi3.so) when they encoded and decoded at once.
+        # One instance serves a node's request threads and its engine thread. It was added when the node
+        # crashed inside tokenizers.abi3.so under load; that crash was most likely the CPU kernels'
+        # heap corruption (freed scratch written by attention, fixed since), but nothing shows the
+        # library safe for concurrent encode/decode on one instance, and the lock costs microseconds.
         self._lock = threading.Lock()
         self.bos_token, self.eos_token, self.unk_token, self.pad_token = bos_token, eos_token, unk_token, pad_token
         self.add_bos_token, self.add_eos_token = bool(add_bos_token), bool(add_eos_token)

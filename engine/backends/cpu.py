@@ -63,10 +63,7 @@ class CpuLinear:
         self.out_features = col
         self.formats = tuple(t.format for t in tensors)
         self.nbytes = sum(a.nbytes for p in self.parts for a in p.arrays)
-        # the first part's bytes, for rope_attention to pull into the caches ahead of this product
-        first = self.parts[0].arrays
-        self.warm = (first[0].reshape(-1).view(np.uint8),
-                     first[1].reshape(-1).view(np.uint8) if len(first) > 1 else ops._NOTHING)
+        self._set_warm()
         self.int8 = L.INT8_DEFAULT if int8 is None else bool(int8)
         self.passes = 2
         self._scratch = scratch or _Scratch()
@@ -130,6 +127,18 @@ class CpuLinear:
             out += x @ wt
         else:
             np.matmul(x, wt, out=out)
+
+    def use_arrays(self, arrays: tuple) -> None:
+        """Read the (single) matrix from these arrays instead: the same data, stored elsewhere (a
+        LayerStack's slice)."""
+        self.parts[0].arrays = arrays
+        self._set_warm()
+
+    def _set_warm(self) -> None:
+        # the first part's bytes, for rope_attention to pull into the caches ahead of this product
+        first = self.parts[0].arrays
+        self.warm = (first[0].reshape(-1).view(np.uint8),
+                     first[1].reshape(-1).view(np.uint8) if len(first) > 1 else ops._NOTHING)
 
     def release_scratch(self) -> None:
         self._scratch.buf = np.empty(0, np.float32)

@@ -8,8 +8,8 @@ bit for bit, and the per-call cost is the launch alone.
 
 It needs each slot (q|k|v, o, gate|up, down) to be one q4/q8 matrix of the same shape in every
 layer, multiplied on int8 activations (the same number of passes everywhere), so that the slot's
-matrices stack into one array
-(`LayerStack`): a numba function takes a few arrays cheaply, not tuples of hundreds.
+matrices stack into one array (`LayerStack`): a numba function takes a few arrays cheaply, not
+tuples of hundreds.
 """
 from __future__ import annotations
 
@@ -76,11 +76,11 @@ class LayerStack:
             lins = [getattr(ly, s) for ly in layers]
             qs = np.stack([lin.parts[0].arrays[0] for lin in lins])
             sc = np.stack([lin.parts[0].arrays[1] for lin in lins])
-            warm_a, warm_b = qs.reshape(n, -1).view(np.uint8), sc.reshape(n, -1).view(np.uint8)
             for i, lin in enumerate(lins):   # the layers' own linears now read the stacked copy
-                lin.parts[0].arrays = (qs[i], sc[i])
-                lin.warm = (warm_a[i], warm_b[i])
-            self.arrays[s] = (qs, sc, warm_a, warm_b)
+                lin.use_arrays((qs[i], sc[i]))
+            self.arrays[s] = (qs, sc)
+        # o's bytes per layer, which rope_attention reads into the caches ahead of the o product
+        self.o_warm = tuple(a.reshape(n, -1).view(np.uint8) for a in self.arrays["o"])
 
     @classmethod
     def of(cls, layers) -> "LayerStack | None":
@@ -104,7 +104,7 @@ class LayerStack:
         run_layers(h, qkv, attn, gate_up, step.positions, cos, sin, k_cache, v_cache, step.slot_mapping,
                    step.block_tables, step.token_seq, num_heads, num_kv_heads, np.float32(scale), float(eps),
                    self.passes, self.rows, self.attn_norm, self.ffn_norm, a["qkv"][0], a["qkv"][1], a["o"][0],
-                   a["o"][1], a["gate_up"][0], a["gate_up"][1], a["down"][0], a["down"][1], a["o"][2], a["o"][3])
+                   a["o"][1], a["gate_up"][0], a["gate_up"][1], a["down"][0], a["down"][1], *self.o_warm)
 
 
 L.flush_stale_caches(globals(), "cpu_layers", L.__file__, ops.__file__)
