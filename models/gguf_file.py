@@ -1,9 +1,14 @@
 """Load a Llama-family GGUF file (through the `gguf` package) into ModelWeights."""
 from __future__ import annotations
 
+from collections.abc import Mapping
+from functools import cached_property
+
 import gguf
 import numpy as np
 from gguf import GGUFValueType
+from gguf.gguf_reader import ReaderField
+from numba import njit
 
 from models.config import ModelConfig
 from models.quant import QuantTensor, format_of_ggml
@@ -42,48 +47,114 @@ def unpermute_rope_rows(t: QuantTensor, num_heads: int) -> QuantTensor:
     return t.rows(index)
 
 
-class FastGGUFReader(gguf.GGUFReader):
-    """gguf.GGUFReader with a one-pass parser for metadata arrays of strings and numbers.
+class _LazyArrayField:
+    """A metadata array of strings or numbers, decoded when asked for.
 
-    The base class reads each array element with two numpy views built one at a time; here the string
-    lengths are read from one memoryview and the parts are sliced from one base array. The resulting
-    ReaderFields are identical (same parts, dtypes, data indexes and types), so contents() and all other
-    uses behave the same.
+    gguf.GGUFReader builds two numpy views per element of every array as it opens a file: ~200k
+    for a tokenizer's tokens and merges, 0.1-0.2 s holding the GIL on each open (a cold load beside
+    running models, whose tokenizer is already built, needs none of it). Here opening costs one scan of
+    the string lengths without the GIL; contents() decodes straight from the file. `parts` and `data`,
+    which nothing here reads, are those of the gguf package's own parser, built on first use.
     """
 
-    def _get_field_parts(self, orig_offs: int, raw_type: int):
-        if raw_type != GGUFValueType.ARRAY or self.byte_order != "I":
-            return super()._get_field_parts(orig_offs, raw_type)
-        raw_itype = self._get(orig_offs, np.uint32)
-        alen = self._get(orig_offs + 4, np.uint64)
-        itype, n = GGUFValueType(int(raw_itype[0])), int(alen[0])
-        offs = orig_offs + int(raw_itype.nbytes + alen.nbytes)
-        parts: list = [raw_itype, alen]
+    def __init__(self, reader: "FastGGUFReader", offset: int, name: str, head: list, value_offs: int,
+                 itype: GGUFValueType, n: int, starts: np.ndarray | None):
+        self._reader, self.offset, self.name = reader, offset, name
+        self._head, self._value_offs = head, value_offs   # parts of the key and type; where the value starts
+        self._itype, self._n = itype, n
+        self._starts = starts    # string arrays: where each string's length field begins, and the end
+        self.types = [GGUFValueType.ARRAY] + ([itype] if n else [])
+
+    def contents(self, index_or_slice: int | slice = slice(None)):
+        which = range(self._n)[index_or_slice]
+        base = self._reader.data
+        if self._starts is None:
+            size = np.dtype(self._reader.gguf_scalar_to_np[self._itype]).itemsize
+            start = self._value_offs + 12
+            values = base[start:start + self._n * size].view(self._reader.gguf_scalar_to_np[self._itype])
+            return values[index_or_slice].tolist()
+        raw = memoryview(base)
+        s = self._starts
+        if isinstance(which, int):
+            return str(raw[s[which] + 8:s[which + 1]], "utf-8")
+        return [str(raw[s[i] + 8:s[i + 1]], "utf-8") for i in which]
+
+    @cached_property
+    def _parsed(self) -> ReaderField:
+        size, parts, idxs, types = gguf.GGUFReader._get_field_parts(self._reader, self._value_offs,
+                                                                    GGUFValueType.ARRAY)
+        h = len(self._head)
+        return ReaderField(self.offset, self.name, self._head + parts, [i + h for i in idxs], types)
+
+    @property
+    def parts(self) -> list:
+        return self._parsed.parts
+
+    @property
+    def data(self) -> list:
+        return self._parsed.data
+
+
+@njit(cache=True, nogil=True)
+def _string_starts(buf: np.ndarray, offs: int, n: int) -> np.ndarray:
+    """Where each of n length-prefixed strings from offs begins, then where the last one ends; empty when
+    they run past the end of buf."""
+    starts = np.empty(n + 1, np.int64)
+    for i in range(n):
+        if offs + 8 > buf.size:
+            return starts[:0]
+        length = np.int64(0)
+        for b in range(8):
+            length |= np.int64(buf[offs + b]) << (8 * b)
+        if length < 0 or offs + 8 + length > buf.size:
+            return starts[:0]
+        starts[i] = offs
+        offs += 8 + length
+    starts[n] = offs
+    return starts
+
+
+class FastGGUFReader(gguf.GGUFReader):
+    """gguf.GGUFReader whose metadata arrays are _LazyArrayFields: the same offsets, names, types,
+    contents, parts and data, read when used rather than on open."""
+
+    def _build_fields(self, offs: int, count: int) -> int:
+        if self.byte_order != "I":
+            return super()._build_fields(offs, count)
         base = self.data.view(np.ndarray)
-        if itype == GGUFValueType.STRING:
-            mv = memoryview(base)
-            u64 = np.dtype(np.uint64)
-            for _ in range(n):
-                length = int.from_bytes(mv[offs:offs + 8], "little")
-                parts.append(base[offs:offs + 8].view(u64))
-                parts.append(base[offs + 8:offs + 8 + length])
-                offs += 8 + length
-            if offs > len(base):
-                raise ValueError("string array runs past the end of the file")
-            idxs = list(range(3, 2 + 2 * n, 2))
-        else:
-            nptype = self.gguf_scalar_to_np.get(itype)
-            if nptype is None:  # nested arrays: the general parser
-                return super()._get_field_parts(orig_offs, raw_type)
-            size = np.dtype(nptype).itemsize
-            if offs + n * size > len(base):
-                raise ValueError("array runs past the end of the file")
-            arr = base[offs:offs + n * size].view(nptype)
-            parts += [arr[i:i + 1] for i in range(n)]
-            offs += n * size
-            idxs = list(range(2, 2 + n))
-        types = [GGUFValueType.ARRAY] + ([itype] if n else [])
-        return offs - orig_offs, parts, idxs, types
+        for _ in range(count):
+            orig_offs = offs
+            klen, kdata = self._get_str(offs)
+            raw_type = self._get(offs + 8 + int(klen[0]), np.uint32)
+            head = [klen, kdata, raw_type]
+            offs += 12 + int(klen[0])
+            name = str(bytes(kdata), encoding="utf-8")
+            if int(raw_type[0]) == GGUFValueType.ARRAY:
+                raw_itype, alen = self._get(offs, np.uint32), self._get(offs + 4, np.uint64)
+                itype, n = GGUFValueType(int(raw_itype[0])), int(alen[0])
+                start = offs + 12
+                if itype == GGUFValueType.STRING:
+                    starts = _string_starts(base, start, n) if n <= (len(base) - start) // 8 else base[:0]
+                    if len(starts) != n + 1:
+                        raise ValueError(f"{name}: string array runs past the end of the file")
+                    self._push_field(_LazyArrayField(self, orig_offs, name, head, offs, itype, n, starts),
+                                     skip_sum=True)
+                    offs = int(starts[n])
+                    continue
+                nptype = self.gguf_scalar_to_np.get(itype)
+                if nptype is not None:
+                    end = start + n * np.dtype(nptype).itemsize
+                    if end > len(base):
+                        raise ValueError(f"{name}: array runs past the end of the file")
+                    self._push_field(_LazyArrayField(self, orig_offs, name, head, offs, itype, n, None),
+                                     skip_sum=True)
+                    offs = end
+                    continue
+            size, parts, idxs, types = self._get_field_parts(offs, raw_type[0])
+            self._push_field(ReaderField(orig_offs, name, head + parts, [i + 3 for i in idxs], types),
+                             skip_sum=True)
+            offs += size
+        return offs
 
 
 def open_gguf(path: str) -> FastGGUFReader:
@@ -96,8 +167,29 @@ def open_gguf(path: str) -> FastGGUFReader:
         raise ModelFileError(f"{path}: not a GGUF model file ({e})") from None
 
 
-def read_gguf(path: str) -> tuple[ModelWeights, dict]:
-    """Returns the weights and the GGUF metadata the tokenizer needs."""
+class Metadata(Mapping):
+    """A reader's metadata keys under a prefix (the prefix removed), each value decoded when read: a cold
+    load of a model whose tokenizer is built already decodes none of its ~100k token strings."""
+
+    def __init__(self, reader: gguf.GGUFReader, prefix: str):
+        self._reader, self._prefix = reader, prefix
+        self._keys = [k[len(prefix):] for k in reader.fields if k.startswith(prefix)]
+
+    def __getitem__(self, key: str):
+        field = self._reader.fields.get(self._prefix + key)
+        if field is None:
+            raise KeyError(key)
+        return field.contents()
+
+    def __iter__(self):
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+def read_gguf(path: str) -> tuple[ModelWeights, Metadata]:
+    """Returns the weights and the GGUF metadata the tokenizer needs (`tokenizer.*`, read on use)."""
     reader = open_gguf(path)
 
     arch = _field(reader, "general.architecture")
@@ -162,9 +254,4 @@ def read_gguf(path: str) -> tuple[ModelWeights, dict]:
         lm_head=None if config.tie_embeddings else matrix("output.weight"),
         metadata={"name": _field(reader, "general.name", ""), "source": path, "format": "gguf"},
     )
-    tok = {
-        key[len("tokenizer."):]: _field(reader, key)
-        for key in reader.fields
-        if key.startswith("tokenizer.")
-    }
-    return weights, tok
+    return weights, Metadata(reader, "tokenizer.")

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Mapping
 
-from models.gguf_file import ModelFileError, open_gguf, read_gguf
+from models.gguf_file import Metadata, ModelFileError, open_gguf, read_gguf
 from models.quant import FORMATS, UnsupportedFormat
 from models.safetensors_file import CONFIG_NAME, read_safetensors_dir
 from models.tokenizer import Tokenizer
@@ -25,8 +26,7 @@ def default_model_path() -> str:
 
 def read_gguf_fields(path: str, prefix: str = "tokenizer.") -> dict:
     """The GGUF metadata keys starting with `prefix`, prefix removed, as Python values (no tensors read)."""
-    reader = open_gguf(path)
-    return {k[len(prefix):]: f.contents() for k, f in reader.fields.items() if k.startswith(prefix)}
+    return dict(Metadata(open_gguf(path), prefix))
 
 
 def locate_model(path) -> tuple[str, str]:
@@ -89,7 +89,7 @@ def _file_key(kind: str, p: str) -> tuple:
     return (os.path.abspath(p), st.st_mtime_ns, st.st_size)
 
 
-def load_tokenizer(path, fields: dict | None = None) -> Tokenizer:
+def load_tokenizer(path, fields: Mapping | None = None) -> Tokenizer:
     """Only the tokenizer of a model (no weights read); built once per model file."""
     kind, p = locate_model(path)
     key = _file_key(kind, p)

@@ -13,7 +13,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from models import convert
-from models.gguf_file import FastGGUFReader, ModelFileError, read_gguf, unpermute_rope_rows
+from models.gguf_file import FastGGUFReader, ModelFileError, open_gguf, read_gguf, unpermute_rope_rows
 from models.loader import default_model_path, load_model, load_tokenizer, read_gguf_fields
 from models.quant import FORMATS, QuantTensor, UnsupportedFormat
 from models.safetensors_file import QUANT_METADATA_KEY, read_safetensors_dir, write_safetensors_dir
@@ -103,6 +103,26 @@ def test_gguf_unpermutes_q_and_k(tmp_path):
 def test_fast_reader_equals_gguf_reader(tmp_path):
     path = write_tiny_gguf(tmp_path / "tiny.gguf", make_tiny_weights(0, "q8_0"))
     _assert_same_reader(gguf.GGUFReader(path), FastGGUFReader(path))
+
+
+def test_truncated_metadata_array_is_a_model_file_error(tmp_path):
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", make_tiny_weights(0, "f32"))
+    tokens = FastGGUFReader(path).fields["tokenizer.ggml.tokens"]
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(open(path, "rb").read()[:tokens.offset + 200])   # inside the token strings
+    with pytest.raises(ModelFileError, match="cut.gguf"):
+        open_gguf(str(cut))
+    with pytest.raises(ModelFileError):
+        read_gguf(str(cut))
+
+
+def test_tokenizer_metadata_is_read_on_use(tmp_path):
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", make_tiny_weights(0, "f32"))
+    _, fields = read_gguf(path)
+    want = read_gguf_fields(path)
+    assert set(fields) == set(want) and len(fields) == len(want) and "ggml.tokens" in fields
+    assert {k: fields[k] for k in fields} == want
+    assert fields.get("no.such.key") is None
 
 
 def _assert_same_reader(slow, fast):

@@ -187,8 +187,9 @@ def test_cold_load_does_not_stall_other_streams(start_node, tiny_models, default
     assert loaded.get("status") == 200
     during = [b - a for a, b in zip(stamps, stamps[1:]) if loaded["start"] <= a <= loaded["end"]]
     assert len(during) > 10, "the load ended before the stream showed anything"
-    # The stream keeps flowing through the load (which takes seconds): tokenizers are built at start-up,
-    # the loaded heap is frozen out of full GC collections and the GIL changes hands every 0.5 ms. Gaps
-    # measured on a 2-core machine: 12-18 ms at most (a few SmolLM2 decode steps; 35-52 ms without the
-    # GC freeze and the short switch interval). What remains is the load's own CPU work on 2 cores.
-    assert max(during) < 0.1, f"a token gap of {max(during):.3f} s during the cold load"
+    # The stream keeps flowing through the load (which takes seconds): tokenizers are built at start-up
+    # and the load decodes none of the file's token strings, the loaded heap is frozen out of full GC
+    # collections and the GIL changes hands every 0.5 ms. Gaps measured on a 2-core machine: 5-8 ms at
+    # most, against 3-4 ms at most with no load (12-18 ms when the GGUF reader parsed every token string,
+    # 35-52 ms without the GC freeze and the short switch interval).
+    assert max(during) < 0.04, f"a token gap of {max(during):.3f} s during the cold load"
