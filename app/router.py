@@ -14,6 +14,8 @@ are tried last. The ranked list is what failover walks (app/node_client.py).
 """
 from __future__ import annotations
 
+import http.client
+import json
 import logging
 import math
 import os
@@ -23,12 +25,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-import requests
+import urllib3
 
 from app.catalog import ResolvedModel
 from app.config import NodesConfig, RoutingConfig
 
 log = logging.getLogger("zen.gateway")
+
+# What breaks a connection to a node, or a stream from it (urllib3's own errors, and those it passes on).
+TRANSPORT_ERRORS = (urllib3.exceptions.HTTPError, http.client.HTTPException, OSError)
 
 
 # -- node state --------------------------------------------------------------------------------
@@ -210,13 +215,11 @@ class NodePool:
     """The configured nodes' states, polled in the background; ranks nodes for a request."""
 
     def __init__(self, nodes: NodesConfig, routing: RoutingConfig,
-                 session: requests.Session | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = nodes
         self.routing = routing
         self._clock = clock
-        self._session = session or requests.Session()
-        self._session.trust_env = False   # see NodeClient
+        self._http = urllib3.PoolManager(num_pools=max(4, len(nodes.urls)), maxsize=2, retries=False)
         self._views = {url: NodeView(url) for url in nodes.urls}
         self._lock = threading.Lock()
         self._refresh_lock = threading.Lock()
@@ -230,12 +233,12 @@ class NodePool:
     def _fetch(self, url: str) -> None:
         timeout = min(self.config.connect_timeout_s, max(0.2, self.config.state_ttl_s / 2))
         try:
-            resp = self._session.get(url + "/state", timeout=(timeout, timeout),
-                                     headers={"X-Node-Secret": self.config.secret})
-            if resp.status_code != 200:
-                raise ValueError(f"GET /state answered {resp.status_code}")
-            state = parse_state(resp.json())
-        except (requests.RequestException, ValueError) as exc:
+            resp = self._http.request("GET", url + "/state", timeout=timeout,
+                                      headers={"X-Node-Secret": self.config.secret})
+            if resp.status != 200:
+                raise ValueError(f"GET /state answered {resp.status}")
+            state = parse_state(json.loads(resp.data))
+        except (*TRANSPORT_ERRORS, ValueError) as exc:
             self._set_down(url, f"{exc.__class__.__name__}: {str(exc)[:200]}")
             return
         with self._lock:
@@ -293,7 +296,7 @@ class NodePool:
             self._thread.join(timeout=5)
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
-        self._session.close()
+        self._http.clear()
 
     # -- views -----------------------------------------------------------------------------
 

@@ -608,7 +608,7 @@ def build_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--node-secret", default=None, help="default $NODE_SECRET or the development secret")
     ap.add_argument("--no-overhead", action="store_true", help="skip the gateway-overhead measurement")
     ap.add_argument("--overhead-concurrency", default="1,16")
-    ap.add_argument("--overhead-requests", type=int, default=32, help="requests per overhead pass")
+    ap.add_argument("--overhead-requests", type=int, default=64, help="requests per overhead pass")
     ap.add_argument("--overhead-rounds", type=int, default=2, help="direct/gateway pass pairs per level")
     ap.add_argument("--overhead-max-tokens", type=int, default=16)
     ap.add_argument("--start", action="store_true", help="start an engine node and a gateway, stop them after")

@@ -151,6 +151,41 @@ def test_wrong_secret_and_tampering(client, keys):
                                         headers={"kid": "nope"})), "unknown key")
 
 
+def test_verified_tokens_are_remembered_until_they_expire(monkeypatch):
+    """A token's verification is reused (its exact string), but not at a time outside its nbf-exp
+    window, nor for longer than VERIFIED_TTL_S: then it is verified again. A changed signature is
+    verified on its own."""
+    from app import auth
+    verifier = auth.TokenVerifier(make_config([]))
+    now = int(time.time())
+    clock = [float(now)]
+    monkeypatch.setattr(auth.time, "time", lambda: clock[0])
+    decodes = []
+    real_decode = jwt.decode
+    monkeypatch.setattr(auth.jwt, "decode", lambda *a, **k: decodes.append(1) or real_decode(*a, **k))
+    leeway = verifier._auth.leeway_s
+    token = jwt.encode(_claims(nbf=now, exp=now + 600), JWT_SECRET, algorithm="HS256")
+    short = jwt.encode(_claims(nbf=now, exp=now + 30), JWT_SECRET, algorithm="HS256")
+
+    def uses(at: float, t: str = token) -> int:
+        clock[0] = at
+        before = len(decodes)
+        assert verifier.authenticate(f"Bearer {t}").org == "acme"
+        return len(decodes) - before
+
+    assert uses(now) == 1
+    assert uses(now + 1) == 0                               # remembered
+    assert uses(now + auth.VERIFIED_TTL_S - 1) == 0
+    assert uses(now + auth.VERIFIED_TTL_S + 1) == 1         # no longer than the TTL
+    assert uses(now, short) == 1
+    assert uses(now + 30 + leeway - 1, short) == 0
+    assert uses(now + 30 + leeway, short) == 1              # at exp (+ leeway): not from memory
+    assert uses(now - leeway - 1, short) == 1               # before nbf (- leeway): not from memory
+    head, payload, sig = token.split(".")
+    with pytest.raises(auth.AuthError, match="signature is invalid"):
+        verifier.authenticate(f"Bearer {head}.{payload}.{sig[:-4]}{'AAAA' if sig[-4:] != 'AAAA' else 'BBBB'}")
+
+
 def test_oversized_token_is_refused(client):
     token = jwt.encode(_claims(pad="x" * 20000), JWT_SECRET, algorithm="HS256")
     _assert_401(_get(client, token), "too large")
