@@ -225,6 +225,9 @@ def split_plan(c: launch.LaunchConfig, work_items: int, max_ctx: int) -> tuple[i
 class CudaBackend:
     name = "cuda"
 
+    def share_cpu(self, sharing: bool) -> None:
+        """Nothing to share: the kernels run on the GPU (see CpuBackend.share_cpu)."""
+
     def __init__(self, config: launch.LaunchConfig | None = None):
         if config is None:
             config = launch.TABLE["fallback"] if SIMULATOR else launch.for_current_device()

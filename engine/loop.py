@@ -75,6 +75,8 @@ class EngineLoop:
         self.decode_tokens_per_s = 0.0
         self.step_listeners: list = []    # callables(engine, step_seconds, deltas) run on the loop thread
         self.failed: BaseException | None = None
+        self._share_cpu = False           # wanted: steps leave a core to a model loading beside
+        self._sharing = False             # applied by the loop thread (the backend's setting is per thread)
         self._thread = threading.Thread(target=self._run, name=name or f"engine-{engine.model_id}", daemon=True)
         self._thread.start()
 
@@ -99,6 +101,11 @@ class EngineLoop:
         self._wake.set()
         self._thread.join(timeout)
         return not self._thread.is_alive()
+
+    def share_cpu(self, sharing: bool) -> None:
+        """Leave a core to other work (a model loading beside this one) from the next step on."""
+        self._share_cpu = sharing
+        self._wake.set()
 
     @property
     def num_streams(self) -> int:
@@ -144,6 +151,9 @@ class EngineLoop:
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
+                if self._sharing != self._share_cpu:
+                    self._sharing = self._share_cpu
+                    self.engine.backend.share_cpu(self._sharing)
                 t0 = time.monotonic()
                 deltas = self.engine.step()
                 dt = time.monotonic() - t0

@@ -327,8 +327,17 @@ class ModelRegistry:
             del self._resident[m.key]
         return chosen
 
+    def _share_cpu_while_loading(self) -> None:
+        """Resident models leave a core to loads in progress (a load is ~1 s of CPU work)."""
+        with self._lock:
+            sharing = bool(self._loading)
+            loops = [m.loop for m in self._resident.values()]
+        for loop in loops:
+            loop.share_cpu(sharing)
+
     def _load(self, job: _LoadJob, spec: ModelSpec, fmt: str | None, label: str) -> None:
         t0 = time.monotonic()
+        self._share_cpu_while_loading()
         try:
             cfg = self.engine_config(spec, fmt)
             log.info("loading model", extra={"event": "model_load_start", "model": spec.id, "quantization": label,
@@ -373,6 +382,7 @@ class ModelRegistry:
                 self.last_error[spec.id] = str(e)
         finally:
             job.done.set()
+            self._share_cpu_while_loading()
 
     def preload(self, model_ids: list[str] | None, wait_s: float = 3600.0) -> None:
         """Start-up: load the named models (all of them must fit), or by default the listed models in

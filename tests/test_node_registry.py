@@ -139,6 +139,48 @@ def test_an_evicted_model_gives_its_memory_back_at_once(tiny_models):
         gc.unfreeze()
 
 
+def test_resident_models_leave_a_core_while_another_loads(tiny_models):
+    """While a model loads, the resident models' steps run their CPU kernels on one core fewer (numba's
+    thread count, set on each loop's own thread), and on all of them again once the load is done."""
+    import gc
+
+    import numba
+
+    from engine.config import EngineConfig
+    from engine.registry import ModelRegistry
+    from engine.request import InferenceRequest, LatencyClass
+    from engine.sampling import SamplingParams
+
+    def engine_config(spec, quantization):
+        return EngineConfig(model=spec.path, model_id=spec.id, quantization=quantization, backend="cpu",
+                            kv_cache_bytes=4 << 20)
+
+    def threads_of_next_step(loop) -> int:
+        seen = []
+        loop.step_listeners.append(lambda *args: seen.append(numba.get_num_threads()))
+        stream = loop.submit(InferenceRequest(f"r{time.monotonic_ns()}", "tiny-a", [5, 6],
+                                              SamplingParams(max_tokens=2), LatencyClass.STANDARD))
+        list(stream)
+        loop.step_listeners.pop()
+        return seen[-1]
+
+    during = []
+    reg = ModelRegistry([ModelSpec(tiny_models["a"], "tiny-a"), ModelSpec(tiny_models["b"], "tiny-b")],
+                        2 * ONE_MODEL_BUDGET, engine_config,
+                        on_loaded=lambda m: during.append(threads_of_next_step(a.loop)) if m.id == "tiny-b" else None)
+    total = numba.config.NUMBA_NUM_THREADS
+    try:
+        a = reg.load("tiny-a", None, 120)
+        assert threads_of_next_step(a.loop) == total
+        reg.load("tiny-b", None, 120)
+        assert during == [max(1, total - 1)]          # tiny-a's steps while tiny-b was loading
+        assert threads_of_next_step(a.loop) == total  # and after
+        assert {m.id for m in reg.resident()} == {"tiny-a", "tiny-b"}
+    finally:
+        reg.close()
+        gc.unfreeze()
+
+
 def test_health_503_until_startup_models_load(tiny_models):
     from engine.server import create_app
     app = create_app(NodeConfig(models=[ModelSpec(tiny_models["a"], "tiny-a")], backend="cpu",

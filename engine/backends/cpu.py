@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 
 from engine.backends import cpu_linear as L
@@ -193,6 +194,14 @@ class CpuBackend:
 
     def download(self, a) -> np.ndarray:
         return a
+
+    def share_cpu(self, sharing: bool) -> None:
+        """Kernels launched from the calling thread (numba's thread count is per launching thread)
+        leave one core free while `sharing`: with every core busy, a parallel kernel whose thread was
+        descheduled by other work (a model loading beside this one) waits at each barrier for it,
+        and 4 ms decode steps took 130-170 ms."""
+        total = numba.config.NUMBA_NUM_THREADS
+        numba.set_num_threads(max(1, total - 1) if sharing else total)
 
     def layer_stack(self, layers) -> LayerStack | None:
         """The layers' weights stacked for run_layers (one call per step for every layer), where their
