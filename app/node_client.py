@@ -72,12 +72,12 @@ class NodeStream:
                 sock.settimeout(_TRAILER_TIMEOUT_S)   # urllib3 sets its own again when it reuses it
                 for _ in zip(range(_TRAILER_LINES), self._lines):
                     pass   # the body's end puts the connection back in the pool
+        except Exception:
+            pass   # not drained: closed below rather than reused
+        try:
             self.response.close()
         except Exception:
-            try:
-                self.response.close()
-            except Exception:
-                pass
+            pass
 
 
 # What may follow the done event: blank lines and [DONE], at once. A node that sends more, or

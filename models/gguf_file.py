@@ -69,10 +69,9 @@ class _LazyArrayField:
         which = range(self._n)[index_or_slice]
         base = self._reader.data
         if self._starts is None:
-            size = np.dtype(self._reader.gguf_scalar_to_np[self._itype]).itemsize
-            start = self._value_offs + 12
-            values = base[start:start + self._n * size].view(self._reader.gguf_scalar_to_np[self._itype])
-            return values[index_or_slice].tolist()
+            dtype = np.dtype(self._reader.gguf_scalar_to_np[self._itype])
+            start = self._value_offs + 12   # after the element type and the count
+            return base[start:start + self._n * dtype.itemsize].view(dtype)[index_or_slice].tolist()
         raw = memoryview(base)
         s = self._starts
         if isinstance(which, int):
@@ -151,7 +150,7 @@ class FastGGUFReader(gguf.GGUFReader):
                     offs = end
                     continue
             size, parts, idxs, types = self._get_field_parts(offs, raw_type[0])
-            self._push_field(ReaderField(orig_offs, name, head + parts, [i + 3 for i in idxs], types),
+            self._push_field(ReaderField(orig_offs, name, head + parts, [i + len(head) for i in idxs], types),
                              skip_sum=True)
             offs += size
         return offs
