@@ -420,9 +420,12 @@ def test_real_model_quantized_stays_close(smollm2):
     got = _forward_chunks(LlamaModel(smollm2, CpuBackend()), tokens, [10, 3, 1, 1, 1])
     ref = R.forward(smollm2, tokens)
     cos = (got * ref).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(ref, axis=1)
-    # two int8 planes (the default): ~16-bit activations, so far closer than the 0.999 contract
-    assert cos.min() > 0.99999, _msg(f"cosine {cos.min()}")
-    assert _rel(got, ref) < 1e-3, _msg("SmolLM2 quantized forward")
+    # Two int8 planes (the default): ~16-bit activations, so closer than the 0.999 contract. Typical
+    # inputs give 0.9999999 and a relative error of 2-6e-4; a position whose hidden state carries a
+    # huge outlier in some 32-value block loses its small values to the block's scale (seed 1995439552,
+    # position 1: cosine 0.999986, relative error 2.9e-3; float32 activations there: 1.0, 9e-5).
+    assert cos.min() > 0.9999, _msg(f"cosine {cos.min()}")
+    assert _rel(got, ref) < 5e-3, _msg("SmolLM2 quantized forward")
 
 
 # ------------------------------------------------------------------------- raw addresses (addr)
