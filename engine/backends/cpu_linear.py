@@ -25,7 +25,8 @@ Two ways to multiply quantized weights:
      (passes = 2) the rounding error is rounded again into a second int8 plane at scale xd / 256, and
      the dot runs over both planes (256 * sum0 + sum1 in int32): x to ~16 bits for twice the dot
      work. On SmolLM2 one plane gave logit cosines of only 0.991-0.998 against the float reference
-     (errors add up over 30 layers); two planes give 1.00000 (relative error ~1e-5).
+     (errors add up over 30 layers); two planes give 1.00000 (relative error ~1e-5; 0.99998 at a
+     position with a huge outlier activation, where one plane gave 0.46).
   float (exact; the fallback without VNNI, or CpuLinear(int8=False)): each tile dequantized to
      float32 in a small scratch, then the float kernel.
 Float formats always use float kernels (4 rows x 16 outputs of accumulators: 190-220 GFLOP/s on 2 cores,
