@@ -2,16 +2,19 @@
 the 429 body and headers, Redis storage and the failure policy."""
 from __future__ import annotations
 
+import gc
 import logging
 import math
+import threading
+import time
 
 import pytest
 
 from app import close_app, create_app
 from app.config import LimitsConfig, TierConfig
 from app.errors import APIError
-from app.limits import (MemoryTokenBuckets, RedisTokenBuckets, TokenLimiter, format_duration,
-                        refill)
+from app.limits import (MemoryTokenBuckets, RedisTokenBuckets, SweptMemoryStorage, TokenLimiter,
+                        format_duration, refill)
 from tests.test_gateway_support import (METRICS_HEADERS, bearer, free_port, make_config, node,  # noqa: F401
                                         redis_url)
 
@@ -112,6 +115,55 @@ def test_requests_per_minute_per_org_with_openai_429():
         assert 'zen_gateway_org_rate_limited_total{limit="requests",org="globex"} 2.0' in metrics
     finally:
         close_app(app)
+
+
+def test_memory_request_limits_start_no_thread_per_request():
+    """limits' stock memory storage starts a new 10 ms timer thread on the first hit after the last
+    one ran; ours keeps one sweeper alive, so requests a few tens of ms apart start no thread."""
+    cfg = make_config([], tiers={"free": {"requests_per_minute": 50}})
+    app = create_app(cfg)
+    try:
+        storage = next(iter(app.extensions["limiter"]))._storage
+        assert isinstance(storage, SweptMemoryStorage)
+        sweeper = storage.timer
+        c = app.test_client()
+        globex = bearer(cfg, "globex")
+        started = []
+        real_start = threading.Thread.start
+
+        def counting_start(thread):
+            started.append(thread.name)
+            real_start(thread)
+
+        threading.Thread.start = counting_start
+        try:
+            for _ in range(4):
+                assert c.get("/v1/models", headers=globex).status_code == 200
+                time.sleep(0.03)          # past the stock timer's 10 ms
+        finally:
+            threading.Thread.start = real_start
+        assert started == [] and storage.timer is sweeper and sweeper.is_alive()
+        assert c.get("/v1/models", headers=globex).headers["x-ratelimit-remaining-requests"] == "45"
+    finally:
+        close_app(app)
+
+
+def test_swept_memory_storage_prunes_expired_entries_and_ends_with_its_storage(monkeypatch):
+    monkeypatch.setattr(SweptMemoryStorage, "SWEEP_S", 0.05)
+    storage = SweptMemoryStorage()
+    assert storage.acquire_entry("k", limit=5, expiry=0.1)
+    assert storage.acquire_entry("k", limit=5, expiry=0.1)
+    assert len(storage.events["k"]) == 2
+    deadline = time.monotonic() + 3
+    while storage.events.get("k"):
+        assert time.monotonic() < deadline, "expired entries were never swept"
+        time.sleep(0.02)
+    assert storage.acquire_entry("k", limit=5, expiry=60)     # the window counts from zero again
+    sweeper = storage.timer
+    del storage
+    gc.collect()
+    sweeper.join(2)
+    assert not sweeper.is_alive()
 
 
 # -- token bucket through the API -----------------------------------------------------------------
