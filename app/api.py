@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from flask import Blueprint, Response, current_app, g, jsonify, request
 
@@ -24,7 +24,7 @@ from app.errors import APIError, bad_request, sse_error_event
 from app.inference import InferenceRequest, PromptInput, SamplingParams
 from app.limits import TokenLimiter, token_headers
 from app.metrics import GatewayMetrics
-from app.node_client import ClientGone, NodeClient, NodeStream, NodeStreamError, collect_result
+from app.node_client import PING, ClientGone, NodeClient, NodeStream, NodeStreamError, collect_result
 from app.priority import LATENCY_CLASS_HEADER, latency_class_for
 from app.responses import (CHAT, COMPLETIONS, SSE_DONE, ChunkWriter, chat_completion,
                            text_completion, usage_of)
@@ -159,11 +159,11 @@ def _generate(body: Mapping[str, Any], kind: str) -> Response:
     sock = request.environ.get("gunicorn.socket")
     gone = lambda: client_gone(sock)  # noqa: E731
     try:
-        outcome = _nodes().dispatch(req, gone)
-        g.log_fields.update(node=outcome.node, node_attempts=outcome.attempts)
+        outcome = _nodes().dispatch(req)
         if not req.stream:
-            return _answer_json(req, kind, outcome.node, collect_result(outcome, gone), reservation,
-                                logprobs_top, started)
+            result = collect_result(outcome, gone)
+            g.log_fields.update(node=outcome.node, node_attempts=outcome.attempts)
+            return _answer_json(req, kind, outcome.node, result, reservation, logprobs_top, started)
     except ClientGone:
         _tokens().settle(reservation, 0)
         g.log_fields.update(client="gone")
@@ -180,7 +180,7 @@ def _generate(body: Mapping[str, Any], kind: str) -> Response:
     except BaseException:
         _tokens().settle(reservation, 0)
         raise
-    return _answer_stream(req, kind, outcome, reservation, include_usage, logprobs_top, started)
+    return _answer_stream(req, kind, outcome, reservation, include_usage, logprobs_top, started, gone)
 
 
 def _answer_json(req: InferenceRequest, kind: str, node: str, result: dict, reservation,
@@ -208,7 +208,8 @@ def _float(value: Any) -> float | None:
 
 
 def _answer_stream(req: InferenceRequest, kind: str, outcome: NodeStream, reservation,
-                   include_usage: bool, logprobs_top: int | None, started: float) -> Response:
+                   include_usage: bool, logprobs_top: int | None, started: float,
+                   gone: Callable[[], bool]) -> Response:
     m = req.model
     writer = ChunkWriter(kind, req.request_id, m.alias, m.model, m.quantization, req.params.n,
                          include_usage, logprobs_top)
@@ -221,9 +222,9 @@ def _answer_stream(req: InferenceRequest, kind: str, outcome: NodeStream, reserv
 
     def generate():
         last_token_at = None
-        # The chat role chunk goes out with the first token (dispatch returned at the first token):
-        # one write to the client for both, not two.
-        opening = "".join(writer.start())
+        # The headers (and the chat role chunk) go out now, as the node starts on the request: the
+        # response's set-up is done while the node computes, and the first token's path is short.
+        yield "".join(writer.start())
         try:
             for event in outcome.events():
                 kind_ = event.get("type")
@@ -231,8 +232,7 @@ def _answer_stream(req: InferenceRequest, kind: str, outcome: NodeStream, reserv
                     now = time.perf_counter()
                     first = result["completion_tokens"] == 0
                     result["completion_tokens"] += 1
-                    yield opening + writer.token(event)
-                    opening = ""
+                    yield writer.token(event)
                     # recorded once the chunk is out: the histograms are not on the token's path
                     if first:
                         metrics.latency(m.alias, req.latency_class.value, ttft_s=now - started)
@@ -242,16 +242,25 @@ def _answer_stream(req: InferenceRequest, kind: str, outcome: NodeStream, reserv
                         last_token_at = now
                 elif kind_ == "done":
                     result["usage"] = usage_of(event.get("usage"))
-                    yield opening + "".join(writer.done(event))
-                    opening = ""
-            yield opening + SSE_DONE
+                    yield "".join(writer.done(event))
+                elif event is PING and gone():
+                    result["status"] = "disconnect"   # left while the request waited for a node
+                    return
+            yield SSE_DONE
         except NodeStreamError as exc:
             result["status"] = "stream"
             log.warning("engine stream failed after the first token", extra={
                 "event": "stream_error", "request_id": req.request_id, "org": req.org,
                 "node": outcome.node, "error": str(exc)})
-            yield opening + sse_error_event(f"The engine node failed during generation: {exc}",
-                                            code="engine_error")
+            yield sse_error_event(f"The engine node failed during generation: {exc}",
+                                  code="engine_error")
+            yield SSE_DONE
+        except APIError as exc:   # every node failed before the first token
+            result["status"] = exc.status
+            log.warning("no engine node could finish the stream", extra={
+                "event": "stream_error", "request_id": req.request_id, "org": req.org,
+                "error": exc.message})
+            yield sse_error_event(exc.message, type=exc.type, code=exc.code)
             yield SSE_DONE
         except GeneratorExit:
             result["status"] = "disconnect"
@@ -274,7 +283,8 @@ def _answer_stream(req: InferenceRequest, kind: str, outcome: NodeStream, reserv
         metrics.latency(m.alias, req.latency_class.value, e2e_s=ended - started)
         metrics.request_done(req.org, endpoint, result["status"])
         log.info("request", extra={
-            **log_fields, "status": result["status"], "duration_ms": round((ended - started) * 1e3, 3),
+            **log_fields, "node": outcome.node, "node_attempts": outcome.attempts,
+            "status": result["status"], "duration_ms": round((ended - started) * 1e3, 3),
             "prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"]})
 
     resp = Response(generate(), mimetype="text/event-stream",

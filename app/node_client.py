@@ -1,20 +1,23 @@
 """Forwarding a request to engine nodes, with failover before the first token.
 
-`dispatch` walks the router's ranked nodes: on a connection error, a 503, a node that
-cannot serve the model, or a stream that breaks before its first token, it tries the next
-one. Once a token has come back the request belongs to that node: a later failure becomes
-an error event for the client (app/api.py) and the stream ends cleanly. A node's 400 (bad
-input, prompt over the context) is the client's error and is passed back as is.
+`dispatch` walks the router's ranked nodes until one accepts the request (HTTP 200: the node has
+queued it): on a connection error, a 503, a node that cannot serve the model or refuses the
+gateway's credentials, it tries the next one. A node's 400 (bad input, prompt over the context) is
+the client's error and is passed back as is. The accepted stream (`NodeStream`) still fails over
+while no token has come: a node that breaks or answers an error event before its first token hands
+the request to the next node, unseen by the client. Once a token has come the request belongs to
+that node: a later failure becomes an error event for the client (app/api.py).
 """
 from __future__ import annotations
 
 import json
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Iterator
+from urllib.parse import urlsplit
 
 import urllib3
+from urllib3.connectionpool import connection_from_url
 
 from app.errors import APIError
 from app.inference import InferenceRequest
@@ -37,35 +40,108 @@ class NodeStreamError(Exception):
         self.code = code
 
 
-@dataclass
 class NodeStream:
-    """An open stream from one node, positioned after its first event."""
+    """The request's stream from the node that accepted it; before its first token, from the next
+    node when that one fails. `node` and `attempts` say where it is now."""
 
-    node: str
-    response: urllib3.BaseHTTPResponse
-    first_events: list[dict]
-    attempts: int
-    _lines: Iterator[bytes] | None = field(default=None, repr=False)
-    finished: bool = False   # the node's "done" event was read
+    def __init__(self, client: "NodeClient", req: InferenceRequest, candidates: list[str]) -> None:
+        self._client = client
+        self._req = req
+        self._candidates = iter(candidates[: client.config.max_attempts])
+        self._body = json.dumps(dict(req.to_node_payload(), stream=True)).encode()
+        self._headers = {"X-Node-Secret": client.config.secret, "X-Request-Id": req.node_request_id,
+                         "Accept": "text/event-stream", "Content-Type": "application/json"}
+        self._retry_after = 1
+        self._last = "no node answered"
+        self.node = ""
+        self.attempts = 0
+        self.response: urllib3.BaseHTTPResponse | None = None
+        self._lines: Iterator[bytes] | None = None
+        self.started = False     # a token (or the done event) was read: no failover from here on
+        self.finished = False    # the node's "done" event was read
+
+    def open_next(self) -> None:
+        """Send the request to the next candidate until one accepts it; APIError when none does."""
+        while True:
+            url = next(self._candidates, None)
+            if url is None:
+                raise APIError(503, f"No engine node could serve this request ({self._last}); retry "
+                                    f"shortly.", code="no_node_available",
+                               headers={"Retry-After": str(self._retry_after)})
+            self.attempts += 1
+            try:
+                resp = self._client.post_generate(url, self._body, self._headers)
+            except TRANSPORT_ERRORS as exc:
+                self._last = f"{url}: {exc.__class__.__name__}"
+                self._client.pool.mark_down(url, self._last)
+                self._failover(url, "connect_error")
+                continue
+            if resp.status == 200:
+                self.node, self.response, self._lines = url, resp, _lines(resp)
+                return
+            self._refused(url, resp)
+
+    def _refused(self, url: str, resp: urllib3.BaseHTTPResponse) -> None:
+        """A node's answer other than 200: note it and go on, or raise the client's own error."""
+        status = resp.status
+        err = _node_error(resp)
+        resp.close()
+        if status == 503:
+            try:
+                self._retry_after = max(self._retry_after, int(float(resp.headers.get("Retry-After", 1))))
+            except ValueError:
+                pass
+            self._last = f"{url}: busy ({err.get('message')})"
+            self._failover(url, "busy")
+        elif status == 404 or status >= 500:
+            self._last = f"{url}: {status} {err.get('message')}"
+            self._failover(url, f"http_{status}")
+        elif status == 401:
+            log.error("engine node refused the node secret", extra={
+                "event": "node_auth_failed", "node": url, "request_id": self._req.request_id})
+            self._last = f"{url}: refused the gateway's credentials"
+            self._failover(url, "auth")
+        else:   # the node says the request itself is bad: the client's error
+            raise APIError(status if 400 <= status < 500 else 400,
+                           str(err.get("message") or "invalid request"),
+                           param=err.get("param"), code=err.get("code"))
+
+    def _failover(self, url: str, reason: str) -> None:
+        log.warning("node attempt failed; trying the next node", extra={
+            "event": "failover", "node": url, "reason": reason, "request_id": self._req.request_id,
+            "org": self._req.org})
+        on_failover = getattr(self._client, "on_failover", None)
+        if on_failover is not None:
+            on_failover(url, reason)
 
     def events(self) -> Iterator[dict]:
-        """Every event: those already read, then the rest as they arrive.
+        """Every event as it arrives, PING included (the node's heartbeat while the request waits).
 
-        Raises NodeStreamError when the connection breaks or the node sends an error event.
+        Before the first token a broken stream moves to the next node (APIError when none is left);
+        after it, a broken stream or an error event raises NodeStreamError.
         """
-        for event in self.first_events:
-            self.finished = event.get("type") == "done"
-            yield event
-        if self.finished:
-            return
-        for event in _read_events(self._lines, self.node):
-            self.finished = event.get("type") == "done"
-            yield event
+        while True:
+            try:
+                for event in _read_events(self._lines, self.node):
+                    if event is not PING and event.get("type") in ("token", "done"):
+                        self.started = True
+                        self.finished = event["type"] == "done"
+                    yield event
+                return
+            except NodeStreamError as exc:
+                if self.started:
+                    raise
+                self.response.close()
+                self._last = f"{self.node}: {exc}"
+                self._failover(self.node, "broken_before_first_token")
+                self.open_next()
 
     def close(self) -> None:
         """Close the upstream stream. A finished one is read to its end first (a few bytes: the
         [DONE] line and the end of the chunked body), which gives its connection back to the pool
         for the next request; one closed early drops the connection, and the node aborts the sequence."""
+        if self.response is None:
+            return
         try:
             sock = getattr(self.response.connection, "sock", None)
             if self.finished and self._lines is not None and sock is not None:
@@ -152,94 +228,39 @@ class NodeClient:
     def __init__(self, pool: NodePool, pool_size: int = 32) -> None:
         self.pool = pool
         self.config = pool.config
-        self.http = urllib3.PoolManager(num_pools=max(4, len(self.config.urls)), maxsize=pool_size,
-                                        retries=False)
+        # One connection pool per configured node, looked up by its URL: urllib3's PoolManager would
+        # parse the URL and look its pool up again on every request.
+        self._connections = {url: (connection_from_url(url, maxsize=pool_size, retries=False),
+                                   urlsplit(url).path + "/v1/generate")
+                             for url in self.config.urls}
         self.timeout = urllib3.Timeout(connect=self.config.connect_timeout_s,
                                        read=self.config.read_timeout_s)
 
-    def close(self) -> None:
-        self.http.clear()
+    def post_generate(self, url: str, body: bytes, headers: dict) -> urllib3.BaseHTTPResponse:
+        """POST {url}/v1/generate, its body left unread (a stream)."""
+        connections, path = self._connections[url]
+        return connections.urlopen("POST", path, body=body, headers=headers, preload_content=False,
+                                   timeout=self.timeout, retries=False, redirect=False)
 
-    def dispatch(self, req: InferenceRequest, client_gone: Callable[[], bool] = lambda: False) -> NodeStream:
-        """Run `req` on the best node that takes it; APIError when none does, ClientGone when the
-        caller's client leaves first. The node always streams: a JSON answer is collected from the
-        stream (collect_result), so the gateway can watch its client the whole time and close the
-        node's stream — which aborts the sequence — when nobody is left to read it."""
+    def close(self) -> None:
+        for connections, _ in self._connections.values():
+            connections.close()
+
+    def dispatch(self, req: InferenceRequest) -> NodeStream:
+        """The stream of `req` from the best node that accepts it; APIError when none does.
+
+        It returns as soon as a node has queued the request, before its first token: a streaming
+        answer's headers then go out while the node computes, not after. The node always streams: a
+        JSON answer is collected from the stream (collect_result), so the gateway can watch its
+        client the whole time and close the node's stream — which aborts the sequence — when nobody
+        is left to read it."""
         ranked = self.pool.rank(req.model, req.inputs.estimated_tokens(), req.params.max_tokens)
         if not ranked:
             raise APIError(503, "No engine node is available to serve this request; retry shortly.",
                            code="no_node_available", headers={"Retry-After": "1"})
-        body = json.dumps(dict(req.to_node_payload(), stream=True)).encode()
-        headers = {"X-Node-Secret": self.config.secret, "X-Request-Id": req.node_request_id,
-                   "Accept": "text/event-stream", "Content-Type": "application/json"}
-        retry_after = 1
-        last = "no node answered"
-        attempts = 0
-        for score in ranked[: self.config.max_attempts]:
-            url = score.url
-            attempts += 1
-            try:
-                resp = self.http.request("POST", url + "/v1/generate", body=body, headers=headers,
-                                         preload_content=False, timeout=self.timeout)
-            except TRANSPORT_ERRORS as exc:
-                last = f"{url}: {exc.__class__.__name__}"
-                self.pool.mark_down(url, last)
-                self._failover(req, url, "connect_error")
-                continue
-            status = resp.status
-            if status == 200:
-                try:
-                    lines = _lines(resp)
-                    first = []
-                    for event in _read_events(lines, url):
-                        if event is PING:
-                            if client_gone():
-                                resp.close()
-                                raise ClientGone()
-                            continue
-                        first.append(event)
-                        if event.get("type") in ("token", "done"):
-                            break
-                    return NodeStream(url, resp, first, attempts, lines)
-                except (*TRANSPORT_ERRORS, ValueError, NodeStreamError) as exc:
-                    resp.close()
-                    last = f"{url}: {exc}"
-                    self._failover(req, url, "broken_before_first_token")
-                    continue
-            err = _node_error(resp)
-            resp.close()
-            if status == 503:
-                try:
-                    retry_after = max(retry_after, int(float(resp.headers.get("Retry-After", 1))))
-                except ValueError:
-                    pass
-                last = f"{url}: busy ({err.get('message')})"
-                self._failover(req, url, "busy")
-                continue
-            if status == 404 or status >= 500:
-                last = f"{url}: {status} {err.get('message')}"
-                self._failover(req, url, f"http_{status}")
-                continue
-            if status == 401:
-                log.error("engine node refused the node secret", extra={
-                    "event": "node_auth_failed", "node": url, "request_id": req.request_id})
-                last = f"{url}: refused the gateway's credentials"
-                self._failover(req, url, "auth")
-                continue
-            # The node says the request itself is bad: the client's error.
-            raise APIError(status if 400 <= status < 500 else 400,
-                           str(err.get("message") or "invalid request"),
-                           param=err.get("param"), code=err.get("code"))
-        raise APIError(503, f"No engine node could serve this request ({last}); retry shortly.",
-                       code="no_node_available", headers={"Retry-After": str(retry_after)})
-
-    def _failover(self, req: InferenceRequest, url: str, reason: str) -> None:
-        log.warning("node attempt failed; trying the next node", extra={
-            "event": "failover", "node": url, "reason": reason, "request_id": req.request_id,
-            "org": req.org})
-        on_failover = getattr(self, "on_failover", None)
-        if on_failover is not None:
-            on_failover(url, reason)
+        stream = NodeStream(self, req, [score.url for score in ranked])
+        stream.open_next()
+        return stream
 
 
 def collect_result(stream: NodeStream, client_gone: Callable[[], bool]) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import time
 
 import pytest
@@ -227,6 +228,46 @@ def test_client_disconnect_closes_the_node_stream(client, auth, node):
         time.sleep(0.02)
 
 
+def test_a_stream_starts_when_the_node_takes_the_request_not_at_its_first_token(client, auth, node):
+    """The headers (and the chat role chunk) go out while the node computes its first token."""
+    node.first_token_delay_s = 1.0
+    t0 = time.monotonic()
+    r = client.post(CHAT, headers=auth, json=chat_body(stream=True, max_tokens=3), buffered=False)
+    assert r.status_code == 200 and r.headers["x-ratelimit-limit-requests"]
+    it = iter(r.response)
+    opening = next(it)
+    assert time.monotonic() - t0 < 0.7, "the response waited for the first token"
+    assert json.loads(opening.decode()[len("data: "):])["choices"][0]["delta"]["role"] == "assistant"
+    rest = b"".join(it).decode()
+    r.close()
+    assert time.monotonic() - t0 >= 1.0
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in sse_events(rest)[:-1]
+                   if e["choices"])
+    assert text == "Hello, world"
+
+
+def test_a_client_that_leaves_before_the_first_token_closes_the_node_stream(client, auth, node):
+    """While the node computes, its heartbeats are the gateway's moments to look at its client."""
+    node.first_token_delay_s = 3.0
+    ours, theirs = socket.socketpair()   # the gateway's end of a client connection, and the client's
+    try:
+        r = client.post(CHAT, headers=auth, json=chat_body(stream=True, max_tokens=3), buffered=False,
+                        environ_overrides={"gunicorn.socket": ours})
+        it = iter(r.response)
+        next(it)                          # the role chunk: the stream has started
+        theirs.close()                    # the client goes away
+        t0 = time.monotonic()
+        assert b"".join(it) == b""        # the stream ends at the next heartbeat, with no tokens
+        assert time.monotonic() - t0 < 1.0
+        r.close()
+        deadline = time.monotonic() + 5
+        while node.client_disconnects < 1:
+            assert time.monotonic() < deadline, "the node never saw the disconnect"
+            time.sleep(0.02)
+    finally:
+        ours.close()
+
+
 # -- failover and stream errors ------------------------------------------------------------------
 
 @pytest.fixture
@@ -278,6 +319,27 @@ def test_stream_that_breaks_before_the_first_token_fails_over(two_nodes):
     events = sse_events(r.get_data(as_text=True))
     text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1] if e["choices"])
     assert text == "Hello, world" and len(second.received) == 1
+
+
+@pytest.mark.parametrize("knob", ["fail_after_tokens", "error_after_tokens"])
+def test_a_stream_every_node_fails_before_its_first_token_ends_with_an_error_event(two_nodes, knob):
+    """The headers went out when the first node took the request, so when no node is left the
+    stream carries the 503's error, and [DONE]."""
+    app, cfg, a, b = two_nodes
+    setattr(a, knob, 0)
+    setattr(b, knob, 0)
+    r = app.test_client().post(CHAT, headers=bearer(cfg), json=chat_body(stream=True, max_tokens=3))
+    assert r.status_code == 200
+    events = sse_events(r.get_data(as_text=True))
+    r.close()                                      # the request's bookkeeping runs at its close
+    assert events[-1] == "[DONE]"
+    err = events[-2]["error"]
+    assert err["code"] == "no_node_available" and err["type"] == "server_error"
+    assert not any(e["choices"][0]["delta"].get("content") for e in events[:-2] if e.get("choices"))
+    assert len(a.received) == 1 and len(b.received) == 1
+    metrics = app.test_client().get("/metrics", headers=METRICS_HEADERS).get_data(as_text=True)
+    assert 'reason="broken_before_first_token"' in metrics
+    assert 'zen_gateway_org_errors_total{org="acme",status="503"} 1.0' in metrics
 
 
 @pytest.mark.parametrize("knob", ["fail_after_tokens", "error_after_tokens"])

@@ -50,6 +50,8 @@ class StandInNode:
       fail_after_tokens: a stream breaks (connection dropped) after this many tokens
       error_after_tokens: a stream sends an error event after this many tokens
       token_delay_s: pause between streamed tokens; response_delay_s: before answering;
+      first_token_delay_s: a stream's pause between its headers and its first token (a prefill),
+        with an SSE comment (the node's heartbeat) every 50 ms of it
       trailer_delay_s: pause between the done event and the end of the stream
       state: fields merged over the default /state body
     Every generate payload is kept in `received` (and the connection it came on in
@@ -65,6 +67,7 @@ class StandInNode:
         self.fail_after_tokens: int | None = None
         self.error_after_tokens: int | None = None
         self.token_delay_s = 0.0
+        self.first_token_delay_s = 0.0
         self.response_delay_s = 0.0
         self.trailer_delay_s = 0.0   # between the done event and the end of the body
         self.state: dict[str, Any] = {}
@@ -248,6 +251,10 @@ class StandInNode:
                 self.end_headers()
                 sent = 0
                 try:
+                    until = time.monotonic() + node.first_token_delay_s
+                    while time.monotonic() < until:
+                        time.sleep(min(0.05, max(0.0, until - time.monotonic())))
+                        self._chunk(b": ping\n\n")
                     longest = max(len(t) for t, _ in choices) if choices else 0
                     for step in range(longest):
                         for i, (toks, _) in enumerate(choices):
