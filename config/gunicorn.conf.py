@@ -11,6 +11,8 @@ import os
 import shutil
 import tempfile
 
+from gunicorn.glogging import Logger
+
 from app.config import load_config
 
 _cfg = load_config()
@@ -23,6 +25,17 @@ timeout = 120            # heartbeat of the worker process, not a limit on strea
 graceful_timeout = 30
 keepalive = 5
 accesslog = None         # the app logs each request as JSON
+
+
+class GatewayLogger(Logger):
+    """gunicorn's logger without the access log. With logconfig_dict set, gunicorn would build an
+    access line's fields after every request only for the logger below to drop it."""
+
+    def access(self, resp, req, environ, request_time):
+        pass
+
+
+logger_class = GatewayLogger
 errorlog = "-"
 logconfig_dict = {       # gunicorn's own messages as JSON lines too
     "version": 1,
