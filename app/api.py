@@ -255,9 +255,9 @@ def _answer_stream(req: InferenceRequest, kind: str, outcome: NodeStream, reserv
             yield sse_error_event(f"The engine node failed during generation: {exc}",
                                   code="engine_error")
             yield SSE_DONE
-        except APIError as exc:   # every node failed before the first token
+        except APIError as exc:   # the node failed before the first token, and no other took over
             result["status"] = exc.status
-            log.warning("no engine node could finish the stream", extra={
+            log.warning("no engine node took the stream over", extra={
                 "event": "stream_error", "request_id": req.request_id, "org": req.org,
                 "error": exc.message})
             yield sse_error_event(exc.message, type=exc.type, code=exc.code)

@@ -239,8 +239,15 @@ class NodeClient:
     def post_generate(self, url: str, body: bytes, headers: dict) -> urllib3.BaseHTTPResponse:
         """POST {url}/v1/generate, its body left unread (a stream)."""
         connections, path = self._connections[url]
-        return connections.urlopen("POST", path, body=body, headers=headers, preload_content=False,
-                                   timeout=self.timeout, retries=False, redirect=False)
+        try:
+            return connections.urlopen("POST", path, body=body, headers=headers, preload_content=False,
+                                       timeout=self.timeout, retries=False, redirect=False)
+        except urllib3.exceptions.ProtocolError:
+            # "Connection aborted": most often a kept-alive connection the node closed (its idle
+            # timeout) just as it was reused, so the request never reached it. One fresh connection
+            # tells that from a node that is down, which must not be marked down for it.
+            return connections.urlopen("POST", path, body=body, headers=headers, preload_content=False,
+                                       timeout=self.timeout, retries=False, redirect=False)
 
     def close(self) -> None:
         for connections, _ in self._connections.values():

@@ -303,6 +303,23 @@ def test_failover_on_503_and_on_a_dead_node(two_nodes):
     assert "zen_gateway_node_failovers_total" in metrics and 'reason="busy"' in metrics
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_connection_the_node_closes_as_it_is_reused_is_retried_on_the_same_node(client, auth, node,
+                                                                                 stream):
+    """Not a failover: the node is up, and a single closed connection must not mark it down."""
+    node.drop_requests = 1
+    r = client.post(CHAT, headers=auth, json=chat_body(stream=stream, max_tokens=3))
+    assert r.status_code == 200
+    text = (r.get_json()["choices"][0]["message"]["content"] if not stream else
+            "".join(e["choices"][0]["delta"].get("content", "")
+                    for e in sse_events(r.get_data(as_text=True))[:-1] if e["choices"]))
+    assert text == "Hello, world" and len(node.received) == 2
+    pool = client.application.extensions["zen.nodes"].pool
+    assert not any(view.down for view in pool.snapshot())
+    metrics = client.get("/metrics", headers=METRICS_HEADERS).get_data(as_text=True)
+    assert "zen_gateway_node_failovers_total{" not in metrics
+
+
 def test_all_nodes_busy_is_a_503_with_retry_after(two_nodes):
     app, cfg, a, b = two_nodes
     a.busy = b.busy = True

@@ -50,6 +50,8 @@ class StandInNode:
       fail_after_tokens: a stream breaks (connection dropped) after this many tokens
       error_after_tokens: a stream sends an error event after this many tokens
       token_delay_s: pause between streamed tokens; response_delay_s: before answering;
+      drop_requests: this many generate requests are read and then answered by closing the
+        connection (what a kept-alive connection the node closes as it is reused looks like)
       first_token_delay_s: a stream's pause between its headers and its first token (a prefill),
         with an SSE comment (the node's heartbeat) every 50 ms of it
       trailer_delay_s: pause between the done event and the end of the stream
@@ -68,6 +70,7 @@ class StandInNode:
         self.error_after_tokens: int | None = None
         self.token_delay_s = 0.0
         self.first_token_delay_s = 0.0
+        self.drop_requests = 0
         self.response_delay_s = 0.0
         self.trailer_delay_s = 0.0   # between the done event and the end of the body
         self.state: dict[str, Any] = {}
@@ -205,6 +208,12 @@ class StandInNode:
                 with node._lock:
                     node.received.append(payload)
                     node.generate_peers.add(self.client_address)
+                    drop = node.drop_requests > 0
+                    node.drop_requests -= drop
+                if drop:
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
                 if node.response_delay_s:
                     time.sleep(node.response_delay_s)
                 if node.busy:
