@@ -1,12 +1,15 @@
 """The inference engine: paged KV cache, continuous batching, sampling, and the offline LLM API."""
-from engine.sampling import SamplingParams  # noqa: F401
 
 
 def __getattr__(name):
-    # LLM pulls in numba kernels; import it on first use so `import engine` stays light.
+    # LLM and SamplingParams pull in numba kernels; import them on first use so that `import engine`
+    # (and the gateway's `engine.connection`) stays light.
     if name in ("LLM", "RequestOutput", "CompletionOutput"):
         from engine import llm
         return getattr(llm, name)
+    if name == "SamplingParams":
+        from engine.sampling import SamplingParams
+        return SamplingParams
     raise AttributeError(name)
 
 

@@ -115,3 +115,16 @@ def test_catalog_resolves_aliases_and_enforces_tiers():
         assert err.value.param == "model"
     assert [m.alias for m in cat.visible_to(free)] == ["zen-small"]
     assert [m.alias for m in cat.visible_to(pro)] == ["zen-small", "zen-small-q8", "zen-small-f16"]
+
+
+def test_the_gateway_does_not_load_the_engine_kernels():
+    """A gateway worker needs engine.connection only: numba (and the kernels) would cost every worker
+    ~80 MB and seconds of start-up."""
+    import subprocess
+    import sys
+    code = ("import os, sys; os.environ['ZEN_NODES'] = 'http://127.0.0.1:9'; "
+            "from app import close_app, create_app; app = create_app(); close_app(app); "
+            "print(sorted(m for m in sys.modules if m == 'numba' or m.startswith('engine.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "['engine.connection']"
