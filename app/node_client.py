@@ -10,6 +10,7 @@ that node: a later failure becomes an error event for the client (app/api.py).
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -218,7 +219,7 @@ def _node_error(resp: urllib3.BaseHTTPResponse) -> dict:
 
 
 class NodeClient:
-    """HTTP to engine nodes: one connection pool per worker process.
+    """HTTP to engine nodes: in each worker process, one connection pool per node.
 
     urllib3 itself rather than requests on top of it: this is the gateway's hot path, and requests'
     session machinery (settings merged, hooks, cookies, a header dict rebuilt) doubled the CPU time
@@ -239,15 +240,16 @@ class NodeClient:
     def post_generate(self, url: str, body: bytes, headers: dict) -> urllib3.BaseHTTPResponse:
         """POST {url}/v1/generate, its body left unread (a stream)."""
         connections, path = self._connections[url]
+        send = functools.partial(connections.urlopen, "POST", path, body=body, headers=headers,
+                                 preload_content=False, timeout=self.timeout, retries=False,
+                                 redirect=False)
         try:
-            return connections.urlopen("POST", path, body=body, headers=headers, preload_content=False,
-                                       timeout=self.timeout, retries=False, redirect=False)
+            return send()
         except urllib3.exceptions.ProtocolError:
             # "Connection aborted": most often a kept-alive connection the node closed (its idle
             # timeout) just as it was reused, so the request never reached it. One fresh connection
             # tells that from a node that is down, which must not be marked down for it.
-            return connections.urlopen("POST", path, body=body, headers=headers, preload_content=False,
-                                       timeout=self.timeout, retries=False, redirect=False)
+            return send()
 
     def close(self) -> None:
         for connections, _ in self._connections.values():
