@@ -161,8 +161,10 @@ def _generate(body: Mapping[str, Any], kind: str) -> Response:
     try:
         outcome = _nodes().dispatch(req)
         if not req.stream:
-            result = collect_result(outcome, gone)
-            g.log_fields.update(node=outcome.node, node_attempts=outcome.attempts)
+            try:
+                result = collect_result(outcome, gone)
+            finally:
+                g.log_fields.update(node=outcome.node, node_attempts=outcome.attempts)
             return _answer_json(req, kind, outcome.node, result, reservation, logprobs_top, started)
     except ClientGone:
         _tokens().settle(reservation, 0)
@@ -222,10 +224,10 @@ def _answer_stream(req: InferenceRequest, kind: str, outcome: NodeStream, reserv
 
     def generate():
         last_token_at = None
-        # The headers (and the chat role chunk) go out now, as the node starts on the request: the
-        # response's set-up is done while the node computes, and the first token's path is short.
-        yield "".join(writer.start())
         try:
+            # The headers (and the chat role chunk) go out now, as the node starts on the request: the
+            # response's set-up is done while the node computes, and the first token's path is short.
+            yield "".join(writer.start())
             for event in outcome.events():
                 kind_ = event.get("type")
                 if kind_ == "token":
@@ -243,8 +245,8 @@ def _answer_stream(req: InferenceRequest, kind: str, outcome: NodeStream, reserv
                 elif kind_ == "done":
                     result["usage"] = usage_of(event.get("usage"))
                     yield "".join(writer.done(event))
-                elif event is PING and gone():
-                    result["status"] = "disconnect"   # left while the request waited for a node
+                elif event is PING and gone():   # the node's heartbeat: a moment to look at the client
+                    result["status"] = "disconnect"
                     return
             yield SSE_DONE
         except NodeStreamError as exc:
@@ -274,13 +276,18 @@ def _answer_stream(req: InferenceRequest, kind: str, outcome: NodeStream, reserv
         ended = time.perf_counter()
         outcome.close()
         usage = result["usage"]
-        if usage is None:
+        if usage is None and result["completion_tokens"] == 0:
+            # No token came (no node took the request over, or the client left first): like a
+            # request refused before its stream, it costs the org nothing.
+            usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+        elif usage is None:   # cut short after tokens: the prompt's estimate and what was streamed
             usage = {"prompt_tokens": req.inputs.estimated_tokens(),
                      "completion_tokens": result["completion_tokens"]}
             usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         tokens.settle(reservation, usage["total_tokens"])
-        metrics.usage(req.org, m.alias, usage["prompt_tokens"], usage["completion_tokens"])
-        metrics.latency(m.alias, req.latency_class.value, e2e_s=ended - started)
+        if usage["total_tokens"]:
+            metrics.usage(req.org, m.alias, usage["prompt_tokens"], usage["completion_tokens"])
+            metrics.latency(m.alias, req.latency_class.value, e2e_s=ended - started)
         metrics.request_done(req.org, endpoint, result["status"])
         log.info("request", extra={
             **log_fields, "node": outcome.node, "node_attempts": outcome.attempts,

@@ -341,7 +341,10 @@ def _sweep(ref: "weakref.ref[SweptMemoryStorage]", every_s: float) -> None:
         storage = ref()
         if storage is None:
             return
-        storage._MemoryStorage__expire_events()   # limits' own pruning (a name-mangled private method)
+        try:
+            storage._MemoryStorage__expire_events()   # limits' own pruning (a name-mangled private method)
+        except Exception:   # it can race with the request threads' own expiry (a key gone meanwhile)
+            log.debug("rate-limit sweep failed; the next one retries", exc_info=True)
         del storage
 
 

@@ -116,10 +116,11 @@ class NodeStream:
             on_failover(url, reason)
 
     def events(self) -> Iterator[dict]:
-        """Every event as it arrives, PING included (the node's heartbeat while the request waits).
+        """Every event as it arrives, PING included (the node's heartbeat while it has no token).
 
-        Before the first token a broken stream moves to the next node (APIError when none is left);
-        after it, a broken stream or an error event raises NodeStreamError.
+        Before the first token a broken stream moves to the next node (APIError when none is left or
+        the next one refuses the request); after it, a broken stream or an error event raises
+        NodeStreamError.
         """
         while True:
             try:
@@ -246,9 +247,11 @@ class NodeClient:
         try:
             return send()
         except urllib3.exceptions.ProtocolError:
-            # "Connection aborted": most often a kept-alive connection the node closed (its idle
-            # timeout) just as it was reused, so the request never reached it. One fresh connection
-            # tells that from a node that is down, which must not be marked down for it.
+            # "Connection aborted": almost always a kept-alive connection the node closed (its idle
+            # timeout) just as it was reused, so the request never reached it; the node is up and must
+            # not be marked down for it. The second send tells that from a node that is down (it is
+            # refused). Should the node have read the first copy after all, the second one meets its
+            # request id and is answered 409 duplicate_request_id: an error, never a second run.
             return send()
 
     def close(self) -> None:

@@ -307,13 +307,15 @@ def test_failover_on_503_and_on_a_dead_node(two_nodes):
 def test_a_connection_the_node_closes_as_it_is_reused_is_retried_on_the_same_node(client, auth, node,
                                                                                  stream):
     """Not a failover: the node is up, and a single closed connection must not mark it down."""
-    node.drop_requests = 1
+    assert client.post(CHAT, headers=auth, json=chat_body(max_tokens=1)).status_code == 200
+    node.drop_requests = 1            # the next request comes on the kept-alive connection: dropped
     r = client.post(CHAT, headers=auth, json=chat_body(stream=stream, max_tokens=3))
     assert r.status_code == 200
     text = (r.get_json()["choices"][0]["message"]["content"] if not stream else
             "".join(e["choices"][0]["delta"].get("content", "")
                     for e in sse_events(r.get_data(as_text=True))[:-1] if e["choices"]))
-    assert text == "Hello, world" and len(node.received) == 2
+    assert text == "Hello, world" and len(node.received) == 3
+    assert len(node.generate_peers) == 2          # the retry came on a new connection
     pool = client.application.extensions["zen.nodes"].pool
     assert not any(view.down for view in pool.snapshot())
     metrics = client.get("/metrics", headers=METRICS_HEADERS).get_data(as_text=True)

@@ -217,6 +217,31 @@ def test_failed_dispatch_gives_the_reservation_back(node):  # noqa: F811
         close_app(app)
 
 
+def test_a_stream_that_never_got_a_token_gives_the_reservation_back(node):  # noqa: F811
+    """Its 200 went out when the node took it, but the node failed before the first token (and no
+    other took over): it costs the org nothing, like a request refused before its stream."""
+    # The burst is one request's reservation (2 prompt tokens + 150): any charge would refuse the next.
+    cfg = make_config([node.url], tiers={"free": {"tokens_per_second": 0.001, "burst_tokens": 152}})
+    app = create_app(cfg)
+    try:
+        c = app.test_client()
+        h = bearer(cfg, "globex")
+        node.fail_after_tokens = 0
+        body = {"model": "zen-small", "prompt": "Say hi", "max_tokens": 150, "stream": True}
+        for _ in range(3):
+            r = c.post("/v1/completions", headers=h, json=body)
+            assert r.status_code == 200 and "no_node_available" in r.get_data(as_text=True)
+            r.close()
+        node.fail_after_tokens = None
+        r = c.post("/v1/completions", headers=h, json=body)
+        assert r.status_code == 200 and r.get_data(as_text=True).endswith("data: [DONE]\n\n")
+        r.close()
+        metrics = c.get("/metrics", headers=METRICS_HEADERS).get_data(as_text=True)
+        assert 'zen_gateway_org_errors_total{org="globex",status="503"} 3.0' in metrics
+    finally:
+        close_app(app)
+
+
 # -- Redis ----------------------------------------------------------------------------------------
 
 def test_redis_bucket_matches_the_arithmetic(redis_url):  # noqa: F811
