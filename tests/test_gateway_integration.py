@@ -42,6 +42,10 @@ def _client(stack, org="loadco"):
 
 def test_routes_to_the_node_with_the_model_resident_and_streams(stack):
     client = _client(stack)
+    # Both nodes idle: a node's utilization counts its last 10 s of steps (the warm-up after its load
+    # too, slow on a busy machine), and with the tiny model's measured cold load (~0.1 s) a
+    # utilization above ~0.1 would rightly send the request to the other node (beta = gamma = 1).
+    wait_until(lambda: all(s["utilization"] < 0.02 for s in _nodes(stack)), 30, "idle nodes")
     time.sleep(1.0)  # one poll of both nodes' state
     for _ in range(3):
         r = client.chat.completions.create(model="zen-tiny", messages=[{"role": "user", "content": "hi"}],
