@@ -111,9 +111,8 @@ class NodeStream:
         log.warning("node attempt failed; trying the next node", extra={
             "event": "failover", "node": url, "reason": reason, "request_id": self._req.request_id,
             "org": self._req.org})
-        on_failover = getattr(self._client, "on_failover", None)
-        if on_failover is not None:
-            on_failover(url, reason)
+        if self._client.on_failover is not None:
+            self._client.on_failover(url, reason)
 
     def events(self) -> Iterator[dict]:
         """Every event as it arrives, PING included (the node's heartbeat while it has no token).
@@ -237,6 +236,7 @@ class NodeClient:
                              for url in self.config.urls}
         self.timeout = urllib3.Timeout(connect=self.config.connect_timeout_s,
                                        read=self.config.read_timeout_s)
+        self.on_failover: Callable[[str, str], None] | None = None   # (node, reason): the gateway's metric
 
     def post_generate(self, url: str, body: bytes, headers: dict) -> urllib3.BaseHTTPResponse:
         """POST {url}/v1/generate, its body left unread (a stream)."""
