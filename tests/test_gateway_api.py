@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from app import close_app, create_app
+from app import close_app, create_app, node_client, responses
 from tests.test_gateway_support import (METRICS_HEADERS, MODEL_ID, TOKENS, StandInNode, auth, bearer,  # noqa: F401
                                         client, gateway, make_config, node)
 
@@ -322,6 +322,35 @@ def test_a_connection_the_node_closes_as_it_is_reused_is_retried_on_the_same_nod
     assert "zen_gateway_node_failovers_total{" not in metrics
 
 
+def test_a_kept_alive_connection_the_node_closed_while_idle_is_not_used_again(client, auth, node,
+                                                                              monkeypatch):
+    """A connection the node closed after its last request (its keep-alive timeout) is seen to be
+    closed before the next request would be written to it: one send, on a new connection."""
+    sends = []
+    real_send = node_client._send
+    monkeypatch.setattr(node_client, "_send", lambda conn, *a: sends.append(conn) or real_send(conn, *a))
+    node.close_after_stream = True
+    for _ in range(2):
+        with client.post(CHAT, headers=auth, json=chat_body(stream=True, max_tokens=3)) as r:
+            assert r.status_code == 200 and sse_events(r.get_data(as_text=True))[-1] == "[DONE]"
+        time.sleep(0.05)              # the node's FIN has arrived before the next request
+    assert len(sends) == 2 and sends[0] is not sends[1]
+    assert len(node.received) == 2 and len(node.generate_peers) == 2
+    assert not any(view.down for view in client.application.extensions["zen.nodes"].pool.snapshot())
+
+
+def test_an_idle_connection_is_open_until_the_peer_closes_it_or_sends_out_of_turn():
+    for peer_does in ("nothing", "close", "send"):
+        a, b = socket.socketpair()
+        with a, b:
+            if peer_does == "close":
+                b.close()
+            elif peer_does == "send":
+                b.sendall(b"HTTP/1.1 408 Request Timeout\r\n\r\n")
+            assert node_client._still_open(a) == (peer_does == "nothing"), peer_does
+    assert not node_client._still_open(None)
+
+
 def test_all_nodes_busy_is_a_503_with_retry_after(two_nodes):
     app, cfg, a, b = two_nodes
     a.busy = b.busy = True
@@ -600,3 +629,17 @@ def test_logs_are_json_with_request_id_and_org(node):
         assert done[rid]["model"] == "zen-small" and done[rid]["node"] == node.url
         assert done[rid]["path"] == CHAT and done[rid]["duration_ms"] > 0
     assert done["trace-43"]["completion_tokens"] == 2 and done["trace-43"]["stream"] is True
+
+
+@pytest.mark.parametrize("kind", [responses.CHAT, responses.COMPLETIONS])
+def test_a_token_chunk_is_its_full_serialisation(kind):
+    """The token chunk is built from a per-choice template around the text: byte for byte what
+    serialising the whole chunk gives, for every choice and for text JSON must escape."""
+    writer = responses.ChunkWriter(kind, "req_1", "zen-small", MODEL_ID, "q4_1", 2, True, None)
+    for index, text in [(0, "Hé \"quoted\"\n\\ \u2028 😀"), (1, "\x00text\x00"), (0, ""), (1, "</s>")]:
+        choice = ({"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
+                  if kind == responses.CHAT else
+                  {"index": index, "text": text, "logprobs": None, "finish_reason": None})
+        assert writer.token({"index": index, "text": text}) == responses.sse(
+            {"id": writer.id, "object": writer.object, "created": writer.created, "model": "zen-small",
+             "system_fingerprint": writer.fingerprint, "choices": [choice], "usage": None})

@@ -55,6 +55,8 @@ class StandInNode:
       first_token_delay_s: a stream's pause between its headers and its first token (a prefill),
         with an SSE comment (the node's heartbeat) every 50 ms of it
       trailer_delay_s: pause between the done event and the end of the stream
+      close_after_stream: close each connection once its stream ended (as a node's keep-alive
+        timeout closes an idle one)
       state: fields merged over the default /state body
     Every generate payload is kept in `received` (and the connection it came on in
     `generate_peers`); streams cut by the client count in `client_disconnects`.
@@ -73,6 +75,7 @@ class StandInNode:
         self.drop_requests = 0
         self.response_delay_s = 0.0
         self.trailer_delay_s = 0.0   # between the done event and the end of the body
+        self.close_after_stream = False
         self.state: dict[str, Any] = {}
         self.received: list[dict] = []
         self.client_disconnects = 0
@@ -292,6 +295,7 @@ class StandInNode:
                     if node.trailer_delay_s:
                         time.sleep(node.trailer_delay_s)
                     self._chunk(b"")
+                    self.close_connection = node.close_after_stream
                 except (BrokenPipeError, ConnectionResetError):
                     with node._lock:
                         node.client_disconnects += 1
