@@ -18,6 +18,13 @@ def sse(data: Any) -> str:
     return "data: " + json.dumps(data, separators=(",", ":"), ensure_ascii=False) + "\n\n"
 
 
+def _text(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+_TEXT_MARK = "\x00text\x00"   # stands for the text in the serialised chunk: no id or model name holds it
+
+
 SSE_DONE = "data: [DONE]\n\n"
 
 
@@ -134,6 +141,12 @@ class ChunkWriter:
         self.logprobs_top = logprobs_top
         self.text_offsets = [0] * n
         self.finished: set[int] = set()
+        self._plain: dict[int, tuple[str, str]] = {}   # index -> the chunk around its text
+
+    def _plain_choice(self, index: int, text: str) -> dict:
+        if self.kind == CHAT:
+            return {"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": None}
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> str:
         out = {"id": self.id, "object": self.object, "created": self.created,
@@ -152,20 +165,25 @@ class ChunkWriter:
     def token(self, event: dict) -> str:
         index = int(event.get("index", 0))
         text = str(event.get("text", ""))
-        lp = None
         entry = event.get("logprobs")
-        if self.logprobs_top is not None and isinstance(entry, dict):
-            if self.kind == CHAT:
-                lp = {"content": chat_logprob_content([entry], self.logprobs_top)}
-            else:
-                lp = completion_logprobs([entry], self.logprobs_top,
-                                         self.text_offsets[index] if index < self.n else 0)
+        with_logprobs = self.logprobs_top is not None and isinstance(entry, dict)
+        offset = self.text_offsets[index] if index < self.n else 0
         if index < self.n:
             self.text_offsets[index] += len(text)
+        if not with_logprobs:
+            # The same chunk every time but for its text: serialised once per choice, then only the
+            # text is encoded (once per token per stream, this is the gateway's hottest line).
+            around = self._plain.get(index)
+            if around is None:
+                head, _, tail = self._chunk([self._plain_choice(index, _TEXT_MARK)]).partition(
+                    _text(_TEXT_MARK))
+                around = self._plain[index] = (head, tail)
+            return around[0] + _text(text) + around[1]
         if self.kind == CHAT:
-            choice = {"index": index, "delta": {"content": text}, "logprobs": lp,
-                      "finish_reason": None}
+            lp = {"content": chat_logprob_content([entry], self.logprobs_top)}
+            choice = {"index": index, "delta": {"content": text}, "logprobs": lp, "finish_reason": None}
         else:
+            lp = completion_logprobs([entry], self.logprobs_top, offset)
             choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": None}
         return self._chunk([choice])
 
