@@ -416,17 +416,19 @@ def init_limits(app: Flask, config: GatewayConfig) -> Limiter:
     def _add_limit_headers(response: Response) -> Response:
         # The requests-per-minute state is read here, not before the view: a stream's headers go out
         # while the node computes, so this read (a Redis round trip) is off the first token's path.
+        headers = dict(g.get("token_limit_headers", {}))
         current = limiter.current_limit if g.get("caller") is not None else None
         if current is not None:
             try:
-                headers = request_headers(current.limit.amount, current.remaining,
-                                          current.reset_at - time.time())
+                headers.update(request_headers(current.limit.amount, current.remaining,
+                                               current.reset_at - time.time()))
             except Exception:  # storage trouble: headers are best effort
-                headers = {}
-            for key, value in headers.items():
-                response.headers.setdefault(key, value)
-        for key, value in g.get("token_limit_headers", {}).items():
-            response.headers.setdefault(key, value)
+                pass
+        if headers:
+            # Those an error response set already stay; one pass over the response's headers (a
+            # setdefault each would scan them all six times).
+            present = {key.lower() for key in response.headers.keys()}
+            response.headers.extend((k, v) for k, v in headers.items() if k not in present)
         return response
 
     @app.errorhandler(RateLimitExceeded)
