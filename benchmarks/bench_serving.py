@@ -21,10 +21,9 @@ first and is excluded from every figure; its count is reported.
 
 Gateway overhead: the same requests are sent straight to the engine node (POST /v1/generate with the
 node secret) and through the gateway, with the same raw HTTP client (httpx, so the client's own cost
-is the same on both paths), at the same concurrency: each prompt goes straight to the node and through
-the gateway back to back (which path goes first alternates from round to round), so that the two
-requests of a pair meet the same machine load and drift between them cancels; p50/p90/p99 of the
-per-pair difference of TTFT and of end-to-end latency are reported (greedy decoding with ignore_eos: both paths
+is the same on both paths), at the same concurrency, in alternating direct and gateway passes (which
+path goes first alternates too); requests are paired by position, and p50/p90/p99 of the per-pair
+difference of TTFT and of end-to-end latency are reported (greedy decoding with ignore_eos: both paths
 generate the same number of tokens, which is checked). An unmeasured pass first puts the prompts in
 the node's prefix cache, so that prefill, whose time varies far more than the gateway's own cost, is
 the same short recomputation of the prompt's last block on both paths.
@@ -338,10 +337,9 @@ async def raw_stream(client, url: str, body: dict, headers: dict, gateway: bool)
         return {"ok": False, "error": f"{exc.__class__.__name__}: {str(exc)[:200]}"}
 
 
-async def overhead_pass(client, prompts: list[dict], concurrency: int, first, second=None) -> list[tuple]:
-    """Every prompt through first(p) then, at once, second(p) (each p -> coroutine), `concurrency`
-    prompts at a time: [(first's result, second's result)] in prompt order."""
-    results: list[tuple | None] = [None] * len(prompts)
+async def overhead_pass(client, prompts: list[dict], concurrency: int, make) -> list[dict]:
+    """Run make(p) -> coroutine for every prompt, `concurrency` at a time, results in prompt order."""
+    results: list[dict | None] = [None] * len(prompts)
     nxt = 0
 
     async def worker() -> None:
@@ -349,8 +347,7 @@ async def overhead_pass(client, prompts: list[dict], concurrency: int, first, se
         while nxt < len(prompts):
             i = nxt
             nxt += 1
-            a = await first(prompts[i])
-            results[i] = (a, await second(prompts[i]) if second is not None else None)
+            results[i] = await make(prompts[i])
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     return results  # type: ignore[return-value]
@@ -378,11 +375,14 @@ async def measure_overhead(args, base_url: str, token: str, node_url: str, node_
         # the prompt's last partial block on both.
         await overhead_pass(client, prompts, concurrency, direct)
         pairs = []
-        for r in range(rounds):          # alternate which path goes first: what follows a request
-            if r % 2 == 0:               # (the node's idle wake-up, say) then hits both alike
-                pairs += await overhead_pass(client, prompts, concurrency, direct, through)
+        for r in range(rounds):          # alternate which path goes first, so drift hits both alike
+            if r % 2 == 0:
+                d = await overhead_pass(client, prompts, concurrency, direct)
+                g = await overhead_pass(client, prompts, concurrency, through)
             else:
-                pairs += [(d, g) for g, d in await overhead_pass(client, prompts, concurrency, through, direct)]
+                g = await overhead_pass(client, prompts, concurrency, through)
+                d = await overhead_pass(client, prompts, concurrency, direct)
+            pairs += list(zip(d, g))
     good = [(d, g) for d, g in pairs if d["ok"] and g["ok"]]
     return {
         "concurrency": concurrency, "rounds": rounds, "max_tokens": mt,
@@ -608,10 +608,10 @@ def build_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--node-secret", default=None, help="default $NODE_SECRET or the development secret")
     ap.add_argument("--no-overhead", action="store_true", help="skip the gateway-overhead measurement")
     ap.add_argument("--overhead-concurrency", default="1,16")
-    ap.add_argument("--overhead-requests", type=int, default=64, help="prompts per overhead round")
+    ap.add_argument("--overhead-requests", type=int, default=64, help="requests per overhead pass")
     ap.add_argument("--overhead-rounds", type=int, default=4,
-                    help="rounds of direct/gateway pairs per level, one pair per prompt (the median of a ~2 ms "
-                         "difference between two TTFTs that each vary by tens of ms needs the 256 pairs)")
+                    help="direct/gateway pass pairs per level (the median of a ~2 ms difference between "
+                         "two TTFTs that each vary by tens of ms needs the 256 pairs)")
     ap.add_argument("--overhead-max-tokens", type=int, default=16)
     ap.add_argument("--start", action="store_true", help="start an engine node and a gateway, stop them after")
     ap.add_argument("--model-path", default=str(DEFAULT_MODEL_PATH), help="model of the node --start starts")
