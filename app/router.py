@@ -32,7 +32,8 @@ from app.config import NodesConfig, RoutingConfig
 
 log = logging.getLogger("zen.gateway")
 
-# What breaks a connection to a node, or a stream from it (urllib3's own errors, and those it passes on).
+# What breaks a connection to a node, or a stream from it: urllib3's errors (the state poller),
+# http.client's (requests and streams) and the socket's.
 TRANSPORT_ERRORS = (urllib3.exceptions.HTTPError, http.client.HTTPException, OSError)
 
 
