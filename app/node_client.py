@@ -174,6 +174,7 @@ def _lines(resp: http.client.HTTPResponse) -> Iterator[bytes]:
         pending = lines.pop()
         for line in lines:
             yield line.rstrip(b"\r")
+    resp.read()   # a body with a Content-Length is marked read only so (chunked ones already are)
     if pending:
         yield pending
 
@@ -236,6 +237,7 @@ class NodeConnections:
         self.size = size
         self.connect_timeout_s, self.read_timeout_s = connect_timeout_s, read_timeout_s
         self._idle: list[http.client.HTTPConnection] = []
+        self._closed = False
         self._lock = threading.Lock()
 
     def take(self) -> tuple[http.client.HTTPConnection, bool]:
@@ -263,13 +265,15 @@ class NodeConnections:
 
     def give_back(self, conn: http.client.HTTPConnection) -> None:
         with self._lock:
-            if len(self._idle) < self.size:
+            if not self._closed and len(self._idle) < self.size:
                 self._idle.append(conn)
                 return
         conn.close()
 
     def close(self) -> None:
+        """Close the idle connections, and those of requests still running as they end."""
         with self._lock:
+            self._closed = True
             idle, self._idle = self._idle, []
         for conn in idle:
             conn.close()
@@ -304,9 +308,9 @@ class NodeClient:
         conn, kept_alive = connections.take()
         try:
             return conn, _send(conn, connections.path, body, headers)
-        except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+        except BaseException as exc:
             conn.close()
-            if not kept_alive:
+            if not (kept_alive and isinstance(exc, (ConnectionResetError, BrokenPipeError))):
                 raise
         # The node closed the kept-alive connection (its idle timeout) just as it was reused, so the
         # request never reached it; the node is up and must not be marked down for it. A fresh

@@ -22,7 +22,7 @@ def _text(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-_TEXT_MARK = "\x00text\x00"   # stands for the text in the serialised chunk: no id or model name holds it
+_TEXT_MARK = "\x00text\x00"   # stands for the text in the serialised chunk
 
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -175,7 +175,8 @@ class ChunkWriter:
             # text is encoded (once per token per stream, this is the gateway's hottest line).
             around = self._plain.get(index)
             if around is None:
-                head, _, tail = self._chunk([self._plain_choice(index, _TEXT_MARK)]).partition(
+                # the text is the chunk's last string: only constants and the usage follow it
+                head, _, tail = self._chunk([self._plain_choice(index, _TEXT_MARK)]).rpartition(
                     _text(_TEXT_MARK))
                 around = self._plain[index] = (head, tail)
             return around[0] + _text(text) + around[1]

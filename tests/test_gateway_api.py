@@ -2,9 +2,12 @@
 to the node, failover, stream errors, bad input, error shapes, metrics and logs."""
 from __future__ import annotations
 
+import http.client
 import json
 import logging
+import select
 import socket
+import threading
 import time
 
 import pytest
@@ -326,17 +329,60 @@ def test_a_kept_alive_connection_the_node_closed_while_idle_is_not_used_again(cl
                                                                               monkeypatch):
     """A connection the node closed after its last request (its keep-alive timeout) is seen to be
     closed before the next request would be written to it: one send, on a new connection."""
-    sends = []
-    real_send = node_client._send
+    sends, checks = [], []
+    real_send, real_still_open = node_client._send, node_client._still_open
     monkeypatch.setattr(node_client, "_send", lambda conn, *a: sends.append(conn) or real_send(conn, *a))
+    monkeypatch.setattr(node_client, "_still_open",
+                        lambda sock: checks.append(real_still_open(sock)) or checks[-1])
     node.close_after_stream = True
-    for _ in range(2):
-        with client.post(CHAT, headers=auth, json=chat_body(stream=True, max_tokens=3)) as r:
-            assert r.status_code == 200 and sse_events(r.get_data(as_text=True))[-1] == "[DONE]"
-        time.sleep(0.05)              # the node's FIN has arrived before the next request
-    assert len(sends) == 2 and sends[0] is not sends[1]
+    with client.post(CHAT, headers=auth, json=chat_body(stream=True, max_tokens=3)) as r:
+        assert r.status_code == 200 and sse_events(r.get_data(as_text=True))[-1] == "[DONE]"
+    (kept,) = client.application.extensions["zen.nodes"]._connections[node.url]._idle
+    poller = select.poll()
+    poller.register(kept.sock, select.POLLIN)
+    assert poller.poll(5000), "the node did not close the connection"
+    with client.post(CHAT, headers=auth, json=chat_body(stream=True, max_tokens=3)) as r:
+        assert r.status_code == 200 and sse_events(r.get_data(as_text=True))[-1] == "[DONE]"
+    assert checks == [False]
+    assert len(sends) == 2 and sends[0] is kept and sends[1] is not kept
     assert len(node.received) == 2 and len(node.generate_peers) == 2
     assert not any(view.down for view in client.application.extensions["zen.nodes"].pool.snapshot())
+
+
+def test_a_node_answer_that_is_not_http_closes_its_connection(client, auth, monkeypatch):
+    """Whatever breaks the first send (here a status line that is not HTTP) closes the connection it
+    used; only a kept-alive connection found closed is retried."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+    def answer_garbage():
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"garbage\r\n\r\n")
+            conn.recv(1)          # until the gateway closes its end
+
+    threading.Thread(target=answer_garbage, daemon=True).start()
+    connections = node_client.NodeConnections(url, 4, 2.0, 5.0)
+    opened = []
+    real_connect = connections.connect
+    monkeypatch.setattr(connections, "connect", lambda: opened.append(real_connect()) or opened[-1])
+    nodes = client.application.extensions["zen.nodes"]
+    monkeypatch.setitem(nodes._connections, url, connections)
+    with listener, pytest.raises(http.client.BadStatusLine):
+        nodes.post_generate(url, b"{}", {"Content-Type": "application/json"})
+    assert len(opened) == 1 and opened[0].sock is None and connections._idle == []
+
+
+def test_a_connection_given_back_after_the_pool_closed_is_closed():
+    connections = node_client.NodeConnections("http://127.0.0.1:1", 4, 1.0, 1.0)
+    a, b = socket.socketpair()
+    with b:
+        conn = http.client.HTTPConnection("127.0.0.1", 1)
+        conn.sock = a
+        connections.close()
+        connections.give_back(conn)
+        assert connections._idle == [] and conn.sock is None and a.fileno() == -1
 
 
 def test_an_idle_connection_is_open_until_the_peer_closes_it_or_sends_out_of_turn():
@@ -631,15 +677,21 @@ def test_logs_are_json_with_request_id_and_org(node):
     assert done["trace-43"]["completion_tokens"] == 2 and done["trace-43"]["stream"] is True
 
 
+@pytest.mark.parametrize("include_usage", [True, False])
 @pytest.mark.parametrize("kind", [responses.CHAT, responses.COMPLETIONS])
-def test_a_token_chunk_is_its_full_serialisation(kind):
-    """The token chunk is built from a per-choice template around the text: byte for byte what
-    serialising the whole chunk gives, for every choice and for text JSON must escape."""
-    writer = responses.ChunkWriter(kind, "req_1", "zen-small", MODEL_ID, "q4_1", 2, True, None)
-    for index, text in [(0, "Hé \"quoted\"\n\\ \u2028 😀"), (1, "\x00text\x00"), (0, ""), (1, "</s>")]:
-        choice = ({"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
-                  if kind == responses.CHAT else
-                  {"index": index, "text": text, "logprobs": None, "finish_reason": None})
-        assert writer.token({"index": index, "text": text}) == responses.sse(
-            {"id": writer.id, "object": writer.object, "created": writer.created, "model": "zen-small",
-             "system_fingerprint": writer.fingerprint, "choices": [choice], "usage": None})
+def test_a_token_chunk_is_its_full_serialisation(kind, include_usage):
+    """The token chunk is built from a per-choice template around its text: byte for byte what
+    serialising the whole chunk gives, for every choice, for text JSON must escape, and for a model
+    name that holds the template's own marker."""
+    marker = "\x00text\x00"
+    for alias in ("zen-small", marker, '"' + marker):
+        writer = responses.ChunkWriter(kind, "req_1", alias, MODEL_ID, "q4_1", 2, include_usage, None)
+        for index, text in [(0, "Hé \"quoted\"\n\\ \u2028 😀"), (1, marker), (0, ""), (1, "</s>")]:
+            choice = ({"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
+                      if kind == responses.CHAT else
+                      {"index": index, "text": text, "logprobs": None, "finish_reason": None})
+            chunk = {"id": writer.id, "object": writer.object, "created": writer.created, "model": alias,
+                     "system_fingerprint": writer.fingerprint, "choices": [choice]}
+            if include_usage:
+                chunk["usage"] = None
+            assert writer.token({"index": index, "text": text}) == responses.sse(chunk)
