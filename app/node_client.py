@@ -306,23 +306,19 @@ class NodeClient:
         Hand both back with `release`."""
         connections = self._connections[url]
         conn, kept_alive = connections.take()
-        try:
-            return conn, _send(conn, connections.path, body, headers)
-        except BaseException as exc:
-            conn.close()
-            if not (kept_alive and isinstance(exc, (ConnectionResetError, BrokenPipeError))):
-                raise
-        # The node closed the kept-alive connection (its idle timeout) just as it was reused, so the
-        # request never reached it; the node is up and must not be marked down for it. A fresh
-        # connection tells that from a node that is down (it is refused). Should the node have read
-        # the first copy after all, the second meets its request id and is answered 409
-        # duplicate_request_id: an error, never a second run.
-        conn = connections.connect()
-        try:
-            return conn, _send(conn, connections.path, body, headers)
-        except BaseException:
-            conn.close()
-            raise
+        while True:
+            try:
+                return conn, _send(conn, connections.path, body, headers)
+            except BaseException as exc:
+                conn.close()
+                if not (kept_alive and isinstance(exc, (ConnectionResetError, BrokenPipeError))):
+                    raise
+            # The node closed the kept-alive connection (its idle timeout) just as it was reused, so
+            # the request never reached it; the node is up and must not be marked down for it. A
+            # fresh connection tells that from a node that is down (it is refused). Should the node
+            # have read the first copy after all, the second meets its request id and is answered 409
+            # duplicate_request_id: an error, never a second run.
+            conn, kept_alive = connections.connect(), False
 
     def release(self, url: str, conn: http.client.HTTPConnection, resp: http.client.HTTPResponse,
                 reuse: bool = True) -> None:

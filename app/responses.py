@@ -143,10 +143,10 @@ class ChunkWriter:
         self.finished: set[int] = set()
         self._plain: dict[int, tuple[str, str]] = {}   # index -> the chunk around its text
 
-    def _plain_choice(self, index: int, text: str) -> dict:
+    def _token_choice(self, index: int, text: str, logprobs: dict | None) -> dict:
         if self.kind == CHAT:
-            return {"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": None}
+            return {"index": index, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": None}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> str:
         out = {"id": self.id, "object": self.object, "created": self.created,
@@ -176,17 +176,15 @@ class ChunkWriter:
             around = self._plain.get(index)
             if around is None:
                 # the text is the chunk's last string: only constants and the usage follow it
-                head, _, tail = self._chunk([self._plain_choice(index, _TEXT_MARK)]).rpartition(
+                head, _, tail = self._chunk([self._token_choice(index, _TEXT_MARK, None)]).rpartition(
                     _text(_TEXT_MARK))
                 around = self._plain[index] = (head, tail)
             return around[0] + _text(text) + around[1]
         if self.kind == CHAT:
             lp = {"content": chat_logprob_content([entry], self.logprobs_top)}
-            choice = {"index": index, "delta": {"content": text}, "logprobs": lp, "finish_reason": None}
         else:
             lp = completion_logprobs([entry], self.logprobs_top, offset)
-            choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": None}
-        return self._chunk([choice])
+        return self._chunk([self._token_choice(index, text, lp)])
 
     def done(self, event: dict) -> list[str]:
         """Closing chunks: each choice's finish reason, then usage if asked for."""
