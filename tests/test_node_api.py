@@ -262,3 +262,17 @@ def test_disconnect_aborts_non_streaming_request(node):
     m = scrape(node)
     assert metric(m, "zen_node_request_success_total", finished_reason="abort", org="impatient") == 1
     assert metric(m, "zen_node_generation_tokens_total", org="impatient") < 4000
+
+
+def test_openmp_spin_default_leaves_the_operators_choice():
+    from engine.server import OPENMP_SPINCOUNT, openmp_spin_default
+
+    env: dict = {}
+    openmp_spin_default(env)
+    assert env == {"GOMP_SPINCOUNT": OPENMP_SPINCOUNT}
+    env = {"GOMP_SPINCOUNT": "7"}
+    openmp_spin_default(env)
+    assert env == {"GOMP_SPINCOUNT": "7"}
+    env = {"OMP_WAIT_POLICY": "passive"}   # libgomp would take a spin count over the policy
+    openmp_spin_default(env)
+    assert env == {"OMP_WAIT_POLICY": "passive"}
