@@ -24,7 +24,6 @@ import argparse
 import http.client
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -34,7 +33,7 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_serving import Service, free_port, log, machine_info, wait_http  # noqa: E402
+from benchmarks.bench_serving import Service, dist, free_port, log, machine_info, wait_http  # noqa: E402
 
 MODEL_ID, QUANTIZATION, ALIAS = "SmolLM2-135M-Instruct", "q4_1", "zen-small"
 
@@ -137,11 +136,6 @@ class Endpoint:
         return sample
 
 
-def pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
 def run(args) -> dict:
     node_port, gw_port = free_port(), free_port()
     secret = "bench-gateway-hop"
@@ -185,11 +179,9 @@ def run(args) -> dict:
                          "max_tokens": args.max_tokens},
               "meta": machine_info(), "parts": {}}
     for part in ("ttft", "before", "compute", "after"):
-        dv = [d[part] * 1e3 for d, _ in pairs]
-        gv = [g[part] * 1e3 for _, g in pairs]
-        diff = [g - d for d, g in zip(dv, gv)]
-        result["parts"][part] = {"direct_p50_ms": statistics.median(dv), "gateway_p50_ms": statistics.median(gv),
-                                 "diff_p50_ms": statistics.median(diff), "diff_p90_ms": pct(diff, 0.9)}
+        result["parts"][part] = {"direct_ms": dist([d[part] for d, _ in pairs], 1e3),
+                                 "gateway_ms": dist([g[part] for _, g in pairs], 1e3),
+                                 "diff_ms": dist([g[part] - d[part] for d, g in pairs], 1e3)}
     return result
 
 
@@ -204,10 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args)
     names = {"ttft": "time to first token", "before": "  before the node", "compute": "  at the node (compute)",
              "after": "  after the node (relay)"}
-    print(f"{'':28s} {'direct':>9s} {'gateway':>9s} {'diff p50':>9s} {'diff p90':>9s}  (ms, {args.pairs} pairs)")
+    print(f"{'(medians; the difference per pair)':34s} {'direct':>9s} {'gateway':>9s} {'diff p50':>9s} "
+          f"{'diff p90':>9s}  (ms, {args.pairs} pairs)")
     for part, r in result["parts"].items():
-        print(f"{names[part]:28s} {r['direct_p50_ms']:9.3f} {r['gateway_p50_ms']:9.3f} {r['diff_p50_ms']:9.3f} "
-              f"{r['diff_p90_ms']:9.3f}")
+        print(f"{names[part]:34s} {r['direct_ms']['p50']:9.3f} {r['gateway_ms']['p50']:9.3f} "
+              f"{r['diff_ms']['p50']:9.3f} {r['diff_ms']['p90']:9.3f}")
     sys.stdout.flush()
     Path(args.output).write_text(json.dumps(result, indent=2))
     log(f"wrote {args.output}")
