@@ -69,6 +69,7 @@ gpu-check: install model
 bench-engine: install model
 	$(VPY) benchmarks/bench_engine.py
 	$(VPY) benchmarks/bench_batching.py
+	$(VPY) benchmarks/bench_resident_models.py
 
 # First the peers' workload (short prompts, 64 output tokens: how llama.cpp's server was measured),
 # then the shipped prompt mix (a quarter long prompts, 32-128 output tokens).

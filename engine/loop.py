@@ -1,7 +1,8 @@
-"""EngineLoop: one thread owns an Engine and steps it; other threads submit requests and read streams.
+"""EngineLoop: a step thread owns an Engine and steps it; other threads submit requests and read streams.
 
 Requests and aborts reach the loop through a command queue and are applied between steps, so the
-engine, its scheduler and its block pool are only ever touched by the loop thread.
+engine, its scheduler and its block pool are only ever touched by the step thread. A StepThread can
+step several loops in turn: a node's CPU models share one (see StepThread).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ log = logging.getLogger("engine.loop")
 # on the 2-core machine: median TTFT at concurrency 1 down ~2.5 ms, and 16 streams through the gateway
 # 5-9% more tokens/s (the writes no longer wait a step behind the kernels).
 STREAM_YIELD_S = 0.0002
+IDLE_WAIT_S = 0.05     # an idle step thread looks at its loops this often even unwoken (stop, share_cpu)
 
 
 class RequestStream:
@@ -71,21 +73,22 @@ class RequestStream:
 class EngineLoop:
     stream_yield_s = STREAM_YIELD_S
 
-    def __init__(self, engine: Engine, name: str | None = None):
+    def __init__(self, engine: Engine, name: str | None = None, thread: "StepThread | None" = None):
+        """thread: the StepThread to be stepped by (shared with other loops); by default a thread of its own."""
         self.engine = engine
         self._cmds: deque = deque()
-        self._wake = threading.Event()
         self._streams: dict[str, RequestStream] = {}
         self._stopping = False
+        self._stopped = threading.Event()   # set by the step thread once it has let go of this loop
         self._busy: deque = deque()       # (end time, seconds) of recent steps, for utilization
         self.prefill_tokens_per_s = 0.0   # moving averages the router estimates latency from
         self.decode_tokens_per_s = 0.0
         self.step_listeners: list = []    # callables(engine, step_seconds, deltas) run on the loop thread
         self.failed: BaseException | None = None
         self._share_cpu = False           # wanted: steps leave a core to a model loading beside
-        self._sharing = False             # applied by the loop thread (the backend's setting is per thread)
-        self._thread = threading.Thread(target=self._run, name=name or f"engine-{engine.model_id}", daemon=True)
-        self._thread.start()
+        self._thread = thread if thread is not None else StepThread(name or f"engine-{engine.model_id}")
+        self._wake = self._thread.wake
+        self._thread.add(self)
 
     # ---- any thread
     def submit(self, request: InferenceRequest) -> RequestStream:
@@ -103,11 +106,10 @@ class EngineLoop:
         self._wake.set()
 
     def stop(self, timeout: float = 5.0) -> bool:
-        """Stop the loop thread; whether it has ended (it finishes the step in progress first)."""
+        """Take the loop off its step thread; whether that is done (the step in progress finishes first)."""
         self._stopping = True
         self._wake.set()
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        return self._stopped.wait(timeout)
 
     def share_cpu(self, sharing: bool) -> None:
         """Leave a core to other work (a model loading beside this one) from the next step on."""
@@ -150,39 +152,40 @@ class EngineLoop:
             if stream.num_finished_in_loop >= stream.num_sequences:
                 self._streams.pop(d.request_id, None)
 
-    def _run(self) -> None:
+    def _run_once(self) -> bool:
+        """Apply the queued commands, then take one step if there is work; whether it stepped."""
         try:
-            while not self._stopping:
-                self._apply_commands()
-                if not self.engine.has_unfinished():
-                    self._wake.wait(0.05)
-                    self._wake.clear()
-                    continue
-                if self._sharing != self._share_cpu:
-                    self._sharing = self._share_cpu
-                    self.engine.backend.share_cpu(self._sharing)
-                t0 = time.monotonic()
-                deltas = self.engine.step()
-                dt = time.monotonic() - t0
-                self._busy.append((t0 + dt, dt))
-                while self._busy and self._busy[0][0] < t0 - self.UTILIZATION_WINDOW_S:
-                    self._busy.popleft()
-                self._measure(dt)
-                for d in deltas:
-                    self._dispatch(d)
-                if deltas:
-                    # The step's kernels hold the GIL (see cpu_layers.run_layers), so a stream thread woken
-                    # by these deltas would otherwise write its token only after the *next* step. A short
-                    # sleep hands the GIL to it now, between steps, when its core is free anyway.
-                    time.sleep(self.stream_yield_s)
-                for listener in self.step_listeners:
-                    listener(self.engine, dt, deltas)
+            self._apply_commands()
+            if not self.engine.has_unfinished():
+                return False
+            if self._thread.sharing_cpu != self._share_cpu:   # the backend's setting is per launching thread
+                self._thread.sharing_cpu = self._share_cpu
+                self.engine.backend.share_cpu(self._share_cpu)
+            t0 = time.monotonic()
+            deltas = self.engine.step()
+            dt = time.monotonic() - t0
+            self._busy.append((t0 + dt, dt))
+            while self._busy and self._busy[0][0] < t0 - self.UTILIZATION_WINDOW_S:
+                self._busy.popleft()
+            self._measure(dt)
+            for d in deltas:
+                self._dispatch(d)
+            if deltas:
+                # The step's kernels hold the GIL (see cpu_layers.run_layers), so a stream thread woken
+                # by these deltas would otherwise write its token only after the *next* step. A short
+                # sleep hands the GIL to it now, between steps, when its core is free anyway.
+                time.sleep(self.stream_yield_s)
+            for listener in self.step_listeners:
+                listener(self.engine, dt, deltas)
+            return True
         except BaseException as e:  # a bug in a step: fail every open stream loudly, never hang them
-            log.exception("engine loop failed")
+            log.exception("engine loop failed", extra={"model": self.engine.model_id})
             self.failed = e
+            self._stopping = True
             for stream in list(self._streams.values()):
                 stream._put(RuntimeError(f"engine failure: {e}"))
             self._streams.clear()
+            return False
 
     def _measure(self, dt: float) -> None:
         eng = self.engine
@@ -194,3 +197,55 @@ class EngineLoop:
             self.prefill_tokens_per_s = rate if not self.prefill_tokens_per_s else (1 - a) * self.prefill_tokens_per_s + a * rate
         else:
             self.decode_tokens_per_s = rate if not self.decode_tokens_per_s else (1 - a) * self.decode_tokens_per_s + a * rate
+
+
+class StepThread:
+    """One thread that steps the EngineLoops given to it, in turn; it runs while it has any.
+
+    A node's CPU models share one. libgomp gives every thread that launches parallel kernels its own
+    team of worker threads, and once a process has more of those than cores it cuts every spin-wait
+    short, so each parallel region pays futex wake-ups: with two models resident, each stepped by a
+    thread of its own, every decode step took twice as long (6.1 -> 12-13 ms between tokens on the
+    2-core machine), even while only one of the models had work. The CPU kernels hold the GIL, so
+    two models' steps never ran at once anyway: one thread for both loses nothing.
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+        self.wake = threading.Event()
+        self._lock = threading.Lock()
+        self._loops: list[EngineLoop] = []
+        self._thread: threading.Thread | None = None
+        self.sharing_cpu = False   # the backend's share_cpu setting on this thread, applied by its loops
+
+    def add(self, loop: EngineLoop) -> None:
+        with self._lock:
+            self._loops.append(loop)
+            if self._thread is None:
+                self.sharing_cpu = False   # a new thread starts from the default
+                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                self._thread.start()
+        self.wake.set()
+
+    @property
+    def alive(self) -> bool:
+        with self._lock:
+            return self._thread is not None
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                for loop in [x for x in self._loops if x._stopping]:
+                    self._loops.remove(loop)
+                    loop._stopped.set()
+                if not self._loops:
+                    self._thread = None   # the next add() starts a new thread
+                    return
+                loops = list(self._loops)
+            stepped = False
+            for loop in loops:
+                if not loop._stopping:
+                    stepped = loop._run_once() or stepped
+            if not stepped:
+                self.wake.wait(IDLE_WAIT_S)
+                self.wake.clear()

@@ -1,7 +1,7 @@
 """ModelRegistry: the models a node may serve, and those resident now, within a memory budget.
 
-A resident model is an Engine with its own EngineLoop thread, under the key (model id,
-quantization). A request for a model that is not resident starts a cold load in a background thread
+A resident model is an Engine with its own EngineLoop, under the key (model id, quantization); the
+loops of CPU models are stepped by one thread (StepThread says why), a GPU model's by its own. A request for a model that is not resident starts a cold load in a background thread
 (so the other models' loops keep stepping); room is made first by evicting the least recently used
 idle models — a model with leases (requests in flight: running, waiting or being answered) is never
 evicted. The budget counts each model's weights plus its KV cache: estimated from the file before
@@ -23,7 +23,7 @@ from typing import Callable
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.loop import EngineLoop
+from engine.loop import EngineLoop, StepThread
 from engine.node_config import ModelSpec
 from models.loader import load_tokenizer
 from models.quant import BLOCK_FORMATS, FLOAT_FORMATS
@@ -184,6 +184,7 @@ class ModelRegistry:
         self.last_load_s: dict[tuple[str, str], float] = {}
         self.last_error: dict[str, str] = {}
         self._closed = False
+        self._cpu_steps = StepThread("engine-cpu")
 
     # ---- reading
     def available(self) -> list[str]:
@@ -343,7 +344,8 @@ class ModelRegistry:
             log.info("loading model", extra={"event": "model_load_start", "model": spec.id, "quantization": label,
                                              "path": spec.path})
             engine = Engine(cfg)
-            loop = EngineLoop(engine, name=f"engine-{spec.id}-{label}")
+            loop = EngineLoop(engine, name=f"engine-{spec.id}-{label}",
+                              thread=self._cpu_steps if engine.backend.name == "cpu" else None)
             kv_bytes = engine.pool.num_blocks * engine.model.kv_bytes_per_block(cfg.block_size)
             seconds = time.monotonic() - t0
             now = time.monotonic()

@@ -1,7 +1,7 @@
 """The engine node's HTTP service: generation, node state, health, metrics and model management.
 
 One gunicorn worker (the process that owns the device) with threads for concurrent streams. Each
-resident model has its own EngineLoop thread (engine/registry.py); a request thread validates and
+resident model has its own EngineLoop (engine/registry.py); a request thread validates and
 tokenizes, submits to the model's loop, then reads the request's deltas and writes them back as JSON
 or as server-sent events. A client that goes away (the socket reads EOF, or a write fails and the
 WSGI iterable is closed) cancels its request, whose blocks go back to the pool at once.

@@ -375,6 +375,85 @@ class _GilHoldingEngine:
                               finish_reason=None if self.pending else "length")]
 
 
+class _CountingEngine:
+    """Just enough of an Engine for EngineLoop: a request gets `tokens` tokens, one per step, and the
+    thread of every step is noted. With fail_at, that step raises as a kernel bug would."""
+
+    def __init__(self, model_id: str, fail_at: int | None = None):
+        self.model_id = model_id
+        self.fail_at = fail_at
+        self.steps = 0
+        self.step_threads: set[int] = set()
+        self.last_step_tokens = self.last_batch_size = 1
+        self.pending: dict[str, int] = {}
+
+    def validate(self, request):
+        pass
+
+    def add_request(self, request):
+        self.pending[request.request_id] = request.sampling.max_tokens
+
+    def has_unfinished(self):
+        return bool(self.pending)
+
+    def step(self):
+        import threading
+
+        from engine.engine import SequenceDelta
+        self.steps += 1
+        self.step_threads.add(threading.get_ident())
+        if self.steps == self.fail_at:
+            raise ValueError("a kernel bug")
+        out = []
+        for rid in list(self.pending):
+            self.pending[rid] -= 1
+            done = self.pending[rid] == 0
+            if done:
+                del self.pending[rid]
+            out.append(SequenceDelta(rid, 0, [self.steps], "x", finish_reason="length" if done else None))
+        return out
+
+
+def test_loops_on_one_step_thread_take_turns_and_fail_alone(monkeypatch):
+    """Loops sharing a StepThread are all stepped, on that one thread; a loop whose step raises fails
+    its own streams and leaves the thread to the others; the thread ends with its last loop and a new
+    one starts for the next."""
+    import threading
+
+    from engine.loop import EngineLoop, StepThread
+
+    monkeypatch.setattr(EngineLoop, "stream_yield_s", 0.0)
+    steps = StepThread("engine-test-shared")
+    a, b, bad = _CountingEngine("a"), _CountingEngine("b"), _CountingEngine("bad", fail_at=2)
+    loops = [EngineLoop(e, thread=steps) for e in (a, b, bad)]
+    try:
+        streams = [loop.submit(InferenceRequest(f"r-{e.model_id}", e.model_id, [1], SamplingParams(max_tokens=5)))
+                   for loop, e in zip(loops, (a, b, bad))]
+        assert len(list(streams[0])) == 5 and len(list(streams[1])) == 5
+        with pytest.raises(RuntimeError, match="a kernel bug"):
+            list(streams[2])
+        assert loops[2].failed is not None and loops[0].failed is None
+        assert len(a.step_threads | b.step_threads | bad.step_threads) == 1
+        assert a.step_threads.isdisjoint({threading.get_ident()})
+        # the failed loop is off the thread; the others still serve
+        again = loops[1].submit(InferenceRequest("r-b2", "b", [1], SamplingParams(max_tokens=2)))
+        assert len(list(again)) == 2
+        assert all(loop.stop(5) for loop in loops)
+        assert not steps.alive
+        deadline = time.monotonic() + 5   # the thread object lingers a moment after its last line
+        while [t for t in threading.enumerate() if t.name == "engine-test-shared"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not [t for t in threading.enumerate() if t.name == "engine-test-shared"]
+        c = _CountingEngine("c")
+        loops.append(EngineLoop(c, thread=steps))
+        assert steps.alive
+        assert len(list(loops[-1].submit(InferenceRequest("r-c", "c", [1], SamplingParams(max_tokens=3))))) == 3
+    finally:
+        for loop in loops:
+            loop.stop(5)
+    assert not steps.alive
+
+
 def test_a_stream_gets_its_token_before_the_next_step_holds_the_gil(monkeypatch):
     """The loop lets the stream thread take the GIL between steps; else the token of step 1 would
     reach its reader only once step 2's kernels had let go of it."""

@@ -181,6 +181,43 @@ def test_resident_models_leave_a_core_while_another_loads(tiny_models):
         gc.unfreeze()
 
 
+def test_cpu_models_are_stepped_by_one_thread(tiny_models):
+    """Two resident CPU models share one step thread: a thread each would give the process two libgomp
+    teams, more kernel threads than cores, and libgomp then stops spinning between parallel regions
+    (every decode step twice as long). The thread is gone once the registry closes."""
+    import threading
+
+    from engine.config import EngineConfig
+    from engine.registry import ModelRegistry
+    from engine.request import InferenceRequest, LatencyClass
+    from engine.sampling import SamplingParams
+
+    def engine_config(spec, quantization):
+        return EngineConfig(model=spec.path, model_id=spec.id, quantization=quantization, backend="cpu",
+                            kv_cache_bytes=4 << 20)
+
+    stepped_on: dict[str, set] = {"tiny-a": set(), "tiny-b": set()}
+
+    def on_loaded(m):
+        m.loop.step_listeners.append(lambda *args, _id=m.id: stepped_on[_id].add(threading.get_ident()))
+
+    reg = ModelRegistry([ModelSpec(tiny_models["a"], "tiny-a"), ModelSpec(tiny_models["b"], "tiny-b")],
+                        2 * ONE_MODEL_BUDGET, engine_config, on_loaded=on_loaded)
+    try:
+        models = [reg.load("tiny-a", None, 120), reg.load("tiny-b", None, 120)]
+        for m in models:
+            list(m.loop.submit(InferenceRequest(f"r-{m.id}", m.id, [5, 6], SamplingParams(max_tokens=3),
+                                                LatencyClass.STANDARD)))
+        assert stepped_on["tiny-a"] and stepped_on["tiny-a"] == stepped_on["tiny-b"]
+        assert len([t for t in threading.enumerate() if t.name == "engine-cpu"]) == 1
+    finally:
+        reg.close()
+    deadline = time.monotonic() + 5   # the thread object lingers a moment after its last line
+    while [t for t in threading.enumerate() if t.name == "engine-cpu"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not [t for t in threading.enumerate() if t.name == "engine-cpu"]
+
+
 def test_health_503_until_startup_models_load(tiny_models):
     from engine.server import create_app
     app = create_app(NodeConfig(models=[ModelSpec(tiny_models["a"], "tiny-a")], backend="cpu",
