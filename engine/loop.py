@@ -83,7 +83,7 @@ class EngineLoop:
         self._busy: deque = deque()       # (end time, seconds) of recent steps, for utilization
         self.prefill_tokens_per_s = 0.0   # moving averages the router estimates latency from
         self.decode_tokens_per_s = 0.0
-        self.step_listeners: list = []    # callables(engine, step_seconds, deltas) run on the loop thread
+        self.step_listeners: list = []    # callables(engine, step_seconds, deltas) run on the step thread
         self.failed: BaseException | None = None
         self._share_cpu = False           # wanted: steps leave a core to a model loading beside
         self._thread = thread if thread is not None else StepThread(name or f"engine-{engine.model_id}")
@@ -99,6 +99,8 @@ class EngineLoop:
         stream = RequestStream(self, request)
         self._cmds.append(("add", request, stream))
         self._wake.set()
+        if self._stopped.is_set():   # the step thread let go of this loop meanwhile: nobody would answer
+            self._fail_queued()
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -127,7 +129,18 @@ class EngineLoop:
         horizon = time.monotonic() - self.UTILIZATION_WINDOW_S
         return min(1.0, sum(dt for end, dt in list(self._busy) if end > horizon) / self.UTILIZATION_WINDOW_S)
 
-    # ---- the loop thread
+    def _fail_queued(self) -> None:
+        """Answer the requests still queued with an error (once the step thread has let go of the loop)."""
+        why = f"engine failure: {self.failed}" if self.failed is not None else "the engine loop has stopped"
+        while self._cmds:
+            try:
+                kind, _, stream = self._cmds.popleft()
+            except IndexError:   # drained by the other thread meanwhile
+                return
+            if kind == "add":
+                stream._put(RuntimeError(why))
+
+    # ---- the step thread
     def _apply_commands(self) -> None:
         while self._cmds:
             kind, arg, stream = self._cmds.popleft()
@@ -237,7 +250,8 @@ class StepThread:
             with self._lock:
                 for loop in [x for x in self._loops if x._stopping]:
                     self._loops.remove(loop)
-                    loop._stopped.set()
+                    loop._stopped.set()   # first: a submit() that comes after sees it and drains itself
+                    loop._fail_queued()
                 if not self._loops:
                     self._thread = None   # the next add() starts a new thread
                     return

@@ -440,6 +440,9 @@ def test_loops_on_one_step_thread_take_turns_and_fail_alone(monkeypatch):
         assert len(list(again)) == 2
         assert all(loop.stop(5) for loop in loops)
         assert not steps.alive
+        late = loops[0].submit(InferenceRequest("r-late", "a", [1], SamplingParams(max_tokens=2)))
+        with pytest.raises(RuntimeError, match="stopped"):   # answered, never left waiting
+            late.next_delta(timeout=5)
         deadline = time.monotonic() + 5   # the thread object lingers a moment after its last line
         while [t for t in threading.enumerate() if t.name == "engine-test-shared"] and time.monotonic() < deadline:
             time.sleep(0.01)
