@@ -4,8 +4,9 @@ bench_serving measures the gateway overhead against the real node, whose time to
 by tens of milliseconds between requests (the prompt's uncached tail, the machine's load): its median
 needs hundreds of pairs and still moves by a millisecond between runs. This benchmark swaps the node
 for a stand-in that speaks the node protocol and, for each request, computes for a fixed time on every
-core the way a prefill does (a numba parallel loop that holds the GIL, libgomp spinning as the node's
-does), then streams a few tokens. The first token carries the stand-in's clock readings, which splits
+core the way a prefill does (a numba parallel loop that holds the GIL, launched from one compute thread
+as the node's step thread launches its kernels, libgomp spinning as the node's does), then streams a
+few tokens. The first token carries the stand-in's clock readings, which splits
 the gateway's cost in three:
   - before the node: from the client's send to the request's arrival at the node (gunicorn, Flask,
     auth, rate limits, validation, routing; for the direct path, the node's own reception);
@@ -24,8 +25,10 @@ import argparse
 import http.client
 import json
 import os
+import queue
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -58,10 +61,25 @@ def create_standin() -> "flask.Flask":  # noqa: F821
             out[t] = s
 
     out = np.zeros(max(1, os.cpu_count() or 1))
-    compute(1000, out)
-    t0 = time.perf_counter()
-    compute(2_000_000, out)
-    iterations = int(float(os.environ.get("HOP_COMPUTE_MS", "8")) / 1e3 / ((time.perf_counter() - t0) / 2_000_000))
+    jobs: queue.SimpleQueue = queue.SimpleQueue()
+    seconds_per_iteration: queue.SimpleQueue = queue.SimpleQueue()
+
+    def compute_thread() -> None:
+        # Every parallel loop is launched from this one thread, as the node's step thread launches its
+        # kernels: libgomp gives each launching thread a team of its own, and with more teams' threads
+        # than cores it stops spinning between regions (engine/loop.py, StepThread).
+        compute(1000, out)
+        t0 = time.perf_counter()
+        compute(2_000_000, out)
+        seconds_per_iteration.put((time.perf_counter() - t0) / 2_000_000)
+        while True:
+            n, reply = jobs.get()
+            c0 = time.perf_counter()
+            compute(n, out)
+            reply.put(time.perf_counter() - c0)
+
+    threading.Thread(target=compute_thread, name="stand-in-compute", daemon=True).start()
+    iterations = int(float(os.environ.get("HOP_COMPUTE_MS", "8")) / 1e3 / seconds_per_iteration.get())
     secret = os.environ.get("NODE_SECRET", "")
     state = {"node_id": "stand-in", "healthy": True, "ready": True, "available_models": [MODEL_ID],
              "utilization": 0.0, "kv_cache_usage": 0.0, "queue": {"max_waiting": 256, "running": 0, "waiting": 0},
@@ -91,9 +109,9 @@ def create_standin() -> "flask.Flask":  # noqa: F821
 
         def events():
             yield ": ping\n\n"          # the headers go out now, as the node's do
-            c0 = time.perf_counter()
-            compute(iterations, out)
-            computed = time.perf_counter() - c0
+            reply: queue.SimpleQueue = queue.SimpleQueue()
+            jobs.put((iterations, reply))
+            computed = reply.get()
             for i in range(n):
                 text = f"{arrived:.6f} {computed:.6f} {time.time():.6f}" if i == 0 else " x"
                 yield "data: " + json.dumps({"type": "token", "index": 0, "token_id": 1, "text": text,

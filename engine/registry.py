@@ -1,7 +1,8 @@
 """ModelRegistry: the models a node may serve, and those resident now, within a memory budget.
 
 A resident model is an Engine with its own EngineLoop, under the key (model id, quantization); the
-loops of CPU models are stepped by one thread (StepThread says why), a GPU model's by its own. A request for a model that is not resident starts a cold load in a background thread
+loops of CPU models are stepped by one thread (StepThread says why), a GPU model's by its own. A
+request for a model that is not resident starts a cold load in a background thread
 (so the other models' loops keep stepping); room is made first by evicting the least recently used
 idle models — a model with leases (requests in flight: running, waiting or being answered) is never
 evicted. The budget counts each model's weights plus its KV cache: estimated from the file before

@@ -376,8 +376,8 @@ class _GilHoldingEngine:
 
 
 class _CountingEngine:
-    """Just enough of an Engine for EngineLoop: a request gets `tokens` tokens, one per step, and the
-    thread of every step is noted. With fail_at, that step raises as a kernel bug would."""
+    """Just enough of an Engine for EngineLoop: a request gets its max_tokens tokens, one per step, and
+    the thread of every step is noted. With fail_at, that step raises as a kernel bug would."""
 
     def __init__(self, model_id: str, fail_at: int | None = None):
         self.model_id = model_id
