@@ -13,6 +13,8 @@ the gateway's cost in three:
   - at the node: how much longer the stand-in's computation took (the gateway's work while the node
     computes takes its cores: reading the node's headers, the response's set-up, the client's wake-up);
   - after the node: from the token's write at the node to its arrival at the client (the relay).
+What is left over (printed as "the rest") is spent at the node outside the compute: its reception's
+end, the hand-off to its compute thread and back, and its header write.
 
 Requests alternate between the stand-in straight and through the gateway, in pairs whose order
 alternates; medians and p90 of the per-pair differences are printed and written as JSON
@@ -135,7 +137,7 @@ class Endpoint:
         self.headers = {"Content-Type": "application/json", **headers}
 
     def first_token(self, i: int) -> dict:
-        """Request i's first token: its TTFT and the three parts of it, in seconds."""
+        """Request i's first token: its TTFT, the three parts of it and the rest, in seconds."""
         t0 = time.time()
         self.conn.request("POST", self.path, body=json.dumps(self.body(i)), headers=self.headers)
         resp = self.conn.getresponse()
@@ -148,7 +150,9 @@ class Endpoint:
                 event = json.loads(line[6:])
                 text = event["text"] if "type" in event else event["choices"][0]["text"]
                 arrived, computed, sent = (float(x) for x in text.split())
-                sample = {"ttft": got - t0, "before": arrived - t0, "compute": computed, "after": got - sent}
+                before, after = arrived - t0, got - sent
+                sample = {"ttft": got - t0, "before": before, "compute": computed, "after": after,
+                          "rest": got - t0 - before - computed - after}
         if sample is None:
             raise SystemExit("error: the stream carried no token")
         return sample
@@ -196,7 +200,7 @@ def run(args) -> dict:
     result = {"config": {"pairs": args.pairs, "warmup": args.warmup, "compute_ms": args.compute_ms,
                          "max_tokens": args.max_tokens},
               "meta": machine_info(), "parts": {}}
-    for part in ("ttft", "before", "compute", "after"):
+    for part in ("ttft", "before", "compute", "after", "rest"):
         result["parts"][part] = {"direct_ms": dist([d[part] for d, _ in pairs], 1e3),
                                  "gateway_ms": dist([g[part] for _, g in pairs], 1e3),
                                  "diff_ms": dist([g[part] - d[part] for d, g in pairs], 1e3)}
@@ -213,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     result = run(args)
     names = {"ttft": "time to first token", "before": "  before the node", "compute": "  at the node (compute)",
-             "after": "  after the node (relay)"}
+             "after": "  after the node (relay)", "rest": "  rest: at the node, not computing"}
     print(f"{'(medians; the difference per pair)':34s} {'direct':>9s} {'gateway':>9s} {'diff p50':>9s} "
           f"{'diff p90':>9s}  (ms, {args.pairs} pairs)")
     for part, r in result["parts"].items():

@@ -21,7 +21,7 @@ log = logging.getLogger("engine.loop")
 # on the 2-core machine: median TTFT at concurrency 1 down ~2.5 ms, and 16 streams through the gateway
 # 5-9% more tokens/s (the writes no longer wait a step behind the kernels).
 STREAM_YIELD_S = 0.0002
-IDLE_WAIT_S = 0.05     # an idle step thread looks at its loops this often even unwoken (stop, share_cpu)
+IDLE_WAIT_S = 0.05     # an idle step thread looks at its loops at least this often (submit, abort, stop wake it)
 
 
 class RequestStream:
@@ -74,7 +74,8 @@ class EngineLoop:
     stream_yield_s = STREAM_YIELD_S
 
     def __init__(self, engine: Engine, name: str | None = None, thread: "StepThread | None" = None):
-        """thread: the StepThread to be stepped by (shared with other loops); by default a thread of its own."""
+        """thread: the StepThread to be stepped by (shared with other loops); by default one of its own,
+        named `name`."""
         self.engine = engine
         self._cmds: deque = deque()
         self._streams: dict[str, RequestStream] = {}
