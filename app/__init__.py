@@ -33,7 +33,7 @@ def create_app(config: GatewayConfig | Mapping[str, Any] | None = None) -> Flask
     register_error_handlers(app)
     init_request_logging(app)           # 1. request id
     auth.init_auth(app, cfg)            # 2. g.caller from the bearer token
-    limits.init_limits(app, cfg)        # 3. requests per minute (flask-limiter), token bucket
+    limits.init_limits(app, cfg)        # 3. requests per minute, token bucket
     gateway_metrics = metrics.init_metrics(app, cfg)
 
     pool = NodePool(cfg.nodes, cfg.routing)

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions, /v1/models.
 
-A generation request goes: authenticate (app/auth) → requests-per-minute (flask-limiter,
+A generation request goes: authenticate (app/auth) → requests-per-minute (app/limits,
 before the view) → validate the body (app/params) → resolve the model (app/catalog) →
 latency class (app/priority) → reserve tokens (app/limits) → pick a node and forward,
 failing over before the first token (app/router, app/node_client) → answer as JSON or as

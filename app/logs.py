@@ -43,15 +43,14 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure_logging(level: str = "INFO") -> logging.Logger:
-    """Send the gateway's logs (and flask-limiter's) to stderr as JSON lines."""
+    """Send the gateway's logs to stderr as JSON lines."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter())
-    for name in (LOGGER_NAME, "flask-limiter"):
-        logger = logging.getLogger(name)
-        logger.handlers = [handler]
-        logger.setLevel(level.upper())
-        logger.propagate = False
-    return logging.getLogger(LOGGER_NAME)
+    logger = logging.getLogger(LOGGER_NAME)
+    logger.handlers = [handler]
+    logger.setLevel(level.upper())
+    logger.propagate = False
+    return logger
 
 
 def new_request_id() -> str:

@@ -1,4 +1,4 @@
-"""Per-org rate limits: token-bucket arithmetic, reserve-then-settle, flask-limiter per org,
+"""Per-org rate limits: token-bucket arithmetic, reserve-then-settle, requests per minute per org,
 the 429 body and headers, Redis storage and the failure policy."""
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 from app import close_app, create_app
 from app.config import LimitsConfig, TierConfig
 from app.errors import APIError
-from app.limits import (MemoryTokenBuckets, RedisTokenBuckets, SweptMemoryStorage, TokenLimiter,
-                        format_duration, refill)
+from app.limits import (REQUESTS_KEY, MemoryTokenBuckets, RedisTokenBuckets, SweptMemoryStorage,
+                        TokenLimiter, format_duration, refill)
 from tests.test_gateway_support import (METRICS_HEADERS, bearer, free_port, make_config, node,  # noqa: F401
                                         redis_url)
 
@@ -84,7 +84,7 @@ def test_reset_durations_in_openai_format(seconds, text):
     assert format_duration(seconds) == text
 
 
-# -- requests per minute (flask-limiter, per org) -------------------------------------------------
+# -- requests per minute (per org) -----------------------------------------------------------------
 
 def test_requests_per_minute_per_org_with_openai_429():
     cfg = make_config([], tiers={"free": {"requests_per_minute": 3}})
@@ -123,7 +123,7 @@ def test_memory_request_limits_start_no_thread_per_request():
     cfg = make_config([], tiers={"free": {"requests_per_minute": 50}})
     app = create_app(cfg)
     try:
-        storage = next(iter(app.extensions["limiter"]))._storage
+        storage = app.extensions[REQUESTS_KEY].storage
         assert isinstance(storage, SweptMemoryStorage)
         sweeper = storage.timer
         c = app.test_client()
