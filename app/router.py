@@ -67,16 +67,17 @@ class NodeState:
     models: tuple[ResidentModel, ...]
     available_models: tuple[str, ...]
     utilization: float
-    waiting: int
-    running: int
-    max_waiting: int
+    waiting: int              # sequences not running yet
+    running: int              # sequences running (a prefill included)
+    max_waiting: int          # the node's bound on admitted
     temperature_c: float | None
     power_w: float | None = None
     kv_cache_usage: float = 0.0
+    admitted: int = 0         # sequences without a first token yet, running or not
 
     @property
     def queue_full(self) -> bool:
-        return self.max_waiting > 0 and self.waiting >= self.max_waiting
+        return self.max_waiting > 0 and self.admitted >= self.max_waiting
 
     def resident(self, key: tuple[str, str]) -> ResidentModel | None:
         return next((m for m in self.models if m.key == key), None)
@@ -124,6 +125,7 @@ def parse_state(data: Mapping[str, Any]) -> NodeState:
         temperature_c=_num(temp) if temp is not None else None,
         power_w=_num(power) if power is not None else None,
         kv_cache_usage=min(1.0, max(0.0, _num(data.get("kv_cache_usage")))),
+        admitted=max(0, int(_num(queue.get("admitted", queue.get("waiting"))))),
     )
 
 

@@ -123,6 +123,13 @@ class EngineLoop:
     def num_streams(self) -> int:
         return len(self._streams)
 
+    @property
+    def num_waiting(self) -> int:
+        """Sequences accepted and not running: submitted but not yet taken in by the step thread, and
+        those the engine's scheduler holds back (new, or preempted to be computed again)."""
+        pending = sum(req.sampling.n for kind, req, _ in list(self._cmds) if kind == "add")
+        return pending + self.engine.num_waiting
+
     UTILIZATION_WINDOW_S = 10.0
 
     def utilization(self) -> float:

@@ -457,6 +457,47 @@ def test_loops_on_one_step_thread_take_turns_and_fail_alone(monkeypatch):
     assert not steps.alive
 
 
+def test_loop_counts_the_sequences_waiting_to_run():
+    """num_waiting (the node's queue.waiting, which the gateway's router reads beside running) counts a
+    request submitted during a step by its n, and what the engine's scheduler holds back; never a
+    sequence that runs."""
+    import threading
+
+    from engine.loop import EngineLoop
+
+    gate = threading.Event()
+
+    class _BlockedEngine(_CountingEngine):
+        num_waiting = 0   # the scheduler's waiting queue (new or preempted sequences)
+
+        def step(self):
+            gate.wait(10)
+            return super().step()
+
+    engine = _BlockedEngine("blocked")
+    loop = EngineLoop(engine)
+    try:
+        first = loop.submit(InferenceRequest("r1", "blocked", [1], SamplingParams(max_tokens=1)))
+        deadline = time.monotonic() + 5
+        while "r1" not in engine.pending:          # taken in: the step thread is now inside its step
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        assert loop.num_waiting == 0
+        loop.submit(InferenceRequest("r2", "blocked", [1], SamplingParams(max_tokens=1, n=2)))
+        assert loop.num_waiting == 2
+        engine.num_waiting = 3
+        assert loop.num_waiting == 5
+        engine.num_waiting = 0
+        gate.set()
+        assert len(list(first)) == 1
+        while loop.num_waiting:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+    finally:
+        gate.set()
+        loop.stop(5)
+
+
 def test_a_stream_gets_its_token_before_the_next_step_holds_the_gil(monkeypatch):
     """The loop lets the stream thread take the GIL between steps; else the token of step 1 would
     reach its reader only once step 2's kernels had let go of it."""

@@ -148,8 +148,9 @@ def test_disconnect_storm_frees_every_block_and_thread(serving_stack, tiny_model
     # Every sequence is gone and every block back in the pool.
     def drained():
         s = stack.node_state()
-        per_model = [(m["running"], m["waiting"], m["engine_waiting"], m["kv_cache_usage"]) for m in s["models"]]
+        per_model = [(m["running"], m["waiting"], m["admitted"], m["kv_cache_usage"]) for m in s["models"]]
         ok = (s["kv_cache_usage"] == 0 and s["queue"]["running"] == 0 and s["queue"]["waiting"] == 0
+              and s["queue"]["admitted"] == 0
               and all(x == (0, 0, 0, 0) for x in per_model))
         return ok or None
     wait_until(drained, 60, "every KV block back in the pool and no sequence left")

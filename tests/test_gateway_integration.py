@@ -51,11 +51,11 @@ def test_routes_to_the_node_with_the_model_resident_and_streams(stack):
         r = client.chat.completions.create(model="zen-tiny", messages=[{"role": "user", "content": "hi"}],
                                            max_tokens=5, temperature=0)
         assert r.choices[0].finish_reason in ("length", "stop") and r.usage.completion_tokens >= 1
-        # A gateway poll that caught this request before its first token saw node 0 with one request
-        # running and one waiting (the node counts a request as waiting until its first token, so the
-        # same one), and the router's estimate then prefers the idle node, cold load and all (about 2x
-        # one service time against 0.09 s). Clean-clone CI runs hit it 2 times out of 5. The next
-        # request waits for a poll that sees node 0 idle again (TEST_CONFIG polls every 0.25 s).
+        # A gateway poll that caught this request running makes node 0 look busy for up to a poll
+        # period, and with the default rates the router's estimate can then prefer the idle node, cold
+        # load and all (clean-clone CI runs hit it 2 times out of 5 while the node counted a request in
+        # its prefill as waiting too). The next request waits for a poll that sees node 0 idle again
+        # (TEST_CONFIG polls every 0.25 s).
         time.sleep(0.6)
     states = _nodes(stack)
     assert "tiny-a" in _resident(states[0]) and not _resident(states[1]), states

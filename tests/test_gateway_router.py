@@ -18,14 +18,15 @@ WEIGHTS = RoutingConfig(alpha=1.0, beta=1.0, gamma=1.0, default_prefill_tokens_p
 
 def state(*, resident=True, waiting=0, running=0, max_waiting=64, utilization=0.1,
           healthy=True, temperature=None, prefill=1000.0, decode=50.0, available=(MODEL_ID,),
-          quant="q4_1"):
+          quant="q4_1", admitted=None):
     models = [{"id": MODEL_ID, "version": "v1", "quantization": quant, "bytes": 100,
                "load_time_s": 0.5, "prefill_tokens_per_s": prefill, "decode_tokens_per_s": decode,
                "running": running, "waiting": waiting}] if resident else []
     return parse_state({
         "node_id": "n", "healthy": healthy, "models": models, "available_models": list(available),
         "utilization": utilization,
-        "queue": {"waiting": waiting, "running": running, "max_waiting": max_waiting},
+        "queue": {"waiting": waiting, "running": running, "max_waiting": max_waiting,
+                  **({} if admitted is None else {"admitted": admitted})},
         "temperature_c": temperature, "power_w": None, "kv_cache_usage": 0.2,
         "memory": {"used_bytes": 1, "total_bytes": 2}})
 
@@ -54,6 +55,18 @@ def test_latency_estimate_is_queue_wait_plus_prefill_plus_decode():
     service = 100 / 1000 + 50 / 50                 # prefill 0.1 s + decode 1.0 s
     assert estimate_latency(s, 100, 50, 1000, 50) == pytest.approx(service + 10 * service / 2)
     assert estimate_latency(state(), 100, 50, 1000, 50) == pytest.approx(service)
+
+
+def test_a_request_in_its_prefill_counts_once():
+    """The node counts a sequence in its prefill as running, not also as waiting (it once did: the
+    estimate doubled its service time); admitted, the sequences without a first token that max_waiting
+    bounds, is a count of its own and decides whether the queue is full."""
+    busy = state(waiting=0, running=1, admitted=1, max_waiting=2)
+    service = 100 / 1000 + 50 / 50
+    assert estimate_latency(busy, 100, 50, 1000, 50) == pytest.approx(service)
+    assert busy.admitted == 1 and not busy.queue_full
+    assert state(waiting=0, running=2, admitted=2, max_waiting=2).queue_full
+    assert state(waiting=3, running=1).admitted == 3   # a node that reports no admitted: its waiting
 
 
 def test_resident_model_wins_when_queues_are_equal():

@@ -105,11 +105,11 @@ def test_state_shape(node):
     assert ids == ["tiny-a", "tiny-b"]
     for m in s["models"]:
         for key in ("version", "quantization", "bytes", "load_time_s", "prefill_tokens_per_s",
-                    "decode_tokens_per_s", "running", "waiting"):
+                    "decode_tokens_per_s", "running", "waiting", "admitted"):
             assert key in m
         assert m["quantization"] == "f32" and m["bytes"] > 0 and m["load_time_s"] > 0
     assert 0.0 <= s["utilization"] <= 1.0 and 0.0 <= s["kv_cache_usage"] <= 1.0
-    assert set(s["queue"]) == {"waiting", "running", "max_waiting"}
+    assert set(s["queue"]) == {"waiting", "running", "admitted", "max_waiting"}
     assert s["memory"]["total_bytes"] >= s["memory"]["used_bytes"] > 0
     assert "temperature_c" in s and "power_w" in s   # None on hosts without sensors: never invented
     post(node, {"model": "tiny-a", "prompt": "abc", "sampling": {"max_tokens": 3}})

@@ -28,6 +28,8 @@ def test_queue_full_503_and_leaving_while_waiting(start_node, tiny_models):
     conn_b, resp_b = open_stream(url, {"model": "tiny-a", "prompt_token_ids": [7, 8], "org": "leaver",
                                        "sampling": {"max_tokens": 5}}, SECRET)
     wait_for(lambda: state(url)["queue"]["waiting"] == 1, what="B waiting")
+    # A runs and has its first token: only B is admitted without one (what max_waiting bounds)
+    assert state(url)["queue"] == {"waiting": 1, "running": 1, "admitted": 1, "max_waiting": 1}
     r = post(url, {"model": "tiny-a", "prompt": "c", "sampling": {"max_tokens": 2}})
     err = assert_openai_error(r, 503, "queue_full")
     assert int(r.headers["Retry-After"]) >= 1 and err["type"] == "server_error"
@@ -47,7 +49,7 @@ def test_queue_full_503_and_leaving_while_waiting(start_node, tiny_models):
     assert events[-1]["usage"]["completion_tokens"] == 2000
     assert sum(1 for e in events if e["type"] == "token") == 2000
     s = state(url)
-    assert s["queue"] == {"waiting": 0, "running": 0, "max_waiting": 1} and s["kv_cache_usage"] == 0.0
+    assert s["queue"] == {"waiting": 0, "running": 0, "admitted": 0, "max_waiting": 1} and s["kv_cache_usage"] == 0.0
     m = scrape(url)
     assert metric(m, "zen_node_request_success_total", org="leaver", finished_reason="abort") == 1
     assert metric(m, "zen_node_generation_tokens_total", org="leaver") == 0
