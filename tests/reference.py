@@ -1,5 +1,8 @@
 """numpy float64 reference of every op and of the whole Llama forward pass.
 
+Every op also runs in another dtype (`dtype=np.float32`): the same math rounded as a plain float32
+evaluation rounds it, to tell how much float32 error an input brings by itself.
+
 This is the contract every backend is checked against. Layouts (shared by all backends):
   activations      [T, features] row-major, T = tokens in the step (all sequences flattened)
   weights          [out, in] (Hugging Face orientation); y = x @ W.T
@@ -16,9 +19,9 @@ from __future__ import annotations
 import numpy as np
 
 
-def rmsnorm(x, w, eps):
-    x = np.asarray(x, np.float64)
-    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * np.asarray(w, np.float64)
+def rmsnorm(x, w, eps, dtype=np.float64):
+    x = np.asarray(x, dtype)
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + dtype(eps)) * np.asarray(w, dtype)
 
 
 def rope_cos_sin(positions, head_dim, theta):
@@ -27,25 +30,26 @@ def rope_cos_sin(positions, head_dim, theta):
     return np.cos(ang), np.sin(ang)  # [T, Dh/2]
 
 
-def rope(x, positions, theta):
+def rope(x, positions, theta, dtype=np.float64):
     """x: [T, heads, Dh]."""
-    x = np.asarray(x, np.float64)
+    x = np.asarray(x, dtype)
     half = x.shape[-1] // 2
     cos, sin = rope_cos_sin(positions, x.shape[-1], theta)
-    cos, sin = cos[:, None, :], sin[:, None, :]
+    cos, sin = cos[:, None, :].astype(dtype), sin[:, None, :].astype(dtype)
     x1, x2 = x[..., :half], x[..., half:]
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def silu_mul(gate_up):
+def silu_mul(gate_up, dtype=np.float64):
     """gate_up: [T, 2F] = [gate | up]."""
-    g, u = np.split(np.asarray(gate_up, np.float64), 2, axis=-1)
-    return g / (1.0 + np.exp(-g)) * u
+    g, u = np.split(np.asarray(gate_up, dtype), 2, axis=-1)
+    return g / (dtype(1) + np.exp(-g)) * u
 
 
-def causal_attention(q, k, v, scale):
+def causal_attention(q, k, v, scale, dtype=np.float64):
     """q: [Tq, H, Dh] at the last Tq positions of k/v: [Tk, Hkv, Dh]."""
-    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    q, k, v = (np.asarray(a, dtype) for a in (q, k, v))
+    scale = dtype(scale)
     tq, h, _ = q.shape
     tk, hkv, _ = k.shape
     group = h // hkv
@@ -102,30 +106,30 @@ def densify(weights):
     return d
 
 
-def forward(weights, tokens, positions=None):
-    """Reference Llama forward for one sequence from position 0; returns logits [T, V] (float64).
+def forward(weights, tokens, positions=None, dtype=np.float64):
+    """Reference Llama forward for one sequence from position 0; returns logits [T, V] (in dtype).
 
-    `weights` is models.weights.ModelWeights (or densify(weights)); matrices are used in float64.
+    `weights` is models.weights.ModelWeights (or densify(weights)); matrices are used in dtype.
     """
     cfg = weights.config
     tokens = np.asarray(tokens)
     t = len(tokens)
     positions = np.arange(t) if positions is None else np.asarray(positions)
-    dense = lambda qt: np.asarray(qt.dequantize(), dtype=np.float64)  # noqa: E731
+    dense = lambda qt: np.asarray(qt.dequantize(), dtype=dtype)  # noqa: E731
     x = dense(weights.embed)[tokens]
     h, hkv, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     for lw in weights.layers:
-        a = rmsnorm(x, lw.attn_norm, cfg.rms_norm_eps)
+        a = rmsnorm(x, lw.attn_norm, cfg.rms_norm_eps, dtype)
         q = (a @ dense(lw.q).T).reshape(t, h, dh)
         k = (a @ dense(lw.k).T).reshape(t, hkv, dh)
         v = (a @ dense(lw.v).T).reshape(t, hkv, dh)
-        q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
-        o = causal_attention(q, k, v, dh ** -0.5).reshape(t, h * dh)
+        q, k = rope(q, positions, cfg.rope_theta, dtype), rope(k, positions, cfg.rope_theta, dtype)
+        o = causal_attention(q, k, v, dh ** -0.5, dtype).reshape(t, h * dh)
         x = x + o @ dense(lw.o).T
-        m = rmsnorm(x, lw.ffn_norm, cfg.rms_norm_eps)
+        m = rmsnorm(x, lw.ffn_norm, cfg.rms_norm_eps, dtype)
         gu = np.concatenate([m @ dense(lw.gate).T, m @ dense(lw.up).T], axis=-1)
-        x = x + silu_mul(gu) @ dense(lw.down).T
-    x = rmsnorm(x, weights.final_norm, cfg.rms_norm_eps)
+        x = x + silu_mul(gu, dtype) @ dense(lw.down).T
+    x = rmsnorm(x, weights.final_norm, cfg.rms_norm_eps, dtype)
     head = weights.lm_head if weights.lm_head is not None else weights.embed
     return x @ dense(head).T
 

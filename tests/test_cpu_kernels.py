@@ -400,6 +400,12 @@ def smollm2(default_model):
     return read_gguf(default_model)[0]
 
 
+def _float32_error(weights, tokens, ref):
+    """How far numpy's plain float32 evaluation of the same forward lands from the float64 reference:
+    what the input itself costs in float32."""
+    return _rel(R.forward(weights, tokens, dtype=np.float32), ref)
+
+
 @pytest.mark.slow
 def test_real_model_f32_matches_reference(smollm2):
     """SmolLM2 converted to float32: the CPU forward (prefill chunks, then decodes) vs the float64 reference."""
@@ -408,7 +414,12 @@ def test_real_model_f32_matches_reference(smollm2):
     tokens = np.random.default_rng(SEED).integers(0, w.config.vocab_size, 20)
     got = _forward_chunks(LlamaModel(w, CpuBackend()), tokens, [12, 5, 1, 1, 1])
     ref = R.forward(w, tokens)
-    assert _rel(got, ref) < 1e-4, _msg("SmolLM2 f32 forward")
+    err, f32_err = _rel(got, ref), _float32_error(w, tokens, ref)
+    # Some random prompts give a position a hidden state with a massive activation, and any float32
+    # evaluation of it errs far more than usual (seed 157942392, position 1: numpy's float32 forward
+    # 1.2e-4, the kernels 2.2e-4; seed 12345: 3.3e-6 and 4.3e-6). There the kernels are held to a few
+    # times numpy's float32 error instead.
+    assert err < max(1e-4, 16 * f32_err), _msg(f"SmolLM2 f32 forward: {err:.2e} (numpy float32 {f32_err:.2e})")
 
 
 @pytest.mark.slow
@@ -419,13 +430,18 @@ def test_real_model_quantized_stays_close(smollm2):
     tokens = np.random.default_rng(SEED).integers(0, smollm2.config.vocab_size, 16)
     got = _forward_chunks(LlamaModel(smollm2, CpuBackend()), tokens, [10, 3, 1, 1, 1])
     ref = R.forward(smollm2, tokens)
+    err, f32_err = _rel(got, ref), _float32_error(smollm2, tokens, ref)
     cos = (got * ref).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(ref, axis=1)
     # Two int8 planes (the default): ~16-bit activations, so closer than the 0.999 contract. Typical
     # inputs give 0.9999999 and a relative error of 2-6e-4; a position whose hidden state carries a
     # huge outlier in some 32-value block loses its small values to the block's scale (seed 1995439552,
     # position 1: cosine 0.999986, relative error 2.9e-3; float32 activations there: 1.0, 9e-5).
+    # Where a massive activation makes even float32 err far more than usual (see the f32 test), the
+    # int8 planes err more in proportion: about 80 times numpy's float32 error at seed 12345 (2.8e-4)
+    # and at seed 157942392 (8.7e-3). Two planes keep ~15 bits against float32's 24: at most 2**9.
     assert cos.min() > 0.9999, _msg(f"cosine {cos.min()}")
-    assert _rel(got, ref) < 5e-3, _msg("SmolLM2 quantized forward")
+    assert err < max(5e-3, 2**9 * f32_err), _msg(f"SmolLM2 quantized forward: {err:.2e} (numpy float32 "
+                                                 f"{f32_err:.2e})")
 
 
 # ------------------------------------------------------------------------- raw addresses (addr)
