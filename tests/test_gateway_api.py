@@ -223,7 +223,7 @@ def test_client_disconnect_closes_the_node_stream(client, auth, node):
     r = client.post(CHAT, headers=auth, json=chat_body(stream=True, max_tokens=200,
                                                        extra_ignored_field=1))
     it = r.response
-    next(it), next(it)                    # role chunk, first token
+    next(it), next(it)                    # the headers; the role chunk with the first token
     r.close()                             # the client goes away
     deadline = time.monotonic() + 5
     while node.client_disconnects < 1:
@@ -232,21 +232,32 @@ def test_client_disconnect_closes_the_node_stream(client, auth, node):
 
 
 def test_a_stream_starts_when_the_node_takes_the_request_not_at_its_first_token(client, auth, node):
-    """The headers (and the chat role chunk) go out while the node computes its first token."""
+    """The headers go out while the node computes its first token; the chat role chunk comes in one
+    write with that token (alone, its write and its reader's wake-up would take a core from the node)."""
     node.first_token_delay_s = 1.0
     t0 = time.monotonic()
     r = client.post(CHAT, headers=auth, json=chat_body(stream=True, max_tokens=3), buffered=False)
     assert r.status_code == 200 and r.headers["x-ratelimit-limit-requests"]
     it = iter(r.response)
-    opening = next(it)
+    assert next(it) == b""                # what a server writes as the headers alone
     assert time.monotonic() - t0 < 0.7, "the response waited for the first token"
-    assert json.loads(opening.decode()[len("data: "):])["choices"][0]["delta"]["role"] == "assistant"
+    first = sse_events(next(it).decode())
+    assert time.monotonic() - t0 >= 1.0
+    assert [e["choices"][0]["delta"] for e in first] == [{"role": "assistant", "content": ""},
+                                                         {"content": "Hello"}]
     rest = b"".join(it).decode()
     r.close()
-    assert time.monotonic() - t0 >= 1.0
-    text = "".join(e["choices"][0]["delta"].get("content", "") for e in sse_events(rest)[:-1]
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in first + sse_events(rest)[:-1]
                    if e["choices"])
     assert text == "Hello, world"
+
+
+def test_a_chat_stream_without_tokens_still_opens_with_the_role(client, auth):
+    # The stand-in node's first token is "Hello": a stop string that ends the stream before it.
+    with client.post(CHAT, headers=auth, json=chat_body(stream=True, max_tokens=3, stop=["Hello"])) as r:
+        events = sse_events(r.get_data(as_text=True))
+    assert [e["choices"][0]["delta"] for e in events[:2]] == [{"role": "assistant", "content": ""}, {}]
+    assert events[1]["choices"][0]["finish_reason"] == "stop" and events[2:] == ["[DONE]"]
 
 
 def test_a_client_that_leaves_before_the_first_token_closes_the_node_stream(client, auth, node):
@@ -257,7 +268,7 @@ def test_a_client_that_leaves_before_the_first_token_closes_the_node_stream(clie
         r = client.post(CHAT, headers=auth, json=chat_body(stream=True, max_tokens=3), buffered=False,
                         environ_overrides={"gunicorn.socket": ours})
         it = iter(r.response)
-        next(it)                          # the role chunk: the stream has started
+        assert next(it) == b""            # the headers: the stream has started
         theirs.close()                    # the client goes away
         t0 = time.monotonic()
         assert b"".join(it) == b""        # the stream ends at the next heartbeat, with no tokens
