@@ -296,7 +296,8 @@ def node_body(p: dict, model_id: str, quantization: str, latency_class: str, max
 
 
 async def raw_stream(client, url: str, body: dict, headers: dict, gateway: bool) -> dict:
-    """One streaming request with the raw client: {ok, ttft, e2e, tokens, error}."""
+    """One streaming request with the raw client: {ok, ttft, e2e, tokens, error}. Its request id is
+    body["request_id"] (to the node) or the X-Request-Id header (through the gateway)."""
     t0 = time.perf_counter()
     ttft, tokens = None, 0
     try:
@@ -355,20 +356,23 @@ async def overhead_pass(client, prompts: list[dict], concurrency: int, make) -> 
 
 async def measure_overhead(args, base_url: str, token: str, node_url: str, node_secret: str, model: str,
                            model_id: str, quantization: str, prompts: list[dict], concurrency: int,
-                           rounds: int) -> dict:
+                           rounds: int, node_log: Path | None = None) -> dict:
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(args.request_timeout, connect=10.0)) as client:
         gw_headers = {"Authorization": f"Bearer {token}", "X-Latency-Class": args.latency_class}
         node_headers = {"X-Node-Secret": node_secret}
         mt = args.overhead_max_tokens
 
-        def direct(p):
-            return raw_stream(client, node_url + "/v1/generate",
-                              node_body(p, model_id, quantization, args.latency_class, mt), node_headers, False)
+        async def direct(p):
+            body = node_body(p, model_id, quantization, args.latency_class, mt)
+            return {**await raw_stream(client, node_url + "/v1/generate", body, node_headers, False),
+                    "request_id": body["request_id"]}
 
-        def through(p):
+        async def through(p):
             path, body = gateway_body(p, model, mt)
-            return raw_stream(client, base_url + path, body, gw_headers, True)
+            rid = "bench-gw-" + uuid.uuid4().hex   # the node sees it as <org>/<rid>
+            return {**await raw_stream(client, base_url + path, body, {**gw_headers, "X-Request-Id": rid}, True),
+                    "request_id": rid}
 
         # One unmeasured pass puts every prompt in the node's prefix cache: then both paths find it
         # there alike, and the prefill (whose time varies far more than the gateway's cost) shrinks to
@@ -384,6 +388,7 @@ async def measure_overhead(args, base_url: str, token: str, node_url: str, node_
                 d = await overhead_pass(client, prompts, concurrency, direct)
             pairs += list(zip(d, g))
     good = [(d, g) for d, g in pairs if d["ok"] and g["ok"]]
+    node_side = node_side_diffs(good, node_log) if node_log is not None else None
     return {
         "concurrency": concurrency, "rounds": rounds, "max_tokens": mt,
         "pairs": len(pairs), "pairs_ok": len(good),
@@ -395,7 +400,34 @@ async def measure_overhead(args, base_url: str, token: str, node_url: str, node_
         "gateway_ttft_ms": dist([g["ttft"] for _, g in good], 1e3),
         "direct_e2e_ms": dist([d["e2e"] for d, _ in good], 1e3),
         "gateway_e2e_ms": dist([g["e2e"] for _, g in good], 1e3),
+        **({"node_side_diff_ms": node_side} if node_side else {}),
     }
+
+
+def node_side_diffs(pairs: list[tuple[dict, dict]], node_log: Path) -> dict | None:
+    """The node's own timings of each pair (its log at level info: a line per request), gateway minus
+    direct: how much of the overhead is the node itself taking longer for the gateway's request."""
+    timings: dict[str, dict] = {}
+    try:
+        with open(node_log, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if '"generation"' not in line:
+                    continue
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                rid = str(rec.get("request_id", ""))
+                timings[rid.rpartition("/")[2]] = rec   # the gateway's reach the node as <org>/<id>
+    except OSError:
+        return None
+    both = [(timings[d["request_id"]], timings[g["request_id"]]) for d, g in pairs
+            if d["request_id"] in timings and g["request_id"] in timings]
+    if not both:
+        return None
+    return {key: dist([g[key] - d[key] for d, g in both if isinstance(d.get(key), (int, float))
+                       and isinstance(g.get(key), (int, float))], 1e3)
+            for key in ("queue_s", "prefill_s", "ttft_s", "mean_itl_s")}
 
 
 # -------------------------------------------------------------------------------- --start: processes
@@ -468,7 +500,7 @@ def start_stack(args, out_dir: Path) -> tuple[list[Service], str, str, str]:
                                        "--kv-cache-bytes", args.kv_cache_bytes, "--threads", str(args.node_threads),
                                        "--max-num-seqs", str(args.max_num_seqs),
                                        "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                                       "--log-level", "warning"],
+                                       "--log-level", args.node_log_level],
                        env, out_dir / "node.log")
         services.append(node)
         log(f"starting engine node on {node_url} ({model_path.name}) ...")
@@ -617,6 +649,10 @@ def build_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--start", action="store_true", help="start an engine node and a gateway, stop them after")
     ap.add_argument("--model-path", default=str(DEFAULT_MODEL_PATH), help="model of the node --start starts")
     ap.add_argument("--kv-cache-bytes", default="1GiB", help="KV cache of the node --start starts")
+    ap.add_argument("--node-log-level", default="warning",
+                    help="log level of the node --start starts (info: a line per request with its queue_s, "
+                         "prefill_s and ttft_s in node.log beside --output; the gateway's requests carry ids "
+                         "<org>/req_..., the direct ones bench-...)")
     ap.add_argument("--node-threads", type=int, default=96)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=256,
@@ -717,18 +753,26 @@ async def bench(args, base_url: str, token: str, node_url: str | None, node_secr
             print_level(f"poisson {rate:g}/s", s)
 
         if node_url and not args.no_overhead:
+            # The node --start started logs each request at level info: then its own timings split the overhead.
+            node_log = (Path(args.output).parent / "node.log"
+                        if args.start and args.node_log_level.lower() in ("info", "debug") else None)
             over_prompts = [p for p in prompts if p["length"] == "short"]
             rng = random.Random(args.seed + 1000)
             for c in parse_list(args.overhead_concurrency, int):
                 sample = [over_prompts[rng.randrange(len(over_prompts))] for _ in range(args.overhead_requests)]
                 o = await measure_overhead(args, base_url, token, node_url, node_secret, args.model, model_id,
-                                           quant, sample, c, args.overhead_rounds)
+                                           quant, sample, c, args.overhead_rounds, node_log)
                 result["overhead"].append(o)
                 d, e = o["ttft_diff_ms"], o["e2e_diff_ms"]
                 if d["n"]:
                     log(f"overhead c={c:<3d} | {o['pairs_ok']}/{o['pairs']} pairs | gateway - direct: TTFT "
                         f"p50 {d['p50']:.2f} ms p99 {d['p99']:.2f} ms | E2E p50 {e['p50']:.2f} ms "
                         f"p99 {e['p99']:.2f} ms")
+                    if o.get("node_side_diff_ms"):
+                        n = o["node_side_diff_ms"]
+                        log(f"               | of which at the node (its own timings, p50): queue "
+                            f"{n['queue_s']['p50']:.2f} ms, prefill {n['prefill_s']['p50']:.2f} ms, "
+                            f"TTFT {n['ttft_s']['p50']:.2f} ms; inter-token {n['mean_itl_s']['p50']:.2f} ms")
                 else:
                     log(f"overhead c={c}: no successful pairs: {o['errors'][:2]}")
         result["model"] = {"alias": args.model, "id": model_id, "quantization": quant}
