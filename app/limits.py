@@ -1,10 +1,10 @@
 """Per-org rate limits: requests per minute and a token bucket on LLM tokens.
 
 Requests per minute go through `limits` (the library flask-limiter is built on), keyed by
-the org of the JWT, with one counter shared by every API route. LLM tokens go through a token bucket per org: its
-capacity (the burst) and refill rate come from the org's tier. A request reserves its
-prompt tokens plus max_tokens when admitted and is settled with its real usage when it
-ends (the unused part goes back into the bucket).
+the org of the JWT, with one counter shared by every API route. LLM tokens go through a
+token bucket per org: its capacity (the burst) and refill rate come from the org's tier. A
+request reserves its prompt tokens plus max_tokens when admitted and is settled with its
+real usage when it ends (the unused part goes back into the bucket).
 
 Storage is shared by all workers: `memory://` (one process) or Redis, where the bucket is
 updated by one Lua script so that concurrent workers and replicas never over-admit. If
@@ -19,7 +19,6 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-
 from typing import Callable, TypeVar
 
 import limits
