@@ -22,7 +22,7 @@ from app.catalog import Catalog
 from app.config import GatewayConfig
 from app.errors import APIError, bad_request, sse_error_event
 from app.inference import InferenceRequest, PromptInput, SamplingParams
-from app.limits import TokenLimiter, token_headers
+from app.limits import TokenLimiter, request_limit_headers, token_headers
 from app.metrics import GatewayMetrics
 from app.node_client import PING, ClientGone, NodeClient, NodeStream, NodeStreamError, collect_result
 from app.priority import LATENCY_CLASS_HEADER, latency_class_for
@@ -158,8 +158,18 @@ def _generate(body: Mapping[str, Any], kind: str) -> Response:
     started = g.started
     sock = request.environ.get("gunicorn.socket")
     gone = lambda: client_gone(sock)  # noqa: E731
+    prepared: list[Response] = []
+
+    def prepare(stream: NodeStream) -> None:
+        # While the node reads the request the gateway's core is idle: the answer is set up now rather
+        # than once the node computes the first token, on the cores its kernels need.
+        request_limit_headers()
+        if req.stream:
+            prepared.append(_answer_stream(req, kind, stream, reservation, include_usage, logprobs_top,
+                                           started, gone))
+
     try:
-        outcome = _nodes().dispatch(req)
+        outcome = _nodes().dispatch(req, on_sent=prepare)
         if not req.stream:
             try:
                 result = collect_result(outcome, gone)
@@ -182,7 +192,8 @@ def _generate(body: Mapping[str, Any], kind: str) -> Response:
     except BaseException:
         _tokens().settle(reservation, 0)
         raise
-    return _answer_stream(req, kind, outcome, reservation, include_usage, logprobs_top, started, gone)
+    return prepared[0] if prepared else _answer_stream(req, kind, outcome, reservation, include_usage,
+                                                       logprobs_top, started, gone)
 
 
 def _answer_json(req: InferenceRequest, kind: str, node: str, result: dict, reservation,

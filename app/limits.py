@@ -422,6 +422,22 @@ class RequestLimiter:
         return window
 
 
+def request_limit_headers() -> dict[str, str]:
+    """This request's requests-per-minute headers (none before its hit), read from the storage once: a
+    Redis round trip when Redis holds the windows, so callers read them where a wait costs nothing."""
+    headers = g.get("request_limit_headers")
+    if headers is None:
+        headers = {}
+        window = g.get("request_window")
+        if window is not None:
+            try:
+                headers = window.headers()
+            except STORAGE_ERRORS:   # headers are best effort
+                pass
+        g.request_limit_headers = headers
+    return headers
+
+
 def init_limits(app: Flask, config: GatewayConfig) -> None:
     """Both limiters, and their hooks; call after auth (its hook must run first)."""
     health = StorageHealth(config.limits.redis_failure_policy, config.limits.redis_retry_s)
@@ -443,15 +459,10 @@ def init_limits(app: Flask, config: GatewayConfig) -> None:
 
     @app.after_request
     def _add_limit_headers(response: Response) -> Response:
-        # The window is read here, not before the view: a stream's headers go out while the node
-        # computes, so this read (a Redis round trip) is off the first token's path.
+        # A generation read the window while its node read the request (app/api.py); other requests
+        # read it here.
         headers = dict(g.get("token_limit_headers", {}))
-        window = g.get("request_window")
-        if window is not None:
-            try:
-                headers.update(window.headers())
-            except STORAGE_ERRORS:   # headers are best effort
-                pass
+        headers.update(request_limit_headers())
         if headers:
             # Those an error response set already stay; one pass over the response's headers (a
             # setdefault each would scan them all six times).

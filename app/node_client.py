@@ -46,8 +46,10 @@ class NodeStream:
     """The request's stream from the node that accepted it; before its first token, from the next
     node when that one fails. `node` and `attempts` say where it is now."""
 
-    def __init__(self, client: "NodeClient", req: InferenceRequest, candidates: list[str]) -> None:
+    def __init__(self, client: "NodeClient", req: InferenceRequest, candidates: list[str],
+                 on_sent: Callable[["NodeStream"], None] | None = None) -> None:
         self._client = client
+        self._on_sent = on_sent
         self._req = req
         self._candidates = iter(candidates[: client.config.max_attempts])
         self._body = json.dumps(dict(req.to_node_payload(), stream=True)).encode()
@@ -73,7 +75,7 @@ class NodeStream:
                                headers={"Retry-After": str(self._retry_after)})
             self.attempts += 1
             try:
-                conn, resp = self._client.post_generate(url, self._body, self._headers)
+                conn, resp = self._client.post_generate(url, self._body, self._headers, self._sent)
             except TRANSPORT_ERRORS as exc:
                 self._last = f"{url}: {exc.__class__.__name__}"
                 self._client.pool.mark_down(url, self._last)
@@ -83,6 +85,12 @@ class NodeStream:
                 self.node, self.response, self._conn, self._lines = url, resp, conn, _lines(resp)
                 return
             self._refused(url, conn, resp)
+
+    def _sent(self) -> None:
+        """The request is on its way to a node for the first time: run on_sent, once."""
+        hook, self._on_sent = self._on_sent, None
+        if hook is not None:
+            hook(self)
 
     def _refused(self, url: str, conn: http.client.HTTPConnection, resp: http.client.HTTPResponse) -> None:
         """A node's answer other than 200: note it and go on, or raise the client's own error."""
@@ -300,15 +308,16 @@ class NodeClient:
                              for url in self.config.urls}
         self.on_failover: Callable[[str, str], None] | None = None   # (node, reason): the gateway's metric
 
-    def post_generate(self, url: str, body: bytes,
-                      headers: dict) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    def post_generate(self, url: str, body: bytes, headers: dict, on_sent: Callable[[], None] | None = None
+                      ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
         """POST {url}/v1/generate: (the connection, its response with the body left unread).
-        Hand both back with `release`."""
+        on_sent runs between the request's write and the wait for the node's answer. Hand both back
+        with `release`."""
         connections = self._connections[url]
         conn, kept_alive = connections.take()
         while True:
             try:
-                return conn, _send(conn, connections.path, body, headers)
+                return conn, _send(conn, connections.path, body, headers, on_sent)
             except BaseException as exc:
                 conn.close()
                 if not (kept_alive and isinstance(exc, (ConnectionResetError, BrokenPipeError))):
@@ -337,8 +346,10 @@ class NodeClient:
         for connections in self._connections.values():
             connections.close()
 
-    def dispatch(self, req: InferenceRequest) -> NodeStream:
-        """The stream of `req` from the best node that accepts it; APIError when none does.
+    def dispatch(self, req: InferenceRequest, on_sent: Callable[[NodeStream], None] | None = None) -> NodeStream:
+        """The stream of `req` from the best node that accepts it; APIError when none does. on_sent(the
+        stream) runs once, when the request is first on its way to a node and its answer not yet read:
+        work done there overlaps the node's reading of the request.
 
         It returns as soon as a node has queued the request, before its first token: a streaming
         answer's headers then go out while the node computes, not after. The node always streams: a
@@ -349,13 +360,16 @@ class NodeClient:
         if not ranked:
             raise APIError(503, "No engine node is available to serve this request; retry shortly.",
                            code="no_node_available", headers={"Retry-After": "1"})
-        stream = NodeStream(self, req, [score.url for score in ranked])
+        stream = NodeStream(self, req, [score.url for score in ranked], on_sent)
         stream.open_next()
         return stream
 
 
-def _send(conn: http.client.HTTPConnection, path: str, body: bytes, headers: dict) -> http.client.HTTPResponse:
+def _send(conn: http.client.HTTPConnection, path: str, body: bytes, headers: dict,
+          on_sent: Callable[[], None] | None = None) -> http.client.HTTPResponse:
     conn.request("POST", path, body=body, headers=headers)
+    if on_sent is not None:
+        on_sent()
     return conn.getresponse()
 
 

@@ -252,6 +252,22 @@ def test_a_stream_starts_when_the_node_takes_the_request_not_at_its_first_token(
     assert text == "Hello, world"
 
 
+def test_a_stream_is_set_up_while_the_node_reads_the_request(client, auth, node, monkeypatch):
+    """The answer (its response, its rate-limit headers) is built between the request's write to the
+    node and the node's answer, not after it: then the node computes the first token."""
+    from app import api
+    node.response_delay_s = 0.3
+    built = []
+    real = api._answer_stream
+    monkeypatch.setattr(api, "_answer_stream", lambda *a: built.append(time.monotonic()) or real(*a))
+    t0 = time.monotonic()
+    with client.post(CHAT, headers=auth, json=chat_body(stream=True, max_tokens=3)) as r:
+        answered = time.monotonic() - t0
+        assert r.headers["x-ratelimit-remaining-requests"]
+        assert sse_events(r.get_data(as_text=True))[-1] == "[DONE]"
+    assert len(built) == 1 and built[0] - t0 < 0.2 and answered >= 0.3
+
+
 def test_a_chat_stream_without_tokens_still_opens_with_the_role(client, auth):
     # The stand-in node's first token is "Hello": a stop string that ends the stream before it.
     with client.post(CHAT, headers=auth, json=chat_body(stream=True, max_tokens=3, stop=["Hello"])) as r:
