@@ -192,8 +192,7 @@ def _generate(body: Mapping[str, Any], kind: str) -> Response:
     except BaseException:
         _tokens().settle(reservation, 0)
         raise
-    return prepared[0] if prepared else _answer_stream(req, kind, outcome, reservation, include_usage,
-                                                       logprobs_top, started, gone)
+    return prepared[0]   # built by prepare: a node took the request, so it was sent one
 
 
 def _answer_json(req: InferenceRequest, kind: str, node: str, result: dict, reservation,

@@ -296,8 +296,7 @@ def node_body(p: dict, model_id: str, quantization: str, latency_class: str, max
 
 
 async def raw_stream(client, url: str, body: dict, headers: dict, gateway: bool) -> dict:
-    """One streaming request with the raw client: {ok, ttft, e2e, tokens, error}. Its request id is
-    body["request_id"] (to the node) or the X-Request-Id header (through the gateway)."""
+    """One streaming request with the raw client: {ok, ttft, e2e, tokens, error}."""
     t0 = time.perf_counter()
     ttft, tokens = None, 0
     try:
@@ -651,8 +650,8 @@ def build_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--kv-cache-bytes", default="1GiB", help="KV cache of the node --start starts")
     ap.add_argument("--node-log-level", default="warning",
                     help="log level of the node --start starts (info: a line per request with its queue_s, "
-                         "prefill_s and ttft_s in node.log beside --output; the gateway's requests carry ids "
-                         "<org>/req_..., the direct ones bench-...)")
+                         "prefill_s and ttft_s in node.log beside --output, which split the overhead: the "
+                         "node sees the gateway's requests as <org>/bench-gw-..., the direct ones as bench-...)")
     ap.add_argument("--node-threads", type=int, default=96)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=256,

@@ -269,8 +269,7 @@ class Node:
             "utilization": round(max((m.loop.utilization() for m in resident), default=0.0), 4),
             # running and waiting do not overlap (a sequence in its prefill runs); admitted, what
             # max_waiting bounds, counts the sequences without a first token, running or not.
-            "queue": {"waiting": sum(m.loop.num_waiting for m in resident),
-                      "running": sum(m.engine.num_running for m in resident),
+            "queue": {"waiting": sum(x["waiting"] for x in models), "running": sum(x["running"] for x in models),
                       "admitted": self.admission.waiting, "max_waiting": self.config.max_waiting},
             "temperature_c": tel.temperature_c,
             "power_w": tel.power_w,
