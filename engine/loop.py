@@ -17,11 +17,46 @@ from engine.request import InferenceRequest
 
 log = logging.getLogger("engine.loop")
 
-# Long enough for a woken stream thread to take the GIL (its wake-up is tens of microseconds). Measured
-# on the 2-core machine: median TTFT at concurrency 1 down ~2.5 ms, and 16 streams through the gateway
-# 5-9% more tokens/s (the writes no longer wait a step behind the kernels).
+# The step's kernels hold the GIL (see cpu_layers.run_layers): a stream's reader woken by a step's delta
+# writes its token only while the step thread lets go of it between steps, and the process reading
+# that write needs a core before the next step's kernels take both. For a request's first token the
+# step thread waits until its reader has come back for the next delta (the token is written, and its
+# reader woken), at most STREAM_HANDOFF_S. With only the fixed pause below, about 30% of first tokens
+# at concurrency 1 reached the client 3-5 ms late, a whole step behind. Later tokens keep the pause:
+# waiting for them too cost 0.2 ms per token at concurrency 1 (4% of tokens/s).
+STREAM_HANDOFF_S = 0.002
+# The pause after other steps with deltas: long enough for a woken reader to take the GIL. Measured on
+# the 2-core machine against no pause: median TTFT at concurrency 1 down ~2.5 ms, and 16 streams
+# through the gateway 5-9% more tokens/s.
 STREAM_YIELD_S = 0.0002
 IDLE_WAIT_S = 0.05     # an idle step thread looks at its loops at least this often (submit, abort, stop wake it)
+
+
+class HandOff:
+    """The readers one step woke with a first token, counted down as each comes back for more."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._left = 0
+
+    def expect(self) -> None:
+        with self._cond:
+            self._left += 1
+
+    def came_back(self) -> None:
+        with self._cond:
+            self._left -= 1
+            if self._left <= 0:
+                self._cond.notify()
+
+    @property
+    def expected(self) -> int:
+        return self._left
+
+    def wait(self, timeout: float) -> bool:
+        """Whether every reader came back within timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._left <= 0, timeout)
 
 
 class RequestStream:
@@ -37,16 +72,32 @@ class RequestStream:
         self._open = self.num_sequences
         self.num_finished_in_loop = 0     # counted on the loop thread
         self.error: BaseException | None = None
+        self.reader_waiting = False       # the reader is blocked in next_delta (read by the loop thread)
+        self.num_put = 0                  # deltas put, counted on the loop thread
+        self._handoff: HandOff | None = None   # the step that woke the reader, told when it comes back
 
-    def _put(self, item) -> None:
+    def _put(self, item, handoff: HandOff | None = None) -> None:
+        """Put item; with handoff, a reader waiting for the request's first delta counts in it."""
+        if handoff is not None and self.num_put == 0 and self.reader_waiting:
+            self._handoff = handoff
+            handoff.expect()
+        self.num_put += 1
         self._q.put(item)
 
     def next_delta(self, timeout: float | None = None) -> SequenceDelta | None:
         """The next delta; None once every sequence has finished. Raises queue.Empty on timeout,
-        or the error that failed the request."""
+        or the error that failed the request. A reader asks again after the last delta (as iteration
+        does): that is how the step thread learns it is done with it."""
+        handoff, self._handoff = self._handoff, None
+        if handoff is not None:
+            handoff.came_back()
         if self._open == 0:
             return None
-        item = self._q.get(timeout=timeout)
+        self.reader_waiting = True
+        try:
+            item = self._q.get(timeout=timeout)
+        finally:
+            self.reader_waiting = False
         if isinstance(item, BaseException):
             self._open = 0
             raise item
@@ -71,6 +122,7 @@ class RequestStream:
 
 
 class EngineLoop:
+    stream_handoff_s = STREAM_HANDOFF_S
     stream_yield_s = STREAM_YIELD_S
 
     def __init__(self, engine: Engine, name: str | None = None, thread: "StepThread | None" = None):
@@ -163,11 +215,11 @@ class EngineLoop:
                     self._dispatch(d)
                 self._streams.pop(arg, None)
 
-    def _dispatch(self, d: SequenceDelta) -> None:
+    def _dispatch(self, d: SequenceDelta, handoff: HandOff | None = None) -> None:
         stream = self._streams.get(d.request_id)
         if stream is None:
             return
-        stream._put(d)
+        stream._put(d, handoff)
         if d.finished:
             stream.num_finished_in_loop += 1
             if stream.num_finished_in_loop >= stream.num_sequences:
@@ -189,13 +241,16 @@ class EngineLoop:
             while self._busy and self._busy[0][0] < t0 - self.UTILIZATION_WINDOW_S:
                 self._busy.popleft()
             self._measure(dt)
-            for d in deltas:
-                self._dispatch(d)
             if deltas:
-                # The step's kernels hold the GIL (see cpu_layers.run_layers), so a stream thread woken
-                # by these deltas would otherwise write its token only after the *next* step. A short
-                # sleep hands the GIL to it now, between steps, when its core is free anyway.
-                time.sleep(self.stream_yield_s)
+                handoff = HandOff()
+                for d in deltas:
+                    self._dispatch(d, handoff)
+                # The readers write their tokens now, between steps, when the cores are free anyway:
+                # once the next step's kernels hold the GIL they could not (see STREAM_HANDOFF_S).
+                if handoff.expected:
+                    handoff.wait(self.stream_handoff_s)
+                else:
+                    time.sleep(self.stream_yield_s)
             for listener in self.step_listeners:
                 listener(self.engine, dt, deltas)
             return True

@@ -444,9 +444,11 @@ class Generation:
         POLL_S, whether deltas flow or not). With heartbeat_s, None is yielded after that long without
         a delta, so a stream can show its reader that it is alive (and learn whether the reader is)."""
         checked = last = time.monotonic()
-        while not self.stream.finished:
+        while True:
             try:
                 d = self.stream.next_delta(timeout=POLL_S)
+                if d is None:   # asked once more after the last delta: see RequestStream.next_delta
+                    return
             except queue.Empty:
                 d = None
             now = time.monotonic()

@@ -346,6 +346,7 @@ class _GilHoldingEngine:
     step after the first holds the GIL for a while, as the CPU kernels do."""
 
     model_id = "stand-in"
+    first_step_gate = None   # an Event the first step waits for (a test's reader gets ready first)
 
     def __init__(self):
         self.steps = 0
@@ -365,6 +366,8 @@ class _GilHoldingEngine:
 
     def step(self):
         from engine.engine import SequenceDelta
+        if not self.steps and self.first_step_gate is not None:
+            self.first_step_gate.wait(10)
         self.step_started.append(time.monotonic())
         if self.steps:
             sum(range(3_000_000))          # C code that never lets the GIL go: a kernel's step
@@ -496,6 +499,82 @@ def test_loop_counts_the_sequences_waiting_to_run():
     finally:
         gate.set()
         loop.stop(5)
+
+
+def _wait_until(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+
+
+def test_the_loop_waits_for_the_reader_of_a_first_token_only(monkeypatch):
+    """A request's first token: the next step waits until its reader comes back for more, even a reader
+    slower than the pause between steps (it sleeps here, as a reader does that waits for a core). A later
+    token: the next step does not wait for its reader."""
+    import threading
+    from engine.loop import EngineLoop
+
+    monkeypatch.setattr(EngineLoop, "stream_handoff_s", 5.0)   # ample here; a bound, never reached
+    engine = _GilHoldingEngine()
+    engine.first_step_gate = threading.Event()
+    loop = EngineLoop(engine)
+    written = []
+
+    def read():
+        for d in stream:
+            if d.token_ids[0] < 3:
+                time.sleep(0.05)               # GIL released: with only the pause, step 2 would start now
+            written.append(time.monotonic())   # the token is out
+
+    try:
+        stream = loop.submit(InferenceRequest("r", "stand-in", [1], SamplingParams(max_tokens=3)))
+        reader = threading.Thread(target=read)
+        reader.start()
+        _wait_until(lambda: stream.reader_waiting)
+        engine.first_step_gate.set()
+        reader.join(10)
+        assert len(written) == 3
+        assert engine.step_started[1] >= written[0], "step 2 began before the first token was written"
+        assert engine.step_started[2] < written[1], "step 3 waited for the reader of a later token"
+    finally:
+        loop.stop()
+
+
+def test_a_reader_that_does_not_come_back_holds_the_loop_only_so_long(monkeypatch):
+    """The wait for a first token's reader is bounded: a reader stuck after its first token (a client
+    that stopped reading) costs the other streams one stream_handoff_s, and the loop goes on."""
+    import threading
+    from engine.loop import EngineLoop
+
+    monkeypatch.setattr(EngineLoop, "stream_handoff_s", 0.1)
+    engine = _GilHoldingEngine()
+    engine.first_step_gate = threading.Event()
+    loop = EngineLoop(engine)
+    release = threading.Event()
+    got_first = threading.Event()
+
+    def read():
+        stream.next_delta(timeout=10)
+        got_first.set()
+        release.wait(10)                       # stuck: never asks for the next delta meanwhile
+
+    try:
+        stream = loop.submit(InferenceRequest("r", "stand-in", [1], SamplingParams(max_tokens=3)))
+        reader = threading.Thread(target=read)
+        reader.start()
+        _wait_until(lambda: stream.reader_waiting)
+        engine.first_step_gate.set()
+        deadline = time.monotonic() + 10
+        while len(engine.step_ended) < 3:      # every step ran, the reader still stuck
+            assert time.monotonic() < deadline, "the loop waited for the stuck reader"
+            time.sleep(0.01)
+        assert got_first.is_set() and not release.is_set()
+        waited = engine.step_started[1] - engine.step_ended[0]
+        assert 0.1 <= waited < 2.0
+    finally:
+        release.set()
+        loop.stop()
 
 
 def test_a_stream_gets_its_token_before_the_next_step_holds_the_gil(monkeypatch):
