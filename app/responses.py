@@ -142,6 +142,8 @@ class ChunkWriter:
         self.text_offsets = [0] * n
         self.finished: set[int] = set()
         self._plain: dict[int, tuple[str, str]] = {}   # index -> the chunk around its text
+        if logprobs_top is None:
+            self._around(0)   # now, while the node reads the request, rather than on the first token's path
 
     def _token_choice(self, index: int, text: str, logprobs: dict | None) -> dict:
         if self.kind == CHAT:
@@ -173,18 +175,20 @@ class ChunkWriter:
         if not with_logprobs:
             # The same chunk every time but for its text: serialised once per choice, then only the
             # text is encoded (once per token per stream, this is the gateway's hottest line).
-            around = self._plain.get(index)
-            if around is None:
-                # the text is the chunk's last string: only constants and the usage follow it
-                head, _, tail = self._chunk([self._token_choice(index, _TEXT_MARK, None)]).rpartition(
-                    _text(_TEXT_MARK))
-                around = self._plain[index] = (head, tail)
+            around = self._plain.get(index) or self._around(index)
             return around[0] + _text(text) + around[1]
         if self.kind == CHAT:
             lp = {"content": chat_logprob_content([entry], self.logprobs_top)}
         else:
             lp = completion_logprobs([entry], self.logprobs_top, offset)
         return self._chunk([self._token_choice(index, text, lp)])
+
+    def _around(self, index: int) -> tuple[str, str]:
+        """The token chunk of choice `index` before and after its text (the chunk's last string: only
+        constants and the usage follow it)."""
+        head, _, tail = self._chunk([self._token_choice(index, _TEXT_MARK, None)]).rpartition(_text(_TEXT_MARK))
+        around = self._plain[index] = (head, tail)
+        return around
 
     def done(self, event: dict) -> list[str]:
         """Closing chunks: each choice's finish reason, then usage if asked for."""
