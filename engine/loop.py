@@ -23,7 +23,7 @@ log = logging.getLogger("engine.loop")
 # step thread waits until its reader has come back for the next delta (the token is written, and its
 # reader woken), at most STREAM_HANDOFF_S. With only the fixed pause below, about 30% of first tokens
 # at concurrency 1 reached the client 3-5 ms late, a whole step behind. Later tokens keep the pause:
-# waiting for them too cost 0.2 ms per token at concurrency 1 (4% of tokens/s).
+# waiting for them too cost 0.2 ms per token at concurrency 1 (3% of tokens/s).
 STREAM_HANDOFF_S = 0.002
 # The pause after other steps with deltas: long enough for a woken reader to take the GIL. Measured on
 # the 2-core machine against no pause: median TTFT at concurrency 1 down ~2.5 ms, and 16 streams

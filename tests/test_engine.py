@@ -508,32 +508,38 @@ def _wait_until(condition, timeout: float = 10.0) -> None:
         time.sleep(0.001)
 
 
+def _read_on_a_thread(loop, engine: "_GilHoldingEngine", read):
+    """Submit a 3-token request and run read(stream) on a thread; the first step runs once the reader
+    waits for its first delta (else it might not be waiting yet when that delta comes)."""
+    import threading
+    engine.first_step_gate = threading.Event()
+    stream = loop.submit(InferenceRequest("r", "stand-in", [1], SamplingParams(max_tokens=3)))
+    reader = threading.Thread(target=read, args=(stream,))
+    reader.start()
+    _wait_until(lambda: stream.reader_waiting)
+    engine.first_step_gate.set()
+    return reader
+
+
 def test_the_loop_waits_for_the_reader_of_a_first_token_only(monkeypatch):
     """A request's first token: the next step waits until its reader comes back for more, even a reader
     slower than the pause between steps (it sleeps here, as a reader does that waits for a core). A later
     token: the next step does not wait for its reader."""
-    import threading
     from engine.loop import EngineLoop
 
     monkeypatch.setattr(EngineLoop, "stream_handoff_s", 5.0)   # ample here; a bound, never reached
     engine = _GilHoldingEngine()
-    engine.first_step_gate = threading.Event()
     loop = EngineLoop(engine)
     written = []
 
-    def read():
+    def read(stream):
         for d in stream:
             if d.token_ids[0] < 3:
                 time.sleep(0.05)               # GIL released: with only the pause, step 2 would start now
             written.append(time.monotonic())   # the token is out
 
     try:
-        stream = loop.submit(InferenceRequest("r", "stand-in", [1], SamplingParams(max_tokens=3)))
-        reader = threading.Thread(target=read)
-        reader.start()
-        _wait_until(lambda: stream.reader_waiting)
-        engine.first_step_gate.set()
-        reader.join(10)
+        _read_on_a_thread(loop, engine, read).join(10)
         assert len(written) == 3
         assert engine.step_started[1] >= written[0], "step 2 began before the first token was written"
         assert engine.step_started[2] < written[1], "step 3 waited for the reader of a later token"
@@ -549,26 +555,18 @@ def test_a_reader_that_does_not_come_back_holds_the_loop_only_so_long(monkeypatc
 
     monkeypatch.setattr(EngineLoop, "stream_handoff_s", 0.1)
     engine = _GilHoldingEngine()
-    engine.first_step_gate = threading.Event()
     loop = EngineLoop(engine)
     release = threading.Event()
     got_first = threading.Event()
 
-    def read():
+    def read(stream):
         stream.next_delta(timeout=10)
         got_first.set()
         release.wait(10)                       # stuck: never asks for the next delta meanwhile
 
     try:
-        stream = loop.submit(InferenceRequest("r", "stand-in", [1], SamplingParams(max_tokens=3)))
-        reader = threading.Thread(target=read)
-        reader.start()
-        _wait_until(lambda: stream.reader_waiting)
-        engine.first_step_gate.set()
-        deadline = time.monotonic() + 10
-        while len(engine.step_ended) < 3:      # every step ran, the reader still stuck
-            assert time.monotonic() < deadline, "the loop waited for the stuck reader"
-            time.sleep(0.01)
+        _read_on_a_thread(loop, engine, read)
+        _wait_until(lambda: len(engine.step_ended) == 3)   # every step ran, the reader still stuck
         assert got_first.is_set() and not release.is_set()
         waited = engine.step_started[1] - engine.step_ended[0]
         assert 0.1 <= waited < 2.0
