@@ -19,11 +19,12 @@ log = logging.getLogger("engine.loop")
 
 # The step's kernels hold the GIL (see cpu_layers.run_layers): a stream's reader woken by a step's delta
 # writes its token only while the step thread lets go of it between steps, and the process reading
-# that write needs a core before the next step's kernels take both. For a request's first token the
-# step thread waits until its reader has come back for the next delta (the token is written, and its
-# reader woken), at most STREAM_HANDOFF_S. With only the fixed pause below, about 30% of first tokens
-# at concurrency 1 reached the client 3-5 ms late, a whole step behind. Later tokens keep the pause:
-# waiting for them too cost 0.2 ms per token at concurrency 1 (3% of tokens/s).
+# that write needs a core before the next step's kernels take both. For a request's first tokens, when
+# its reader is waiting for them, the step thread waits until the reader has taken them and come back
+# for more (a streaming reader has written them by then), at most STREAM_HANDOFF_S; on a StepThread
+# shared by several models that holds up their steps as long. With only the fixed pause below, about
+# 30% of first tokens at concurrency 1 reached the client 3-5 ms late, a whole step behind. Later
+# tokens keep the pause: waiting for them too cost 0.2 ms per token at concurrency 1 (3% of tokens/s).
 STREAM_HANDOFF_S = 0.002
 # The pause after other steps with deltas: long enough for a woken reader to take the GIL. Measured on
 # the 2-core machine against no pause: median TTFT at concurrency 1 down ~2.5 ms, and 16 streams
@@ -33,7 +34,8 @@ IDLE_WAIT_S = 0.05     # an idle step thread looks at its loops at least this of
 
 
 class HandOff:
-    """The readers one step woke with a first token, counted down as each comes back for more."""
+    """The readers one step woke with their request's first deltas, counted down as each comes back
+    for more."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
@@ -73,31 +75,35 @@ class RequestStream:
         self.num_finished_in_loop = 0     # counted on the loop thread
         self.error: BaseException | None = None
         self.reader_waiting = False       # the reader is blocked in next_delta (read by the loop thread)
-        self.num_put = 0                  # deltas put, counted on the loop thread
-        self._handoff: HandOff | None = None   # the step that woke the reader, told when it comes back
+        self._started = False             # something was put
+        self._first_step: HandOff | None = None   # the hand-off of the step that put the first deltas
+        self._owed: HandOff | None = None          # the reader's: told once the reader comes back
 
     def _put(self, item, handoff: HandOff | None = None) -> None:
-        """Put item; with handoff, a reader waiting for the request's first delta counts in it."""
-        if handoff is not None and self.num_put == 0 and self.reader_waiting:
-            self._handoff = handoff
+        """Put item. With the step's handoff: a reader waiting for the request's first deltas counts in
+        it, and they carry it to the reader."""
+        if handoff is not None and not self._started and self.reader_waiting:
+            self._first_step = handoff
             handoff.expect()
-        self.num_put += 1
-        self._q.put(item)
+        self._started = True
+        self._q.put((item, handoff if handoff is self._first_step else None))
 
     def next_delta(self, timeout: float | None = None) -> SequenceDelta | None:
         """The next delta; None once every sequence has finished. Raises queue.Empty on timeout,
         or the error that failed the request. A reader asks again after the last delta (as iteration
-        does): that is how the step thread learns it is done with it."""
-        handoff, self._handoff = self._handoff, None
-        if handoff is not None:
-            handoff.came_back()
+        does): that is how the step thread learns it is done with the first ones."""
+        if self._owed is not None and self._q.empty():
+            self._owed.came_back()
+            self._owed = None
         if self._open == 0:
             return None
         self.reader_waiting = True
         try:
-            item = self._q.get(timeout=timeout)
+            item, handoff = self._q.get(timeout=timeout)
         finally:
             self.reader_waiting = False
+        if handoff is not None:
+            self._owed = handoff
         if isinstance(item, BaseException):
             self._open = 0
             raise item

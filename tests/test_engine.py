@@ -581,7 +581,8 @@ def test_a_stream_gets_its_token_before_the_next_step_holds_the_gil(monkeypatch)
     import threading
     from engine.loop import EngineLoop
 
-    monkeypatch.setattr(EngineLoop, "stream_yield_s", 0.05)   # ample here; the shipped value is tuned
+    monkeypatch.setattr(EngineLoop, "stream_yield_s", 0.05)   # ample here; the shipped values are tuned
+    monkeypatch.setattr(EngineLoop, "stream_handoff_s", 5.0)  # (token 1 goes by the hand-off if its reader waits)
     engine = _GilHoldingEngine()
     loop = EngineLoop(engine)
     try:
