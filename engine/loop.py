@@ -64,8 +64,6 @@ class HandOff:
 class RequestStream:
     """The deltas of one request as the loop produces them; iterate, or call next_delta(timeout)."""
 
-    _END = object()
-
     def __init__(self, loop: "EngineLoop", request: InferenceRequest):
         self.loop = loop
         self.request = request
@@ -117,10 +115,6 @@ class RequestStream:
             if d is None:
                 return
             yield d
-
-    @property
-    def finished(self) -> bool:
-        return self._open == 0
 
     def cancel(self) -> None:
         """Abort the request (a client went away); its blocks are freed before the next step."""
