@@ -5,7 +5,7 @@ by tens of milliseconds between requests (the prompt's uncached tail, the machin
 needs hundreds of pairs and still moves by a millisecond between runs. This benchmark swaps the node
 for a stand-in that speaks the node protocol and, for each request, computes for a fixed time on every
 core the way a prefill does (a numba parallel loop that holds the GIL, launched from one compute thread
-as the node's step thread launches its kernels, libgomp spinning as the node's does), then streams a
+as the node's step thread launches its kernels, libgomp set as the node's), then streams a
 few tokens. The first token carries the stand-in's clock readings, which splits
 the gateway's cost in three:
   - before the node: from the client's send to the request's arrival at the node (gunicorn, Flask,
@@ -48,8 +48,8 @@ MODEL_ID, QUANTIZATION, ALIAS = "SmolLM2-135M-Instruct", "q4_1", "zen-small"
 def create_standin() -> "flask.Flask":  # noqa: F821
     """The stand-in node's app (gunicorn `benchmarks.bench_gateway_hop:create_standin()`); its compute time
     per request comes from $HOP_COMPUTE_MS, its secret from $NODE_SECRET."""
-    from engine.server import openmp_spin_default
-    openmp_spin_default(os.environ)   # as the node: before libgomp is loaded
+    from engine.server import openmp_defaults
+    openmp_defaults(os.environ)   # as the node: before libgomp is loaded
     import numpy as np
     from flask import Flask, Response, abort, request
     from numba import njit, prange

@@ -3,7 +3,9 @@ bad input, model management, and abort when a streaming client goes away."""
 from __future__ import annotations
 
 import json
+import os
 
+import psutil
 import pytest
 import requests
 
@@ -264,15 +266,50 @@ def test_disconnect_aborts_non_streaming_request(node):
     assert metric(m, "zen_node_generation_tokens_total", org="impatient") < 4000
 
 
-def test_openmp_spin_default_leaves_the_operators_choice():
-    from engine.server import OPENMP_SPINCOUNT, openmp_spin_default
+def test_openmp_defaults_leave_the_operators_choice():
+    from engine.server import OPENMP_PROC_BIND, OPENMP_SPINCOUNT, openmp_defaults
 
+    chosen = {"OMP_PROC_BIND": "false"}
+    env: dict = dict(chosen)
+    openmp_defaults(env)
+    assert env == {**chosen, "GOMP_SPINCOUNT": OPENMP_SPINCOUNT}
+    for chosen in ({"GOMP_SPINCOUNT": "7"}, {"OMP_WAIT_POLICY": "passive"}):   # libgomp would take a spin count over the policy
+        env = dict(chosen)
+        openmp_defaults(env)
+        assert env == {**chosen, "OMP_PROC_BIND": OPENMP_PROC_BIND}
+    for chosen in ({"OMP_PLACES": "cores"}, {"GOMP_CPU_AFFINITY": "0-3"}):
+        env = {**chosen, "GOMP_SPINCOUNT": "7"}
+        openmp_defaults(env)
+        assert "OMP_PROC_BIND" not in env
+
+
+def test_a_served_node_binds_one_kernel_thread_to_each_cpu(tiny_models, tmp_path):
+    cpus = sorted(os.sched_getaffinity(0))
+    n = launch_node([tiny_models["a"] + "=tiny-a"], SECRET, log_dir=str(tmp_path),
+                    env={"NUMBA_NUM_THREADS": str(len(cpus))})
+    try:
+        r = generate(n.url, {"request_id": "bound", "model": "tiny-a", "org": "acme", "prompt": "the cat is",
+                             "sampling": {"max_tokens": 4, "ignore_eos": True}}, SECRET)
+        assert r.status_code == 200, r.text
+        (worker,) = psutil.Process(n.proc.pid).children()
+        bound = {tuple(os.sched_getaffinity(t.id)) for t in worker.threads()}
+        assert {(cpu,) for cpu in cpus} <= bound   # one kernel thread on each CPU
+        assert tuple(cpus) in bound                # the rest (HTTP threads) may run anywhere
+    finally:
+        n.stop()
+
+
+def test_openmp_defaults_bind_threads_only_when_there_is_one_per_cpu():
+    from engine.server import OPENMP_PROC_BIND, openmp_defaults
+
+    cpus = len(os.sched_getaffinity(0))
     env: dict = {}
-    openmp_spin_default(env)
-    assert env == {"GOMP_SPINCOUNT": OPENMP_SPINCOUNT}
-    env = {"GOMP_SPINCOUNT": "7"}
-    openmp_spin_default(env)
-    assert env == {"GOMP_SPINCOUNT": "7"}
-    env = {"OMP_WAIT_POLICY": "passive"}   # libgomp would take a spin count over the policy
-    openmp_spin_default(env)
-    assert env == {"OMP_WAIT_POLICY": "passive"}
+    openmp_defaults(env)
+    assert env["OMP_PROC_BIND"] == OPENMP_PROC_BIND
+    env = {"NUMBA_NUM_THREADS": str(cpus)}
+    openmp_defaults(env)
+    assert env["OMP_PROC_BIND"] == OPENMP_PROC_BIND
+    for threads in (cpus - 1, cpus + 1):   # fewer: several nodes may share the host's first CPUs
+        env = {"NUMBA_NUM_THREADS": str(threads)}
+        openmp_defaults(env)
+        assert "OMP_PROC_BIND" not in env
