@@ -12,6 +12,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine, RequestError
 from engine.request import InferenceRequest, LatencyClass
 from engine.sampling import SamplingParams
+from tests.node_fixtures import wait_for
 from engine.scheduler import SchedulerConfig
 
 
@@ -501,13 +502,6 @@ def test_loop_counts_the_sequences_waiting_to_run():
         loop.stop(5)
 
 
-def _wait_until(condition, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline
-        time.sleep(0.001)
-
-
 def _read_on_a_thread(loop, engine: "_GilHoldingEngine", read):
     """Submit a 3-token request and run read(stream) on a thread; the first step runs once the reader
     waits for its first delta (else it might not be waiting yet when that delta comes)."""
@@ -516,7 +510,7 @@ def _read_on_a_thread(loop, engine: "_GilHoldingEngine", read):
     stream = loop.submit(InferenceRequest("r", "stand-in", [1], SamplingParams(max_tokens=3)))
     reader = threading.Thread(target=read, args=(stream,))
     reader.start()
-    _wait_until(lambda: stream.reader_waiting)
+    wait_for(lambda: stream.reader_waiting, what="the reader to wait")
     engine.first_step_gate.set()
     return reader
 
@@ -566,7 +560,7 @@ def test_a_reader_that_does_not_come_back_holds_the_loop_only_so_long(monkeypatc
 
     try:
         _read_on_a_thread(loop, engine, read)
-        _wait_until(lambda: len(engine.step_ended) == 3)   # every step ran, the reader still stuck
+        wait_for(lambda: len(engine.step_ended) == 3, what="three steps")   # the reader still stuck
         assert got_first.is_set() and not release.is_set()
         waited = engine.step_started[1] - engine.step_ended[0]
         assert 0.1 <= waited < 2.0
