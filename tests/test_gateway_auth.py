@@ -228,37 +228,6 @@ def test_public_endpoints_need_no_token(client):
     assert client.get("/metrics", headers=METRICS_HEADERS).status_code == 200
 
 
-def test_jwks_from_a_url(keys, tmp_path):
-    import functools
-    import threading
-    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
-
-    from tests.test_gateway_support import free_port
-
-    (tmp_path / "jwks.json").write_text(open(keys["jwks"]).read())
-    handler = functools.partial(SimpleHTTPRequestHandler, directory=str(tmp_path))
-    handler.log_message = lambda *a: None
-    server = ThreadingHTTPServer(("127.0.0.1", free_port()), handler)
-    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
-    cfg = make_config([], auth={"jwks_url": f"http://127.0.0.1:{server.server_port}/jwks.json",
-                                "algorithms": ["RS256", "ES256"]})
-    app = create_app(cfg)
-    try:
-        c = app.test_client()
-        rs = jwt.encode(_claims(), keys["rsa"], algorithm="RS256", headers={"kid": "rsa-1"})
-        assert _get(c, rs).status_code == 200
-        es = jwt.encode(_claims(), keys["ec"], algorithm="ES256", headers={"kid": "ec-1"})
-        assert _get(c, es).status_code == 200
-        _assert_401(_get(c, jwt.encode(_claims(), keys["rsa"], algorithm="RS256",
-                                       headers={"kid": "ec-1"})), "unknown key")
-        _assert_401(_get(c, jwt.encode(_claims(), JWT_SECRET, algorithm="HS256")),
-                    "'HS256' is not allowed")
-    finally:
-        close_app(app)
-        server.shutdown()
-        server.server_close()
-
-
 def test_devtoken_cli_prints_an_accepted_token(client, capsys, monkeypatch):
     from app.devtoken import main
 
