@@ -75,8 +75,9 @@ def test_invalid_config_is_refused_naming_the_key(overrides, words):
         load_config(env={}, overrides=overrides)
 
 
-@pytest.mark.parametrize("url", ["https://idp.example.com/.well-known/jwks.json", "http://127.0.0.1:8080/jwks.json",
-                                 "http://localhost/jwks.json", "http://[::1]:9000/jwks.json"])
+@pytest.mark.parametrize("url", ["https://idp.example.com/.well-known/jwks.json",
+                                 "http://127.0.0.1:8080/jwks.json", "http://localhost/jwks.json",
+                                 "http://[::1]:9000/jwks.json"])
 def test_jwks_url_is_https_or_on_loopback(url):
     cfg = load_config(env={}, overrides={"auth": {"jwks_url": url, "algorithms": ["RS256"]}})
     assert cfg.auth.jwks_url == url
@@ -87,7 +88,8 @@ def test_development_secrets_are_the_shipped_ones():
     """DEVELOPMENT_SECRETS is what config/default.toml ships: the two cannot drift apart."""
     with open(DEFAULT_CONFIG_PATH, "rb") as fh:
         shipped = tomllib.load(fh)
-    assert {s.key for s in DEVELOPMENT_SECRETS} == {"auth.hs256_secret", "nodes.secret", "server.metrics_token"}
+    assert {s.key for s in DEVELOPMENT_SECRETS} == {"auth.hs256_secret", "nodes.secret",
+                                                    "server.metrics_token"}
     for secret in DEVELOPMENT_SECRETS:
         section, name = secret.key.split(".")
         assert shipped[section][name] == secret.value, secret.key

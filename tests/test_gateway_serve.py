@@ -66,7 +66,8 @@ def _serve(tmp_path, host: str, **secrets: str) -> GatewayProcess:
     return gateway
 
 
-@pytest.mark.parametrize("command", [["app", "serve"], ["gunicorn", "-c", "config/gunicorn.conf.py", "wsgi:app"]],
+@pytest.mark.parametrize("command", [["app", "serve"],
+                                     ["gunicorn", "-c", "config/gunicorn.conf.py", "wsgi:app"]],
                          ids=["app-serve", "gunicorn"])
 def test_public_host_with_development_secrets_exits_before_binding(tmp_path, command):
     port = free_port()
