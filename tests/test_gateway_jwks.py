@@ -32,16 +32,17 @@ def keys():
 
 
 class JwksServer:
-    """Serves `keys` at /jwks.json on loopback with `status`, counting the fetches."""
+    """Serves `keys` (or `body`, when set) at /jwks.json on loopback with `status`, counting the fetches."""
 
     def __init__(self, keys: list[dict]) -> None:
         self.keys, self.status, self.fetches = list(keys), 200, 0
+        self.body: bytes | None = None
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
                 owner.fetches += 1
-                body = json.dumps({"keys": owner.keys}).encode()
+                body = owner.body if owner.body is not None else json.dumps({"keys": owner.keys}).encode()
                 self.send_response(owner.status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
@@ -133,6 +134,14 @@ def test_an_unreachable_jwks_is_fetched_at_most_once_per_interval(keys, jwks_ser
     clock[0] += INTERVAL_S / 2
     assert _get(client, _rs256(keys["rsa"], "rsa-1", sub="after")).status_code == 200
     assert jwks_server.fetches == 2
+
+
+@pytest.mark.parametrize("body", [b"<html>not json</html>", b'{"keys": []}', b'{"keys": [{"kty": "RSA"}]}',
+                                  b"[]"])
+def test_a_jwks_that_is_not_one_is_a_401(keys, jwks_server, client, body):
+    jwks_server.body = body
+    _assert_401(_get(client, _rs256(keys["rsa"], "rsa-1")), "unknown key")
+    assert jwks_server.fetches == 1
 
 
 def test_a_failed_refresh_keeps_the_keys_it_had(keys, jwks_server, client, clock):
