@@ -15,7 +15,7 @@ from time import monotonic
 from jwt import PyJWK, PyJWKClient
 from jwt.exceptions import PyJWKClientError, PyJWKSetError
 
-JWKS_LIFESPAN_S = 300.0     # a key withdrawn from the JWKS stops verifying tokens at most this late
+JWKS_LIFESPAN_S = 300.0     # the cached set is refreshed at this age: a withdrawn key verifies until then
 JWKS_TIMEOUT_S = 5.0
 
 log = logging.getLogger(__name__)
@@ -26,7 +26,7 @@ class RemoteKeySet:
 
     def __init__(self, url: str, refetch_interval_s: float, *, lifespan_s: float = JWKS_LIFESPAN_S,
                  timeout_s: float = JWKS_TIMEOUT_S) -> None:
-        # pyjwt's client does the HTTP (no redirects, a timeout); the caching and throttling are here.
+        # pyjwt's client only fetches and parses; caching and throttling are here, in one place.
         self._client = PyJWKClient(url, cache_jwk_set=False, timeout=timeout_s)
         self._refetch_interval_s = refetch_interval_s
         self._lifespan_s = lifespan_s
