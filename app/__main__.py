@@ -1,8 +1,9 @@
 """`python -m app serve`: run the gateway under gunicorn with config/gunicorn.conf.py.
 
 Extra arguments go to gunicorn (e.g. `--workers 4`). Configuration: config/default.toml,
-or the file named by ZEN_CONFIG, with PORT, JWT_SECRET, REDIS_URL, ZEN_NODES and
-NODE_SECRET from the environment.
+or the file named by ZEN_CONFIG, with PORT, JWT_SECRET, REDIS_URL, ZEN_NODES, NODE_SECRET
+and METRICS_TOKEN from the environment. An invalid configuration (among others: a host off
+loopback with a shipped development secret) exits with status 2 before anything binds.
 """
 from __future__ import annotations
 

@@ -2,9 +2,10 @@
 
 Tokens are verified with pyjwt against an allow-list of algorithms. The algorithm family
 picks the key: HS* tokens are checked only against the configured secret, RS*/ES*/EdDSA
-tokens only against the public keys of the JWKS (file or URL), so a token can never get an
-HMAC check with a public key, and `none` is never allowed. `exp` is required; `nbf`, `iss`
-and `aud` are checked when present/configured. The org is the `owner` claim.
+tokens only against the public keys of the JWKS (file or URL, see app/jwks.py), so a token can
+never get an HMAC check with a public key, and `none` is never allowed. `exp` is required; `nbf`,
+`iss` and `aud` are checked when present/configured, and the lifetime (exp - iat) when
+`max_token_lifetime_s` is set. The org is the `owner` claim.
 
 A `before_app_request` hook puts the caller in `g.caller` (and `g.org`); `login_required`
 guards the API routes and answers 401 in OpenAI's shape with what is wrong.
@@ -21,10 +22,11 @@ from typing import Any, Callable
 
 import jwt
 from flask import Blueprint, Flask, current_app, g, request
-from jwt import PyJWK, PyJWKClient, PyJWKSet
+from jwt import PyJWK, PyJWKSet
 
 from app.config import AuthConfig, GatewayConfig, TierConfig
 from app.errors import unauthorized
+from app.jwks import RemoteKeySet
 from app.priority import LatencyClass
 
 EXTENSION_KEY = "zen.auth"
@@ -76,31 +78,26 @@ class TokenVerifier:
         self._verified: dict[str, _Verified] = {}
         self._verified_lock = threading.Lock()
         self._jwks: PyJWKSet | None = None
-        self._jwks_client: PyJWKClient | None = None
+        self._remote_jwks: RemoteKeySet | None = None
         if self._auth.jwks_file:
             with open(self._auth.jwks_file, encoding="utf-8") as fh:
                 self._jwks = PyJWKSet.from_dict(json.load(fh))
         elif self._auth.jwks_url:
-            self._jwks_client = PyJWKClient(self._auth.jwks_url, cache_jwk_set=True, lifespan=300,
-                                            timeout=5)
+            self._remote_jwks = RemoteKeySet(self._auth.jwks_url, self._auth.jwks_refetch_interval_s)
 
     # -- keys -----------------------------------------------------------------------------
 
     def _public_key(self, alg: str, kid: str | None) -> Any:
         """The JWKS key for a public-key algorithm: by kid, or the only key of its type."""
         want_kty = _KEY_TYPES.get(alg[:2])
-        if self._jwks_client is not None:
-            try:
-                keys = ([self._jwks_client.get_signing_key(kid)] if kid
-                        else self._jwks_client.get_signing_keys())
-            except jwt.PyJWKClientError:
-                raise AuthError("token is signed with an unknown key") from None
+        if self._remote_jwks is not None:
+            keys = self._remote_jwks.keys(kid)
         elif self._jwks is not None:
             keys = list(self._jwks.keys)
-            if kid is not None:
-                keys = [k for k in keys if k.key_id == kid]
         else:
             keys = []
+        if kid is not None:
+            keys = [k for k in keys if k.key_id == kid]
         keys = [k for k in keys if k.key_type == want_kty and k.key_type != "oct"]
         if kid is None and len(keys) > 1:
             raise AuthError("token has no key id (kid) and several keys could verify it")
@@ -135,7 +132,7 @@ class TokenVerifier:
             raise AuthError("token is malformed")
         key = self._key_for(alg, kid)
         try:
-            return jwt.decode(
+            claims = jwt.decode(
                 token, key, algorithms=[alg],
                 audience=self._auth.audience or None,
                 issuer=self._auth.issuer or None,
@@ -160,6 +157,22 @@ class TokenVerifier:
             raise AuthError("token is malformed") from None
         except jwt.PyJWTError:
             raise AuthError("token is invalid") from None
+        self._check_lifetime(claims)
+        return claims
+
+    def _check_lifetime(self, claims: dict) -> None:
+        """AuthError when the token was issued for longer than max_token_lifetime_s allows."""
+        limit = self._auth.max_token_lifetime_s
+        if not limit:
+            return
+        # pyjwt has checked that exp (and iat, when present) are integers
+        if "iat" in claims:
+            lifetime, span = int(claims["exp"]) - int(claims["iat"]), "exp - iat"
+        else:
+            lifetime, span = int(claims["exp"]) - int(time.time()), "exp - now, without iat"
+        if lifetime > limit:
+            raise AuthError(f"token lifetime ({span}) is {lifetime} s, longer than the {limit} s "
+                            f"this gateway accepts")
 
     def caller_for(self, claims: dict) -> Caller:
         """The Caller the verified `claims` name; AuthError when they name none."""

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import ipaddress
 import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 from urllib.parse import urlparse
 
 from app.priority import LatencyClass
@@ -30,9 +31,34 @@ class ConfigError(ValueError):
     """The configuration is invalid; the message names the offending key."""
 
 
+class DevelopmentSecret(NamedTuple):
+    key: str      # section.field in the TOML file
+    env: str      # the environment variable that replaces it
+    value: str    # the public value config/default.toml ships
+
+
+# The secrets config/default.toml ships: public, so a gateway refuses them off loopback.
+DEVELOPMENT_SECRETS = (
+    DevelopmentSecret("auth.hs256_secret", "JWT_SECRET", "zen-development-secret-do-not-use-in-production"),
+    DevelopmentSecret("nodes.secret", "NODE_SECRET", "zen-development-node-secret"),
+    DevelopmentSecret("server.metrics_token", "METRICS_TOKEN", "zen-development-metrics-token"),
+)
+
+
 def _require(cond: bool, message: str) -> None:
     if not cond:
         raise ConfigError(message)
+
+
+def is_loopback_host(host: str | None) -> bool:
+    """Whether `host` (a name or an IP address, IPv6 with or without brackets) is this machine only."""
+    name = (host or "").strip().strip("[]").rstrip(".").lower()
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -66,13 +92,15 @@ class AuthConfig:
     allow_unconfigured_orgs: bool = True
     default_tier: str = "free"
     dev_token_ttl_s: int = 86400
+    jwks_refetch_interval_s: float = 60.0   # least time between two fetches of jwks_url
+    max_token_lifetime_s: int = 0           # longest exp - iat accepted; 0: any
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "algorithms", tuple(self.algorithms))
         _require(len(self.algorithms) > 0, "auth.algorithms must not be empty")
         for alg in self.algorithms:
             _require(alg in JWT_ALGORITHMS, f"auth.algorithms: unsupported algorithm {alg!r}")
-        if any(a.startswith("HS") for a in self.algorithms):
+        if self.allows_hmac:
             _require(len(self.hs256_secret.encode()) >= 32,
                      "auth.hs256_secret (JWT_SECRET) must be at least 32 bytes when an HS* "
                      "algorithm is allowed")
@@ -86,6 +114,19 @@ class AuthConfig:
                      "auth: RS*/ES* algorithms need auth.jwks_file or auth.jwks_url")
         _require(self.leeway_s >= 0, "auth.leeway_s must be >= 0")
         _require(self.max_token_bytes >= 256, "auth.max_token_bytes must be >= 256")
+        if self.jwks_url:
+            url = urlparse(self.jwks_url)
+            # Over plain http anyone on the path could swap in their own signing keys.
+            _require(bool(url.netloc) and (url.scheme == "https" or (
+                url.scheme == "http" and is_loopback_host(url.hostname))),
+                f"auth.jwks_url must be an https:// URL (http:// only on a loopback host), "
+                f"got {self.jwks_url!r}")
+        _require(self.jwks_refetch_interval_s > 0, "auth.jwks_refetch_interval_s must be > 0")
+        _require(self.max_token_lifetime_s >= 0, "auth.max_token_lifetime_s must be >= 0 (0: off)")
+
+    @property
+    def allows_hmac(self) -> bool:
+        return any(a.startswith("HS") for a in self.algorithms)
 
 
 @dataclass(frozen=True)
@@ -225,6 +266,23 @@ class GatewayConfig:
                      f"orgs.{org.id}: default_latency_class is above its max_latency_class")
         _require(self.auth.default_tier in self.tiers,
                  f"auth.default_tier: unknown tier {self.auth.default_tier!r}")
+        shipped = self.development_secrets_in_use()
+        _require(not shipped or is_loopback_host(self.server.host),
+                 f"server.host {self.server.host!r} is not a loopback address, and the gateway "
+                 f"would serve it with the public development secrets of config/default.toml: "
+                 + ", ".join(f"{s.key} (set {s.env})" for s in shipped)
+                 + ". Set those environment variables to secrets of your own, or serve on 127.0.0.1.")
+
+    def development_secrets_in_use(self) -> list[DevelopmentSecret]:
+        """The shipped development secrets this configuration still uses."""
+        in_use = []
+        for secret in DEVELOPMENT_SECRETS:
+            if secret.key == "auth.hs256_secret" and not self.auth.allows_hmac:
+                continue    # never used to verify a token
+            section, name = secret.key.split(".")
+            if getattr(getattr(self, section), name) == secret.value:
+                in_use.append(secret)
+        return in_use
 
     def replace(self, **changes: Any) -> "GatewayConfig":
         return dataclasses.replace(self, **changes)

@@ -21,12 +21,16 @@ def mint_token(config: GatewayConfig, org: str, tier: str | None = None, *,
                ttl_s: int | None = None, subject: str = "dev", **claims) -> str:
     """An HS256 token for `org`, accepted by a gateway running `config`."""
     now = int(time.time())
+    if ttl_s is None:   # the configured lifetime, within what the gateway accepts
+        ttl_s = config.auth.dev_token_ttl_s
+        if config.auth.max_token_lifetime_s:
+            ttl_s = min(ttl_s, config.auth.max_token_lifetime_s)
     payload = {
         "owner": org,
         "sub": subject,
         "iat": now,
         "nbf": now,
-        "exp": now + (config.auth.dev_token_ttl_s if ttl_s is None else ttl_s),
+        "exp": now + ttl_s,
         "jti": uuid.uuid4().hex,
     }
     if tier:

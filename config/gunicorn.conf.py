@@ -9,13 +9,17 @@ overridden with GATEWAY_WORKERS / GATEWAY_THREADS.
 """
 import os
 import shutil
+import sys
 import tempfile
 
 from gunicorn.glogging import Logger
 
-from app.config import load_config
+from app.config import ConfigError, load_config
 
-_cfg = load_config()
+try:
+    _cfg = load_config()
+except ConfigError as exc:      # the reason alone, as `python -m app serve` prints it, not a traceback
+    sys.exit(f"error: {exc}")
 
 bind = f"{_cfg.server.host}:{_cfg.server.port}"
 workers = int(os.environ.get("GATEWAY_WORKERS", _cfg.server.workers))

@@ -1,10 +1,12 @@
 """Configuration, latency classes and the model catalog of the gateway."""
 from __future__ import annotations
 
+import tomllib
+
 import pytest
 
 from app.catalog import Catalog
-from app.config import DEFAULT_CONFIG_PATH, ConfigError, load_config
+from app.config import DEFAULT_CONFIG_PATH, DEVELOPMENT_SECRETS, ConfigError, load_config
 from app.errors import APIError
 from app.priority import LatencyClass, cap_latency_class, latency_class_for
 
@@ -61,10 +63,78 @@ def test_config_file_from_env(tmp_path):
     ({"nodes": {"urls": ["ftp://x"]}}, "nodes.urls"),
     ({"server": {"bogus": 1}}, "unknown keys"),
     ({"bogus": {}}, "unknown config sections"),
+    ({"auth": {"jwks_url": "http://idp.example.com/jwks.json"}}, "jwks_url must be an https:// URL"),
+    ({"auth": {"jwks_url": "http://10.0.0.7/jwks.json"}}, "jwks_url must be an https:// URL"),
+    ({"auth": {"jwks_url": "file:///etc/jwks.json"}}, "jwks_url must be an https:// URL"),
+    ({"auth": {"jwks_url": "https:///jwks.json"}}, "jwks_url must be an https:// URL"),
+    ({"auth": {"jwks_refetch_interval_s": 0}}, "jwks_refetch_interval_s"),
+    ({"auth": {"max_token_lifetime_s": -1}}, "max_token_lifetime_s"),
 ])
 def test_invalid_config_is_refused_naming_the_key(overrides, words):
     with pytest.raises(ConfigError, match=words):
         load_config(env={}, overrides=overrides)
+
+
+@pytest.mark.parametrize("url", ["https://idp.example.com/.well-known/jwks.json",
+                                 "http://127.0.0.1:8080/jwks.json", "http://localhost/jwks.json",
+                                 "http://[::1]:9000/jwks.json"])
+def test_jwks_url_is_https_or_on_loopback(url):
+    cfg = load_config(env={}, overrides={"auth": {"jwks_url": url, "algorithms": ["RS256"]}})
+    assert cfg.auth.jwks_url == url
+    assert cfg.auth.jwks_refetch_interval_s == 60.0 and cfg.auth.max_token_lifetime_s == 0
+
+
+def test_development_secrets_are_the_shipped_ones():
+    """DEVELOPMENT_SECRETS is what config/default.toml ships: the two cannot drift apart."""
+    with open(DEFAULT_CONFIG_PATH, "rb") as fh:
+        shipped = tomllib.load(fh)
+    assert {s.key for s in DEVELOPMENT_SECRETS} == {"auth.hs256_secret", "nodes.secret",
+                                                    "server.metrics_token"}
+    for secret in DEVELOPMENT_SECRETS:
+        section, name = secret.key.split(".")
+        assert shipped[section][name] == secret.value, secret.key
+    cfg = load_config(DEFAULT_CONFIG_PATH, env={})
+    assert cfg.development_secrets_in_use() == list(DEVELOPMENT_SECRETS)
+    env = {s.env: f"{s.env.lower()}-of-my-own-0123456789abcdef-0123456789" for s in DEVELOPMENT_SECRETS}
+    assert load_config(DEFAULT_CONFIG_PATH, env=env).development_secrets_in_use() == []
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.8.9.10", "localhost", "LocalHost", "::1", "[::1]"])
+def test_development_secrets_are_fine_on_loopback(host):
+    cfg = load_config(env={}, overrides={"server": {"host": host}})
+    assert cfg.server.host == host and len(cfg.development_secrets_in_use()) == 3
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "", "10.1.2.3", "gateway.example.com", "128.0.0.1"])
+def test_development_secrets_are_refused_off_loopback(host):
+    with pytest.raises(ConfigError, match="not a loopback address") as err:
+        load_config(env={}, overrides={"server": {"host": host}})
+    for secret in DEVELOPMENT_SECRETS:
+        assert f"{secret.key} (set {secret.env})" in str(err.value)
+        assert secret.value not in str(err.value)
+
+
+def test_off_loopback_only_the_secrets_in_use_count():
+    own = {"NODE_SECRET": "node-secret-of-my-own", "METRICS_TOKEN": "metrics-token-of-my-own"}
+    with pytest.raises(ConfigError) as err:
+        load_config(env=own, overrides={"server": {"host": "0.0.0.0"}})
+    assert "auth.hs256_secret (set JWT_SECRET)" in str(err.value)
+    assert "NODE_SECRET" not in str(err.value) and "METRICS_TOKEN" not in str(err.value)
+    # the HS256 secret verifies nothing when no HS* algorithm is allowed
+    cfg = load_config(env=own, overrides={"server": {"host": "0.0.0.0"},
+                                          "auth": {"algorithms": ["RS256"], "jwks_file": "keys.json"}})
+    assert cfg.development_secrets_in_use() == []
+
+
+def test_create_app_refuses_development_secrets_off_loopback():
+    """The app factory (what gunicorn's workers build) goes through the same check."""
+    from app import create_app
+    shipped: dict = {"server": {"host": "0.0.0.0"}, "nodes": {"urls": []}}
+    for secret in DEVELOPMENT_SECRETS:      # over whatever the environment sets
+        section, name = secret.key.split(".")
+        shipped.setdefault(section, {})[name] = secret.value
+    with pytest.raises(ConfigError, match="not a loopback address"):
+        create_app(shipped)
 
 
 def test_bad_port_env_is_a_config_error():

@@ -13,6 +13,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
 from app import close_app, create_app
+from app.devtoken import mint_token
 from tests.test_gateway_support import METRICS_HEADERS, JWT_SECRET, bearer, make_config
 
 ISS, AUD = "zen-dev", "zen-gateway"
@@ -228,35 +229,34 @@ def test_public_endpoints_need_no_token(client):
     assert client.get("/metrics", headers=METRICS_HEADERS).status_code == 200
 
 
-def test_jwks_from_a_url(keys, tmp_path):
-    import functools
-    import threading
-    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
-
-    from tests.test_gateway_support import free_port
-
-    (tmp_path / "jwks.json").write_text(open(keys["jwks"]).read())
-    handler = functools.partial(SimpleHTTPRequestHandler, directory=str(tmp_path))
-    handler.log_message = lambda *a: None
-    server = ThreadingHTTPServer(("127.0.0.1", free_port()), handler)
-    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
-    cfg = make_config([], auth={"jwks_url": f"http://127.0.0.1:{server.server_port}/jwks.json",
-                                "algorithms": ["RS256", "ES256"]})
-    app = create_app(cfg)
+def test_max_token_lifetime(keys):
+    app = create_app(make_config([], auth={"jwks_file": keys["jwks"], "algorithms": ["HS256", "RS256"],
+                                           "max_token_lifetime_s": 3600}))
     try:
         c = app.test_client()
-        rs = jwt.encode(_claims(), keys["rsa"], algorithm="RS256", headers={"kid": "rsa-1"})
-        assert _get(c, rs).status_code == 200
-        es = jwt.encode(_claims(), keys["ec"], algorithm="ES256", headers={"kid": "ec-1"})
-        assert _get(c, es).status_code == 200
-        _assert_401(_get(c, jwt.encode(_claims(), keys["rsa"], algorithm="RS256",
-                                       headers={"kid": "ec-1"})), "unknown key")
-        _assert_401(_get(c, jwt.encode(_claims(), JWT_SECRET, algorithm="HS256")),
-                    "'HS256' is not allowed")
+        now = int(time.time())
+
+        def hs(**claims) -> str:
+            return jwt.encode(_claims(**claims), JWT_SECRET, algorithm="HS256")
+
+        def rs(**claims) -> str:
+            return jwt.encode(_claims(**claims), keys["rsa"], algorithm="RS256", headers={"kid": "rsa-1"})
+
+        assert _get(c, hs(iat=now, exp=now + 3600)).status_code == 200
+        assert _get(c, hs(iat=now - 3000, exp=now + 600)).status_code == 200
+        assert _get(c, hs(iat=None, exp=now + 1800)).status_code == 200
+        assert _get(c, rs()).status_code == 200
+        _assert_401(_get(c, hs(iat=now, exp=now + 3601)),
+                    "lifetime (exp - iat) is 3601 s, longer than the 3600 s")
+        _assert_401(_get(c, hs(iat=now - 86400, exp=now + 600)), "lifetime (exp - iat)")
+        _assert_401(_get(c, hs(iat=None, exp=now + 86400)), "lifetime (exp - now, without iat)")
+        _assert_401(_get(c, rs(exp=now + 7 * 86400)), "longer than the 3600 s")
+        # the development tokens of a gateway with a lifetime bound fit in it
+        cfg = app.extensions["zen.config"]
+        assert cfg.auth.dev_token_ttl_s > 3600
+        assert _get(c, mint_token(cfg, "acme")).status_code == 200
     finally:
         close_app(app)
-        server.shutdown()
-        server.server_close()
 
 
 def test_devtoken_cli_prints_an_accepted_token(client, capsys, monkeypatch):

@@ -1,0 +1,60 @@
+"""The public keys of a JWKS URL (`[auth] jwks_url`), fetched and cached for the token verifier.
+
+Keys are fetched on first use and again when they are older than JWKS_LIFESPAN_S, or when a token
+names a key id the cached set lacks (the identity provider rotated its keys). Whatever asks, the URL
+is fetched at most once per `[auth] jwks_refetch_interval_s`: a stream of tokens with made-up key ids
+costs no fetches, only 401s, and an unreachable endpoint is not retried on every request. A failed
+fetch keeps the keys fetched before it.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from time import monotonic
+
+from jwt import PyJWK, PyJWKClient
+from jwt.exceptions import PyJWKClientError, PyJWKSetError
+
+JWKS_LIFESPAN_S = 300.0     # the cached set is refreshed at this age: a withdrawn key verifies until then
+JWKS_TIMEOUT_S = 5.0
+
+log = logging.getLogger(__name__)
+
+
+class RemoteKeySet:
+    """The signing keys published at a JWKS URL, refetched at most once per `refetch_interval_s`."""
+
+    def __init__(self, url: str, refetch_interval_s: float, *, lifespan_s: float = JWKS_LIFESPAN_S,
+                 timeout_s: float = JWKS_TIMEOUT_S) -> None:
+        # pyjwt's client only fetches and parses; caching and throttling are here, in one place.
+        self._client = PyJWKClient(url, cache_jwk_set=False, timeout=timeout_s)
+        self._refetch_interval_s = refetch_interval_s
+        self._lifespan_s = lifespan_s
+        self._keys: list[PyJWK] = []
+        self._fetched_at: float | None = None     # monotonic time of the last successful fetch
+        self._tried_at: float | None = None       # monotonic time of the last fetch, failed or not
+        self._lock = threading.Lock()
+
+    def keys(self, kid: str | None) -> list[PyJWK]:
+        """The cached signing keys, refetched first if they are stale or lack `kid` (when the
+        refetch interval allows)."""
+        keys, fetched_at = self._keys, self._fetched_at
+        stale = fetched_at is None or monotonic() - fetched_at >= self._lifespan_s
+        if stale or (kid is not None and not any(k.key_id == kid for k in keys)):
+            return self._refetch()
+        return keys
+
+    def _refetch(self) -> list[PyJWK]:
+        with self._lock:    # one fetch at a time; who waited for it sees its result
+            now = monotonic()
+            if self._tried_at is not None and now - self._tried_at < self._refetch_interval_s:
+                return self._keys
+            self._tried_at = now
+            try:
+                jwk_set = self._client.get_jwk_set(refresh=True)
+            except (PyJWKClientError, PyJWKSetError, OSError, ValueError) as exc:   # ValueError: not JSON
+                log.warning("JWKS fetch from %s failed: %s", self._client.uri, exc)
+                return self._keys
+            self._keys = [k for k in jwk_set.keys if k.public_key_use in ("sig", None) and k.key_id]
+            self._fetched_at = now
+            return self._keys
