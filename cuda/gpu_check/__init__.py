@@ -27,7 +27,7 @@ import traceback
 
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_OUT = os.path.join(REPO, "cuda", "RESULTS.md")
 BLOCK_SIZE = 16
 CHECK_PROMPT = "Explain in two sentences why the sky is blue."
