@@ -183,6 +183,7 @@ def main(argv=None) -> int:
     if not cuda.is_available():
         print("gpu-check: no CUDA GPU is available here (numba.cuda.is_available() is False); nothing to check.",
               file=sys.stderr)
+        faulthandler.cancel_dump_traceback_later()  # else it would kill a caller that goes on (pytest)
         return 2
 
     from cuda.backend import CudaBackend
