@@ -122,9 +122,8 @@ def build_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--overhead-concurrency", default="1,16")
     ap.add_argument("--overhead-requests", type=int, default=128, help="requests per overhead pass")
     ap.add_argument("--overhead-rounds", type=int, default=4,
-                    help="direct/gateway pass pairs per level: the median of a ~2 ms difference between two "
-                         "TTFTs that each vary by ~10 ms needs hundreds of pairs (with 256 it still moved by "
-                         "about 0.5 ms between runs; the default gives 512)")
+                    help="direct/gateway pass pairs per level (the default gives 512 pairs: the median of a "
+                         "small difference between two noisy TTFTs needs hundreds)")
     ap.add_argument("--overhead-max-tokens", type=int, default=16)
     ap.add_argument("--start", action="store_true", help="start an engine node and a gateway, stop them after")
     ap.add_argument("--model-path", default=str(DEFAULT_MODEL_PATH), help="model of the node --start starts")
