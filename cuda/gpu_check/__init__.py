@@ -17,7 +17,6 @@ The modules: plan (sizes), roofline (what the GPU can do at best), model_setup (
 inputs), checks (correctness), timing (throughput and kernel timings), torch_baseline (transformers),
 report (cuda/RESULTS.md); this one runs them in that order.
 """
-
 from __future__ import annotations
 
 import argparse
