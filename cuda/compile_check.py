@@ -6,7 +6,7 @@ compiled with the signature the backend launches it with, to PTX by numba/NVVM a
 compile error, on any spill, or on a float64 instruction (every kernel computes in float32).
 
 Needs the wheels nvidia-cuda-nvrtc==13.0.88 and nvidia-nvjitlink==13.0.88 next to a CUDA 13.0 toolkit (NVVM,
-libdevice); see ../shared/notes/numba-cuda-offline.md.
+libdevice): the `cuda-offline` extra of pyproject.toml.
 
     python -m cuda.compile_check [--arch sm_90] [--only gemv] [-v]
 """

@@ -50,11 +50,11 @@ def unpermute_rope_rows(t: QuantTensor, num_heads: int) -> QuantTensor:
 class _LazyArrayField:
     """A metadata array of strings or numbers, decoded when asked for.
 
-    gguf.GGUFReader builds two numpy views per element of every array as it opens a file: ~200k
-    for a tokenizer's tokens and merges, 0.1-0.2 s holding the GIL on each open (a cold load beside
-    running models, whose tokenizer is already built, needs none of it). Here opening costs one scan of
-    the string lengths without the GIL; contents() decodes straight from the file. `parts` and `data`,
-    which nothing here reads, are those of the gguf package's own parser, built on first use.
+    gguf.GGUFReader builds two numpy views per element of every array as it opens a file, holding the
+    GIL (a cold load beside running models, whose tokenizer is already built, needs none of it). Here
+    opening costs one scan of the string lengths without the GIL; contents() decodes straight from the
+    file. `parts` and `data`, which nothing here reads, are those of the gguf package's own parser, built
+    on first use.
     """
 
     def __init__(self, reader: "FastGGUFReader", offset: int, name: str, head: list, value_offs: int,

@@ -1,5 +1,5 @@
 """Tokenizer: byte-level BPE on the `tokenizers` library, built from a GGUF file's vocabulary or a
-Hugging Face tokenizer.json, with the model's chat template rendered by Jinja2.
+Hugging Face tokenizer.json, with the model's chat template rendered by Jinja2 (models/chat_template.py).
 
 Also IncrementalDetokenizer, which turns a stream of sampled token ids into text deltas that never end
 in half a UTF-8 character and that add up to exactly the decoding of the whole sequence.
@@ -9,14 +9,13 @@ from __future__ import annotations
 import json
 import os
 import threading
-from datetime import datetime
 from typing import Any, Iterable, Mapping, Sequence
 
 import jinja2
-import jinja2.ext
-import jinja2.sandbox
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
+
+from models.chat_template import TemplateError, compile_chat_template, normalize_messages
 
 # GGUF token types (llama.cpp's llama_token_type)
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
@@ -80,68 +79,11 @@ BYTE_TO_UNICODE = _bytes_to_unicode()
 UNICODE_TO_BYTE = {c: b for b, c in BYTE_TO_UNICODE.items()}
 
 
-class TemplateError(ValueError):
-    """The chat template refused the messages (raise_exception) or failed to render."""
-
-
 def _token_content(value) -> str | None:
     """tokenizer_config.json names a token as a string or as an AddedToken dict."""
     if isinstance(value, dict):
         return value.get("content")
     return value
-
-
-def _compile_template(source: str) -> jinja2.Template:
-    """A sandboxed Jinja2 environment configured like transformers' apply_chat_template."""
-
-    def raise_exception(message):
-        raise TemplateError(str(message))
-
-    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    def strftime_now(fmt):
-        return datetime.now().strftime(fmt)
-
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols],
-    )
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    return env.from_string(source)
-
-
-def _normalize_messages(messages) -> list[dict]:
-    """Validate chat messages; content may be a string, None, or a list of OpenAI text parts."""
-    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
-        raise ValueError("messages must be a list of {'role': ..., 'content': ...} objects")
-    if not messages:
-        raise ValueError("messages must not be empty")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, Mapping):
-            raise ValueError(f"messages[{i}] must be an object with 'role' and 'content', got {type(m).__name__}")
-        role = m.get("role")
-        if not isinstance(role, str) or not role:
-            raise ValueError(f"messages[{i}].role must be a non-empty string")
-        content = m.get("content")
-        if content is None:
-            content = ""
-        elif isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-                    raise ValueError(f"messages[{i}].content[{j}]: unsupported content part {kind!r} (only text)")
-                texts.append(part["text"])
-            content = "\n".join(texts)
-        elif not isinstance(content, str):
-            raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
-        msg = dict(m)
-        msg["content"] = content
-        out.append(msg)
-    return out
 
 
 class Tokenizer:
@@ -164,10 +106,8 @@ class Tokenizer:
         self.hf = hf
         self.hf.no_padding()
         self.hf.no_truncation()
-        # One instance serves a node's request threads and its engine thread. It was added when the node
-        # crashed inside tokenizers.abi3.so under load; that crash was most likely the CPU kernels'
-        # heap corruption (freed scratch written by attention, fixed since), but nothing shows the
-        # library safe for concurrent encode/decode on one instance, and the lock costs microseconds.
+        # One instance serves a node's request threads and its engine thread: nothing shows the library
+        # safe for concurrent encode/decode on one instance, and the lock costs microseconds.
         self._lock = threading.Lock()
         self.bos_token, self.eos_token, self.unk_token, self.pad_token = bos_token, eos_token, unk_token, pad_token
         self.add_bos_token, self.add_eos_token = bool(add_bos_token), bool(add_eos_token)
@@ -395,10 +335,10 @@ class Tokenizer:
         template that refuses them."""
         if not self.chat_template:
             raise ValueError("this model has no chat template")
-        msgs = _normalize_messages(messages)
+        msgs = normalize_messages(messages)
         if self._template is None:
             try:
-                self._template = _compile_template(self.chat_template)
+                self._template = compile_chat_template(self.chat_template)
             except jinja2.TemplateError as e:
                 raise ValueError(f"the model's chat template does not compile: {e}") from None
         try:

@@ -85,7 +85,8 @@ def test_attention_tiles_and_split_plan():
 
 
 def test_gpu_check_helpers():
-    from cuda import gpu_check as g
+    from cuda.gpu_check import model_setup as m
+    from cuda.gpu_check import roofline as g
 
     assert g.bandwidth_for("NVIDIA H200")[0] == 4.8e12
     assert g.bandwidth_for("NVIDIA H100 80GB HBM3")[0] == 3.35e12
@@ -94,15 +95,15 @@ def test_gpu_check_helpers():
     assert abs(bw - 4.917e12) < 1e10 and "clock" in src
     assert g.bandwidth_for("Unknown")[0] is None
     assert abs(g.fp32_peak((9, 0), 132, 1_980_000) - 66.9e12) < 0.1e12
-    cfg = g.smollm2_135m_config()
+    cfg = m.smollm2_135m_config()
     assert g.matmul_params(cfg) == 134_479_872
     assert g.decode_roofline(2, 100, 1000.0) == 20.0
     assert g.decode_roofline(2, 100, None) is None
-    assert g.prefill_groups(5, 128, 256) == [(0, 2), (2, 2), (4, 1)]
+    assert m.prefill_groups(5, 128, 256) == [(0, 2), (2, 2), (4, 1)]
 
 
 def test_gpu_check_batch_layout():
-    from cuda.gpu_check import BatchLayout
+    from cuda.gpu_check.model_setup import BatchLayout
 
     lay = BatchLayout(batch=3, max_len=40, block_size=16)
     assert lay.tables.shape == (3, 3) and lay.num_blocks == 9
@@ -121,7 +122,7 @@ def test_gpu_check_batch_layout():
 
 
 def test_gpu_check_synthetic_model_runs_on_the_cpu_backend():
-    from cuda.gpu_check import BatchLayout, synthetic_weights
+    from cuda.gpu_check.model_setup import BatchLayout, synthetic_weights
     from engine.backends.cpu import CpuBackend
     from models.config import ModelConfig
     from models.llama import LlamaModel
@@ -140,7 +141,7 @@ def test_gpu_check_synthetic_model_runs_on_the_cpu_backend():
 
 
 def test_gpu_check_report():
-    from cuda.gpu_check import Report
+    from cuda.gpu_check.report import Report
 
     r = Report()
     r.header.append(("GPU", "test"))

@@ -283,7 +283,7 @@ def test_forward_tiny_llama(fmt):
 
 
 def test_gpu_check_script_in_the_simulator(tmp_path):
-    """cuda/gpu_check.py end to end at tiny sizes (kernel checks, cpu vs cuda, benchmarks, the report), so the
+    """cuda/gpu_check/ end to end at tiny sizes (kernel checks, cpu vs cuda, benchmarks, the report), so the
     script that runs once on a GPU has run before."""
     from cuda import gpu_check
 

@@ -6,8 +6,9 @@ import os
 
 import pytest
 
+from models.chat_template import TemplateError
 from models.loader import default_model_path, load_tokenizer
-from models.tokenizer import IncrementalDetokenizer, TemplateError, Tokenizer
+from models.tokenizer import IncrementalDetokenizer, Tokenizer
 from tests.tiny_model import CHAT_TEMPLATE, make_tiny_tokenizer, tiny_tokenizer_fields
 
 # Ground truth: ids that SmolLM2's Hugging Face tokenizer (and llama.cpp on the same GGUF vocabulary)

@@ -1,0 +1,99 @@
+"""What the serving benchmark prints and writes: a line per level, the machine, the targets beside the
+peer, and the latency/throughput plot."""
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+PEER_C16_TOKENS_PER_S = 80.0       # llama.cpp's server, 16 concurrent streams, same machine and model
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def machine_info() -> dict:
+    info = {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
+            "processor": platform.processor()}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu_model"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        info["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                                            text=True, timeout=10).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                 capture_output=True, text=True, timeout=10).stdout.split("\n")
+        info["git_uncommitted_changes"] = [line[3:] for line in changed if line.strip()][:50]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return info
+
+
+def fmt_ms(d: dict, key: str = "p50") -> str:
+    v = d.get(key)
+    return "-" if v is None else f"{v * 1e3:8.1f}"
+
+
+def print_level(name: str, s: dict) -> None:
+    log(f"{name:>14} | {s['completed']:4d}/{s['requests']:<4d} err {s['error_rate']:5.1%} | "
+        f"{s['requests_per_s']:6.2f} req/s {s['output_tokens_per_s']:8.1f} tok/s | "
+        f"TTFT p50/p99 {fmt_ms(s['ttft_s'])}/{fmt_ms(s['ttft_s'], 'p99')} ms | "
+        f"ITL p50/p99 {fmt_ms(s['itl_s'])}/{fmt_ms(s['itl_s'], 'p99')} ms | "
+        f"E2E p50/p99 {fmt_ms(s['e2e_s'])}/{fmt_ms(s['e2e_s'], 'p99')} ms")
+
+
+def targets(result: dict) -> dict:
+    c16 = next((lv for lv in result["levels"] if lv["mode"] == "concurrency" and lv["concurrency"] == 16), None)
+    o = next((x for x in result["overhead"] if x["ttft_diff_ms"]["n"]), None)
+    out: dict[str, Any] = {"peer_llamacpp_server_c16_tokens_per_s": PEER_C16_TOKENS_PER_S,
+                           "target_c16_tokens_per_s": 5 * PEER_C16_TOKENS_PER_S, "target_c16_ttft_p50_s": 1.0,
+                           "target_overhead_p50_ms": 2.0}
+    if c16:
+        out["c16_output_tokens_per_s"] = c16["output_tokens_per_s"]
+        out["c16_ttft_p50_s"] = c16["ttft_s"]["p50"]
+        out["c16_vs_peer"] = c16["output_tokens_per_s"] / PEER_C16_TOKENS_PER_S
+    if o:
+        out["overhead_ttft_p50_ms"] = o["ttft_diff_ms"]["p50"]
+        out["overhead_e2e_p50_ms"] = o["e2e_diff_ms"]["p50"]
+        out["overhead_concurrency"] = o["concurrency"]
+    return out
+
+
+def write_plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    for ax, metric, title in ((axes[0], "ttft_s", "time to first token"), (axes[1], "e2e_s", "end-to-end latency")):
+        for mode, marker in (("concurrency", "o"), ("poisson", "s")):
+            levels = [lv for lv in result["levels"] if lv["mode"] == mode and lv[metric]["n"]]
+            if not levels:
+                continue
+            x = [lv["output_tokens_per_s"] for lv in levels]
+            for pct, style in (("p50", "-"), ("p99", "--")):
+                ax.plot(x, [lv[metric][pct] for lv in levels], style, marker=marker,
+                        label=f"{pct}, {'fixed concurrency' if mode == 'concurrency' else 'Poisson rate'}")
+            for lv, xi in zip(levels, x):
+                label = f"c={lv['concurrency']}" if mode == "concurrency" else f"{lv['request_rate']:.2g}/s"
+                ax.annotate(label, (xi, lv[metric]["p50"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        ax.set_xlabel("output tokens/s (aggregate)")
+        ax.set_ylabel(f"{title} (s)")
+        ax.set_title(f"{title} vs throughput")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    meta = result["meta"]
+    fig.suptitle(f"zen gateway, {result['config']['model']} on {meta['machine'].get('cpu_count')} CPUs "
+                 f"({meta['date'][:10]})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
