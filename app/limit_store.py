@@ -36,13 +36,15 @@ DIR_PREFIX = "zen-gateway-limits-"
 LOCK_WAIT_S = 2.0        # past this wait for another process's transaction, the call fails (the failure policy)
 SWEEP_S = 10.0           # how often a process deletes expired rows (they are never read: only memory)
 
+# Small pages: a commit writes each page it changed to the WAL, and an admission changes a few rows.
 _SCHEMA = """
+PRAGMA page_size = 1024;
 CREATE TABLE IF NOT EXISTS counters (
     key TEXT PRIMARY KEY, value INTEGER NOT NULL, expires_at REAL NOT NULL) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS window_entries (
-    key TEXT NOT NULL, atime REAL NOT NULL, amount INTEGER NOT NULL, expires_at REAL NOT NULL);
-CREATE INDEX IF NOT EXISTS window_entries_by_key ON window_entries (key, atime);
-CREATE INDEX IF NOT EXISTS window_entries_by_expiry ON window_entries (expires_at);
+    key TEXT NOT NULL, atime REAL NOT NULL, n INTEGER NOT NULL, PRIMARY KEY (key, atime, n)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS window_totals (
+    key TEXT PRIMARY KEY, held INTEGER NOT NULL, newest REAL NOT NULL, expiry REAL NOT NULL) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS buckets (
     key TEXT PRIMARY KEY, tokens REAL NOT NULL, updated REAL NOT NULL, expires_at REAL NOT NULL) WITHOUT ROWID;
 """
@@ -62,9 +64,23 @@ def _is_lock_error(exc: sqlite3.OperationalError) -> bool:
     return "locked" in str(exc) or "busy" in str(exc)
 
 
+_STORES: "weakref.WeakSet[LimitStore]" = weakref.WeakSet()
+# SQLite's rule: a connection is neither used nor closed in a forked child (closing it there could
+# checkpoint or remove the parent's WAL); the child's stores open their own and keep these unused.
+_INHERITED_CONNECTIONS: list[sqlite3.Connection] = []
+
+
+def _after_fork_in_child() -> None:
+    for store in list(_STORES):
+        store._forget_parent_connection()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class LimitStore:
-    """The SQLite file: one connection per process (opened again after a fork), shared by the process's
-    threads under a lock, and `transaction()` for atomic read-modify-writes."""
+    """The SQLite file: one connection per process (a forked child opens its own), shared by the
+    process's threads under a lock, and `transaction()` for atomic read-modify-writes."""
 
     def __init__(self, directory: str | None = None, clock=time.time) -> None:
         owned = directory is None
@@ -73,20 +89,26 @@ class LimitStore:
         self.clock = clock
         self._lock = threading.Lock()
         self._conn: sqlite3.Connection | None = None
-        self._pid = 0
         self._next_sweep = 0.0
         # A private directory goes with the store (also when it is dropped without close()).
         self._finalizer = weakref.finalize(self, _remove_dir, self.directory if owned else None, os.getpid())
+        _STORES.add(self)
 
     def _connection(self) -> sqlite3.Connection:
-        if self._conn is None or self._pid != os.getpid():
+        if self._conn is None:
             # timeout=0: lock waits are retried here at a finer grain than SQLite's busy handler (1 ms first).
             conn = sqlite3.connect(self.path, timeout=0, isolation_level=None, check_same_thread=False)
+            self._retry(lambda: conn.executescript(_SCHEMA))
             self._retry(lambda: conn.execute("PRAGMA journal_mode=WAL"))
             conn.execute("PRAGMA synchronous=OFF")      # a process crash loses nothing; a power loss, limits
-            self._retry(lambda: conn.executescript(_SCHEMA))
-            self._conn, self._pid = conn, os.getpid()
+            self._conn = conn
         return self._conn
+
+    def _forget_parent_connection(self) -> None:
+        if self._conn is not None:
+            _INHERITED_CONNECTIONS.append(self._conn)
+        self._conn = None
+        self._lock = threading.Lock()          # another thread of the parent may have held it at the fork
 
     @staticmethod
     def _retry(op):
@@ -126,19 +148,24 @@ class LimitStore:
             return self._retry(lambda: conn.execute(sql, args).fetchone())
 
     def _sweep(self, conn: sqlite3.Connection, now: float) -> None:
+        """Delete what expired; a hit deletes its own key's old window entries, so here only those of keys
+        no longer hit remain, and their totals go down with them."""
         self._next_sweep = now + SWEEP_S
-        for table in ("counters", "window_entries", "buckets"):
-            conn.execute(f"DELETE FROM {table} WHERE expires_at <= ?", (now,))
+        conn.execute("DELETE FROM counters WHERE expires_at < ?", (now,))
+        conn.execute("DELETE FROM buckets WHERE expires_at < ?", (now,))
+        idle = "SELECT key FROM window_totals WHERE newest < ?1 - expiry"     # every entry out of its window
+        conn.execute(f"DELETE FROM window_entries WHERE key IN ({idle})", (now,))
+        conn.execute("DELETE FROM window_totals WHERE newest < ?1 - expiry", (now,))
 
     def clear_all(self) -> int:
         """Forget every limit; how many rows went."""
         with self.transaction() as (conn, _):
             return sum(conn.execute(f"DELETE FROM {table}").rowcount
-                       for table in ("counters", "window_entries", "buckets"))
+                       for table in ("counters", "window_entries", "window_totals", "buckets"))
 
     def close(self) -> None:
         with self._lock:
-            if self._conn is not None and self._pid == os.getpid():
+            if self._conn is not None:
                 self._conn.close()
             self._conn = None
         self._finalizer()
@@ -202,27 +229,36 @@ class EmbeddedStorage(limits.storage.Storage, MovingWindowSupport, SlidingWindow
         row = self.store.read("SELECT MAX(expires_at) FROM counters WHERE key = ?", (key,))
         return row[0] if row[0] is not None else now
 
-    # moving window
+    # moving window: one entry per unit acquired (as in MemoryStorage), and each key's count of them in
+    # window_totals, so that a hit costs the same with 3 entries in its window or 3000
 
     def acquire_entry(self, key: str, limit: int, expiry: int, amount: int = 1) -> bool:
         if amount > limit:
             return False
         with self.store.transaction() as (conn, now):
-            conn.execute("DELETE FROM window_entries WHERE key = ? AND atime < ?", (key, now - expiry))
-            held = conn.execute("SELECT COALESCE(SUM(amount), 0) FROM window_entries WHERE key = ?",
-                                (key,)).fetchone()[0]
-            if held + amount > limit:
-                return False
-            conn.execute("INSERT INTO window_entries (key, atime, amount, expires_at) VALUES (?, ?, ?, ?)",
-                         (key, now, amount, now + expiry))
-            return True
+            left = conn.execute("DELETE FROM window_entries WHERE key = ? AND atime < ?", (key, now - expiry)).rowcount
+            row = conn.execute("SELECT held, newest FROM window_totals WHERE key = ?", (key,)).fetchone()
+            held, newest = (row[0] - left, row[1]) if row else (0, now)
+            admitted = held + amount <= limit
+            if admitted:
+                # n tells apart entries of one instant: the count before each, which no other entry at that
+                # instant had (the count only falls by entries a whole window older).
+                conn.executemany("INSERT INTO window_entries (key, atime, n) VALUES (?, ?, ?)",
+                                 [(key, now, held + i) for i in range(amount)])
+                held, newest = held + amount, now
+            if admitted or left:
+                conn.execute("INSERT OR REPLACE INTO window_totals (key, held, newest, expiry) VALUES (?, ?, ?, ?)",
+                             (key, held, newest, expiry))
+            return admitted
 
     def get_moving_window(self, key: str, limit: int, expiry: int) -> tuple[float, int]:
         now = self.store.clock()
-        oldest, held = self.store.read(
-            "SELECT MIN(atime), COALESCE(SUM(amount), 0) FROM window_entries WHERE key = ? AND atime >= ?",
-            (key, now - expiry))
-        return (oldest, held) if held else (now, 0)
+        held, left, oldest = self.store.read(
+            "SELECT (SELECT held FROM window_totals WHERE key = ?1),"
+            " (SELECT COUNT(*) FROM window_entries WHERE key = ?1 AND atime < ?2),"
+            " (SELECT MIN(atime) FROM window_entries WHERE key = ?1 AND atime >= ?2)", (key, now - expiry))
+        held = (held or 0) - left
+        return (oldest, held) if held > 0 else (now, 0)
 
     # sliding window counter
 
@@ -259,6 +295,7 @@ class EmbeddedStorage(limits.storage.Storage, MovingWindowSupport, SlidingWindow
         with self.store.transaction() as (conn, _):
             conn.execute("DELETE FROM counters WHERE key = ?", (key,))
             conn.execute("DELETE FROM window_entries WHERE key = ?", (key,))
+            conn.execute("DELETE FROM window_totals WHERE key = ?", (key,))
 
     def check(self) -> bool:
         return self.store.read("SELECT 1", ()) == (1,)

@@ -88,8 +88,8 @@ def test_strategies_count_as_on_memory_storage(store, strategy):
     embedded, memory = make(EmbeddedStorage(store)), make(limits.storage.MemoryStorage())
     item = limits.RateLimitItemPerMinute(5)
     for org in ("acme", "globex"):
-        for _ in range(7):
-            assert embedded.hit(item, "zen", org) == memory.hit(item, "zen", org)
+        for cost in (1, 2, 1, 3, 1, 1, 1):
+            assert embedded.hit(item, "zen", org, cost=cost) == memory.hit(item, "zen", org, cost=cost)
             assert (embedded.get_window_stats(item, "zen", org).remaining
                     == memory.get_window_stats(item, "zen", org).remaining)
     assert embedded.test(item, "zen", "acme") is False
@@ -97,6 +97,7 @@ def test_strategies_count_as_on_memory_storage(store, strategy):
     assert embedded.hit(item, "zen", "acme") and embedded.get_window_stats(item, "zen", "acme").remaining == 4
     assert embedded.storage.check() and embedded.storage.reset() > 0
     assert embedded.get_window_stats(item, "zen", "globex").remaining == 5
+    assert not embedded.hit(item, "zen", "globex", cost=6)
 
 
 def test_moving_window_frees_each_entry_one_window_after_it(tmp_path):
@@ -134,6 +135,7 @@ def test_expired_rows_are_swept(tmp_path):
     rows = {table: store.read(f"SELECT COUNT(*) FROM {table}", ())[0]
             for table in ("counters", "window_entries", "buckets")}
     assert rows == {"counters": 0, "window_entries": 1, "buckets": 0}
+    assert store.read("SELECT group_concat(key || ':' || held) FROM window_totals", ()) == ("other:1",)
 
 
 # -- the token bucket's arithmetic ------------------------------------------------------------------
