@@ -85,6 +85,7 @@ class LimitStore:
     def __init__(self, directory: str | None = None, clock=time.time) -> None:
         owned = directory is None
         self.directory = new_limits_dir() if owned else directory
+        os.makedirs(self.directory, exist_ok=True)      # an operator's ZEN_LIMITS_DIR need not exist yet
         self.path = os.path.join(self.directory, DB_NAME)
         self.clock = clock
         self._lock = threading.Lock()

@@ -171,8 +171,8 @@ def test_a_private_store_removes_its_directory_when_closed():
 
 
 def test_the_store_opens_in_the_directory_the_master_made(tmp_path, monkeypatch):
-    monkeypatch.setenv(LIMITS_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(LIMITS_DIR_ENV, str(tmp_path / "limits"))
     store = open_limit_store()
     EmbeddedTokenBuckets(store).reserve("acme", 1, 10, 1.0)
     store.close()
-    assert (tmp_path / DB_NAME).is_file()                  # not ours to remove
+    assert (tmp_path / "limits" / DB_NAME).is_file()       # not ours to remove
