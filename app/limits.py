@@ -162,7 +162,7 @@ class TokenLimiter:
         try:
             self._call("settle", reservation.org, refund, reservation.tier)
         except APIError:
-            pass  # fail-closed with Redis down: the reservation stays charged
+            pass  # fail-closed with the shared store down: the reservation stays charged
 
 
 # -- headers and 429 bodies -------------------------------------------------------------------
@@ -277,7 +277,7 @@ class RequestWindow:
 class RequestLimiter:
     """Requests per minute per org, one counter shared by every API route: a `limits` rate limiter
     (the configured strategy: moving, fixed or sliding window) over the shared storage, and over
-    per-process memory while Redis is down and the policy is open.
+    per-process memory while the shared store (Redis or embedded) is down and the policy is open.
 
     `store`: the embedded store when it is configured (without one, the limiter opens its own).
 
