@@ -1,5 +1,6 @@
 """The embedded limits store (app/limit_store.py): several processes on one limit never over-admit, the
-`limits` strategies keep their meaning on it, and its token buckets follow MemoryTokenBuckets' arithmetic."""
+`limits` strategies keep their meaning on it, its token buckets follow MemoryTokenBuckets' arithmetic, and
+a store that fails follows the failure policy."""
 from __future__ import annotations
 
 import multiprocessing
@@ -11,8 +12,11 @@ import limits.storage
 import limits.strategies
 import pytest
 
+from app.config import LimitsConfig, TierConfig
+from app.errors import APIError
 from app.limit_store import (DB_NAME, LIMITS_DIR_ENV, EmbeddedStorage, EmbeddedTokenBuckets, LimitStore,
                              open_limit_store)
+from app.limits import TokenLimiter
 from app.token_buckets import MemoryTokenBuckets
 
 PROCESSES = 4
@@ -176,3 +180,17 @@ def test_the_store_opens_in_the_directory_the_master_made(tmp_path, monkeypatch)
     EmbeddedTokenBuckets(store).reserve("acme", 1, 10, 1.0)
     store.close()
     assert (tmp_path / "limits" / DB_NAME).is_file()       # not ours to remove
+
+
+@pytest.mark.parametrize("policy", ["open", "closed"])
+def test_a_store_that_fails_follows_the_failure_policy(tmp_path, policy):
+    (tmp_path / DB_NAME).mkdir()                          # the database cannot be opened
+    store = LimitStore(str(tmp_path))
+    limiter = TokenLimiter(LimitsConfig(redis_failure_policy=policy), store=store)
+    tier = TierConfig("t", 100, 10.0, 100, ("zen-small",))
+    if policy == "open":
+        assert limiter.reserve("acme", tier, 10).result.admitted    # per-process memory meanwhile
+    else:
+        with pytest.raises(APIError) as err:
+            limiter.reserve("acme", tier, 10)
+        assert err.value.status == 503
