@@ -58,8 +58,10 @@ def create_app(config: GatewayConfig | Mapping[str, Any] | None = None) -> Flask
 
 
 def close_app(app: Flask) -> None:
-    """Stop what create_app started (node poller, HTTP sessions)."""
+    """Stop what create_app started (node poller, HTTP sessions, the embedded limits store)."""
+    from app.limits import close_limits
     client = app.extensions.get("zen.nodes")
     if client is not None:
         client.pool.close()
         client.close()
+    close_limits(app)

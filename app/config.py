@@ -131,7 +131,7 @@ class AuthConfig:
 
 @dataclass(frozen=True)
 class LimitsConfig:
-    storage_url: str = "memory://"
+    storage_url: str = "embedded://"
     strategy: str = "moving-window"
     redis_failure_policy: str = "open"
     redis_retry_s: float = 5.0
@@ -140,8 +140,11 @@ class LimitsConfig:
 
     def __post_init__(self) -> None:
         scheme = urlparse(self.storage_url).scheme
-        _require(scheme in ("memory", "redis", "rediss"),
-                 f"limits.storage_url must be memory:// or redis://, got {self.storage_url!r}")
+        _require(scheme in ("embedded", "memory", "redis", "rediss"),
+                 f"limits.storage_url must be embedded://, memory:// or redis://, got {self.storage_url!r}")
+        _require(scheme != "embedded" or self.storage_url.rstrip("/") == "embedded:",
+                 f"limits.storage_url: embedded:// takes no host or path (ZEN_LIMITS_DIR sets its "
+                 f"directory), got {self.storage_url!r}")
         _require(self.strategy in RATE_LIMIT_STRATEGIES,
                  f"limits.strategy must be one of {RATE_LIMIT_STRATEGIES}")
         _require(self.redis_failure_policy in FAILURE_POLICIES,
@@ -153,6 +156,11 @@ class LimitsConfig:
     @property
     def uses_redis(self) -> bool:
         return self.storage_url.startswith(("redis://", "rediss://"))
+
+    @property
+    def uses_embedded(self) -> bool:
+        """The store shared by the workers of one gateway (app/limit_store.py)."""
+        return self.storage_url.startswith("embedded:")
 
 
 @dataclass(frozen=True)

@@ -6,15 +6,19 @@ token bucket per org: its capacity (the burst) and refill rate come from the org
 request reserves its prompt tokens plus max_tokens when admitted and is settled with its
 real usage when it ends (the unused part goes back into the bucket).
 
-Storage is shared by all workers: `memory://` (one process) or Redis, where the bucket is
-updated by one Lua script so that concurrent workers and replicas never over-admit. If
-Redis fails, the configured policy applies: "open" keeps serving with per-process
-in-memory limits until Redis answers again, "closed" answers 503. Both are logged.
+Storage (`[limits] storage_url`): `embedded://`, the default, is a SQLite file shared by
+every worker of the gateway (app/limit_store.py); Redis is shared by every replica too, the
+bucket updated by one Lua script; `memory://` counts in each process alone (one-process use
+and tests). Every change is atomic in the store, so concurrent workers and replicas never
+over-admit. If the shared store fails, the configured policy applies: "open" keeps serving
+with per-process in-memory limits until it answers again, "closed" answers 503. Both are
+logged.
 """
 from __future__ import annotations
 
 import logging
 import math
+import sqlite3
 import threading
 import time
 import weakref
@@ -30,136 +34,18 @@ from flask import Flask, Response, g, request
 
 from app.config import GatewayConfig, LimitsConfig, TierConfig
 from app.errors import APIError
+from app.limit_store import EmbeddedStorage, EmbeddedTokenBuckets, LimitStore, open_limit_store
+from app.token_buckets import BucketResult, MemoryTokenBuckets, RedisTokenBuckets, TokenBuckets
 
 log = logging.getLogger("zen.gateway")
 EXTENSION_KEY = "zen.tokens"
 REQUESTS_KEY = "zen.requests"
+STORE_KEY = "zen.limit_store"
 KEY_PREFIX, SCOPE = "zen", "requests"    # a window's key in the storage: LIMITER/zen/<org>/requests/...
-# What the storage raises when Redis does not answer (limits wraps its own; the bucket's script does not).
-STORAGE_ERRORS = (redis.RedisError, limits.errors.StorageError)
+# What a shared storage raises when it fails (limits wraps its own; the buckets do not).
+STORAGE_ERRORS = (redis.RedisError, sqlite3.Error, limits.errors.StorageError)
 B = TypeVar("B")
 T = TypeVar("T")
-
-
-# -- token bucket arithmetic ----------------------------------------------------------------
-
-def refill(tokens: float, last: float, now: float, capacity: float, rate: float) -> float:
-    """Tokens in a bucket last seen holding `tokens` at `last`, at time `now`."""
-    return min(capacity, tokens + max(0.0, now - last) * rate)
-
-
-@dataclass(frozen=True)
-class BucketResult:
-    """The outcome of one bucket operation."""
-
-    admitted: bool
-    tokens: float            # tokens left after the operation
-    capacity: int
-    rate: float              # refill, tokens per second
-    retry_after_s: float     # 0 when admitted; math.inf when the cost exceeds the capacity
-
-    @property
-    def reset_s(self) -> float:
-        """Seconds until the bucket is full again."""
-        return max(0.0, (self.capacity - self.tokens) / self.rate)
-
-
-class MemoryTokenBuckets:
-    """Token buckets in this process's memory."""
-
-    def __init__(self, clock=time.monotonic) -> None:
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._buckets: dict[str, tuple[float, float]] = {}   # key -> (tokens, last update)
-
-    def _apply(self, key: str, amount: float, capacity: int, rate: float,
-               reserve: bool) -> BucketResult:
-        with self._lock:
-            now = self._clock()
-            tokens, last = self._buckets.get(key, (float(capacity), now))
-            tokens = refill(tokens, last, now, capacity, rate)
-            admitted, wait = True, 0.0
-            if reserve:
-                if amount > capacity:
-                    admitted, wait = False, math.inf
-                elif tokens >= amount:
-                    tokens -= amount
-                else:
-                    admitted, wait = False, (amount - tokens) / rate
-            else:
-                tokens = min(float(capacity), tokens + amount)
-            self._buckets[key] = (tokens, now)
-            return BucketResult(admitted, tokens, capacity, rate, wait)
-
-    def reserve(self, key: str, cost: int, capacity: int, rate: float) -> BucketResult:
-        """Take `cost` tokens if the bucket holds them."""
-        return self._apply(key, cost, capacity, rate, reserve=True)
-
-    def settle(self, key: str, refund: float, capacity: int, rate: float) -> BucketResult:
-        """Give back `refund` tokens (negative: charge more; the bucket may go below 0)."""
-        return self._apply(key, refund, capacity, rate, reserve=False)
-
-
-# KEYS[1] = bucket; ARGV = capacity, rate, amount, mode ("reserve" | "settle").
-# Redis's own clock is the time source, so every worker and replica agrees on it.
-_BUCKET_LUA = """
-local capacity = tonumber(ARGV[1])
-local rate = tonumber(ARGV[2])
-local amount = tonumber(ARGV[3])
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local state = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
-local tokens = tonumber(state[1])
-local ts = tonumber(state[2])
-if tokens == nil or ts == nil then
-  tokens = capacity
-  ts = now
-end
-if now > ts then tokens = tokens + (now - ts) * rate end
-if tokens > capacity then tokens = capacity end
-local admitted = 1
-local wait = 0
-if ARGV[4] == 'reserve' then
-  if amount > capacity then
-    admitted = 0
-    wait = -1
-  elseif tokens >= amount then
-    tokens = tokens - amount
-  else
-    admitted = 0
-    wait = (amount - tokens) / rate
-  end
-else
-  tokens = math.min(capacity, tokens + amount)
-end
-redis.call('HSET', KEYS[1], 'tokens', string.format('%.6f', tokens), 'ts', string.format('%.6f', now))
-redis.call('PEXPIRE', KEYS[1], math.ceil((capacity / rate) * 1000) + 60000)
-return {admitted, string.format('%.6f', tokens), string.format('%.6f', wait)}
-"""
-
-
-class RedisTokenBuckets:
-    """Token buckets in Redis, each operation one atomic Lua script."""
-
-    def __init__(self, url: str, timeout_s: float, prefix: str = "zen:tokens:") -> None:
-        self._redis = redis.Redis.from_url(url, socket_timeout=timeout_s,
-                                           socket_connect_timeout=timeout_s)
-        self._script = self._redis.register_script(_BUCKET_LUA)
-        self._prefix = prefix
-
-    def _run(self, key: str, amount: float, capacity: int, rate: float, mode: str) -> BucketResult:
-        admitted, tokens, wait = self._script(keys=[self._prefix + key],
-                                              args=[capacity, repr(float(rate)),
-                                                    repr(float(amount)), mode])
-        wait_s = float(wait)
-        return BucketResult(bool(int(admitted)), float(tokens), capacity, rate,
-                            math.inf if wait_s < 0 else wait_s)
-
-    def reserve(self, key: str, cost: int, capacity: int, rate: float) -> BucketResult:
-        return self._run(key, cost, capacity, rate, "reserve")
-
-    def settle(self, key: str, refund: float, capacity: int, rate: float) -> BucketResult:
-        return self._run(key, refund, capacity, rate, "settle")
 
 
 # -- the token limiter: reservations and the failure policy ----------------------------------
@@ -176,15 +62,16 @@ class Reservation:
 
 
 class StorageHealth:
-    """Whether the limits storage (Redis) answered its last call, shared by both limiters of a worker,
-    and what to do while it does not: the failure policy.
+    """Whether the shared limits storage (Redis, or the embedded store) answered its last call, shared
+    by both limiters of a worker, and what to do while it does not: the failure policy.
 
     Only changes are logged: the first failure (error, with the policy that now applies) and the first
     answer after it (warning), never one line per request."""
 
-    def __init__(self, policy: str, retry_s: float = 5.0) -> None:
+    def __init__(self, policy: str, retry_s: float = 5.0, name: str = "Redis") -> None:
         self.policy = policy
         self.retry_s = retry_s
+        self.name = name
         self._down_since: float | None = None
         self._lock = threading.Lock()
 
@@ -200,19 +87,20 @@ class StorageHealth:
         if first:
             then = ("failing closed: API requests get 503" if self.policy == "closed"
                     else "failing open: per-process in-memory limits")
-            log.error("rate-limit storage (Redis) unavailable (%s); policy %s, %s until it answers again",
-                      exc.__class__.__name__, self.policy, then, extra={"event": "limits_storage_down"})
+            log.error("rate-limit storage (%s) unavailable (%s); policy %s, %s until it answers again",
+                      self.name, exc.__class__.__name__, self.policy, then,
+                      extra={"event": "limits_storage_down"})
 
     def answered(self) -> None:
         with self._lock:
             was_down = self._down_since is not None
             self._down_since = None
         if was_down:
-            log.warning("rate-limit storage recovered: using Redis again",
+            log.warning("rate-limit storage recovered: using %s again", self.name,
                         extra={"event": "limits_storage_recovered"})
 
     def call(self, op: Callable[[B], T], shared: B | None, local: B) -> T:
-        """`op` on the shared backend (Redis; None: memory:// is configured, `local` is the storage),
+        """`op` on the shared backend (Redis or embedded; None: memory:// is configured, `local` is the storage),
         unless it failed less than retry_s ago; when it fails, the policy: `op` on the per-process
         `local` backend (open) or a 503 APIError (closed)."""
         if shared is None:
@@ -231,19 +119,30 @@ class StorageHealth:
         return op(local)
 
 
-class TokenLimiter:
-    """Reserve-then-settle on the org's token bucket, with Redis failure handling."""
+def storage_health(config: LimitsConfig) -> StorageHealth:
+    return StorageHealth(config.redis_failure_policy, config.redis_retry_s,
+                         "Redis" if config.uses_redis else "embedded")
 
-    def __init__(self, config: LimitsConfig, health: StorageHealth | None = None) -> None:
+
+class TokenLimiter:
+    """Reserve-then-settle on the org's token bucket, with the shared store's failure handling.
+
+    `store`: the embedded store when it is configured (without one, the limiter opens its own)."""
+
+    def __init__(self, config: LimitsConfig, health: StorageHealth | None = None,
+                 store: LimitStore | None = None) -> None:
         self._memory = MemoryTokenBuckets()
-        self._redis = (RedisTokenBuckets(config.storage_url, config.redis_timeout_s)
-                       if config.uses_redis else None)
-        self.health = health or StorageHealth(config.redis_failure_policy, config.redis_retry_s)
+        self._shared: TokenBuckets | None = None
+        if config.uses_redis:
+            self._shared = RedisTokenBuckets(config.storage_url, config.redis_timeout_s)
+        elif config.uses_embedded:
+            self._shared = EmbeddedTokenBuckets(store or open_limit_store())
+        self.health = health or storage_health(config)
 
     def _call(self, op: str, org: str, amount: float, tier: TierConfig) -> BucketResult:
         capacity, rate = tier.burst_tokens, tier.tokens_per_second
         return self.health.call(lambda buckets: getattr(buckets, op)(org, amount, capacity, rate),
-                                self._redis, self._memory)
+                                self._shared, self._memory)
 
     def reserve(self, org: str, tier: TierConfig, cost: int) -> Reservation:
         """Hold `cost` tokens for a request, or raise a 429 APIError."""
@@ -263,7 +162,7 @@ class TokenLimiter:
         try:
             self._call("settle", reservation.org, refund, reservation.tier)
         except APIError:
-            pass  # fail-closed with Redis down: the reservation stays charged
+            pass  # fail-closed with the shared store down: the reservation stays charged
 
 
 # -- headers and 429 bodies -------------------------------------------------------------------
@@ -378,7 +277,9 @@ class RequestWindow:
 class RequestLimiter:
     """Requests per minute per org, one counter shared by every API route: a `limits` rate limiter
     (the configured strategy: moving, fixed or sliding window) over the shared storage, and over
-    per-process memory while Redis is down and the policy is open.
+    per-process memory while the shared store (Redis or embedded) is down and the policy is open.
+
+    `store`: the embedded store when it is configured (without one, the limiter opens its own).
 
     `limits` is the library under flask-limiter, called here straight from the gateway's own hook:
     flask-limiter's generic hook resolves route, blueprint, default and meta limits through some 300
@@ -386,13 +287,16 @@ class RequestLimiter:
     gateway's whole hop, for a gateway that has one limit per request, its org's tier's.
     """
 
-    def __init__(self, config: LimitsConfig, health: StorageHealth) -> None:
+    def __init__(self, config: LimitsConfig, health: StorageHealth, store: LimitStore | None = None) -> None:
         strategy = limits.strategies.STRATEGIES[config.strategy]
         self._local = strategy(SweptMemoryStorage())
-        self._shared = (strategy(limits.storage.storage_from_string(
-            config.storage_url, socket_timeout=config.redis_timeout_s,
-            socket_connect_timeout=config.redis_timeout_s, wrap_exceptions=True))
-            if config.uses_redis else None)
+        self._shared: limits.strategies.RateLimiter | None = None
+        if config.uses_redis:
+            self._shared = strategy(limits.storage.storage_from_string(
+                config.storage_url, socket_timeout=config.redis_timeout_s,
+                socket_connect_timeout=config.redis_timeout_s, wrap_exceptions=True))
+        elif config.uses_embedded:
+            self._shared = strategy(EmbeddedStorage(store or open_limit_store()))
         self.health = health
         self._items: dict[int, limits.RateLimitItem] = {}
 
@@ -440,10 +344,11 @@ def request_limit_headers() -> dict[str, str]:
 
 def init_limits(app: Flask, config: GatewayConfig) -> None:
     """Both limiters, and their hooks; call after auth (its hook must run first)."""
-    health = StorageHealth(config.limits.redis_failure_policy, config.limits.redis_retry_s)
-    requests = RequestLimiter(config.limits, health)
+    health = storage_health(config.limits)
+    store = app.extensions[STORE_KEY] = open_limit_store() if config.limits.uses_embedded else None
+    requests = RequestLimiter(config.limits, health, store)
     app.extensions[REQUESTS_KEY] = requests
-    app.extensions[EXTENSION_KEY] = TokenLimiter(config.limits, health)
+    app.extensions[EXTENSION_KEY] = TokenLimiter(config.limits, health, store)
 
     @app.before_request
     def _count_request_per_minute():
@@ -473,3 +378,10 @@ def init_limits(app: Flask, config: GatewayConfig) -> None:
 
 def token_limiter(app: Flask) -> TokenLimiter:
     return app.extensions[EXTENSION_KEY]
+
+
+def close_limits(app: Flask) -> None:
+    """Close the embedded store (a private one's directory goes with it)."""
+    store = app.extensions.get(STORE_KEY)
+    if store is not None:
+        store.close()

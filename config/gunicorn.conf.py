@@ -4,6 +4,9 @@ Threaded workers (gthread), so that one worker carries many concurrent token str
 Prometheus multiprocess mode: PROMETHEUS_MULTIPROC_DIR is set here, in the master, before
 any worker imports prometheus_client; it is emptied at start and a dead worker's files
 are marked dead so that /metrics on any worker reports the sum over all of them.
+The embedded limits store (`[limits] storage_url = "embedded://"`): ZEN_LIMITS_DIR is set here
+too, to a directory made at start (in /dev/shm where it exists) and removed at exit, so that
+every worker counts in the same SQLite file; set it yourself to keep limits across restarts.
 Bind address and counts come from the gateway config ([server], PORT), and can be
 overridden with GATEWAY_WORKERS / GATEWAY_THREADS.
 """
@@ -15,6 +18,7 @@ import tempfile
 from gunicorn.glogging import Logger
 
 from app.config import ConfigError, load_config
+from app.limit_store import LIMITS_DIR_ENV, new_limits_dir
 
 try:
     _cfg = load_config()
@@ -62,6 +66,11 @@ if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="zen-gateway-metrics-")
 _metrics_dir = os.environ["PROMETHEUS_MULTIPROC_DIR"]
 
+# Made before any worker forks, so all of them inherit it; only a directory made here is removed at exit.
+_own_limits_dir = None
+if _cfg.limits.uses_embedded and not os.environ.get(LIMITS_DIR_ENV):
+    _own_limits_dir = os.environ[LIMITS_DIR_ENV] = new_limits_dir()
+
 
 def on_starting(server):
     os.makedirs(_metrics_dir, exist_ok=True)
@@ -79,4 +88,6 @@ def child_exit(server, worker):
 def on_exit(server):
     if _metrics_dir.startswith(tempfile.gettempdir()) and "zen-gateway-metrics-" in _metrics_dir:
         shutil.rmtree(_metrics_dir, ignore_errors=True)
+    if _own_limits_dir:
+        shutil.rmtree(_own_limits_dir, ignore_errors=True)
 limit_request_field_size = 16384   # a JWT up to auth.max_token_bytes reaches the app (which answers 401 past it)

@@ -23,7 +23,7 @@ def test_shipped_default_config_loads():
         assert tier.burst_tokens == round(tier.tokens_per_second * cfg.limits.burst_seconds)
     assert cfg.tiers["pro"].burst_tokens > cfg.tiers["free"].burst_tokens
     assert cfg.orgs["globex"].max_latency_class is LatencyClass.STANDARD
-    assert cfg.limits.storage_url == "memory://"
+    assert cfg.limits.storage_url == "embedded://" and cfg.limits.uses_embedded
 
 
 def test_environment_overrides_secrets_and_addresses():

@@ -13,8 +13,8 @@ import pytest
 from app import close_app, create_app
 from app.config import LimitsConfig, TierConfig
 from app.errors import APIError
-from app.limits import (REQUESTS_KEY, MemoryTokenBuckets, RedisTokenBuckets, SweptMemoryStorage,
-                        TokenLimiter, format_duration, refill)
+from app.limits import REQUESTS_KEY, SweptMemoryStorage, TokenLimiter, format_duration
+from app.token_buckets import MemoryTokenBuckets, RedisTokenBuckets, refill
 from tests.test_gateway_support import (METRICS_HEADERS, bearer, free_port, make_config, node,  # noqa: F401
                                         redis_url)
 
@@ -120,7 +120,7 @@ def test_requests_per_minute_per_org_with_openai_429():
 def test_memory_request_limits_start_no_thread_per_request():
     """limits' stock memory storage starts a new 10 ms timer thread on the first hit after the last
     one ran; ours keeps one sweeper alive, so requests a few tens of ms apart start no thread."""
-    cfg = make_config([], tiers={"free": {"requests_per_minute": 50}})
+    cfg = make_config([], limits={"storage_url": "memory://"}, tiers={"free": {"requests_per_minute": 50}})
     app = create_app(cfg)
     try:
         storage = app.extensions[REQUESTS_KEY].storage
