@@ -21,7 +21,8 @@ from cuda.kernels import linear as lin_k
 from cuda.kernels import rowwise as row_k
 from cuda.kernels import sampling as samp_k
 from cuda.kernels.common import SIMULATOR
-from models.quant import QK, QuantTensor
+from models.quant import QuantTensor
+from models.rope import rope_tables
 
 if SIMULATOR:
     from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray as _DeviceArrayBase
@@ -114,22 +115,15 @@ class _Part:
 
 def _device_layout(t: QuantTensor):
     """(family, host arrays (wa, wb, wc)) of a stored matrix."""
-    n, k = t.shape
+    n = t.shape[0]
     dummy = np.zeros((1, 1), np.float16)
     if t.format in ("q4_0", "q4_1", "q8_0"):
-        nb = k // QK
-        block = {"q4_0": 18, "q4_1": 20, "q8_0": 34}[t.format]
-        raw = np.ascontiguousarray(t.data).reshape(n, nb, block)
-        d = np.ascontiguousarray(raw[:, :, 0:2]).view(np.float16).reshape(n, nb)
+        d, m, qs = t.block_fields()
+        qs = np.ascontiguousarray(qs).reshape(n, -1).view(np.uint32)
         if t.format == "q8_0":
-            qs = np.ascontiguousarray(raw[:, :, 2:34]).reshape(n, nb * 32).view(np.uint32)
             return "q8", (qs, d, dummy)
-        if t.format == "q4_1":
-            m = np.ascontiguousarray(raw[:, :, 2:4]).view(np.float16).reshape(n, nb)
-            qs = np.ascontiguousarray(raw[:, :, 4:20]).reshape(n, nb * 16).view(np.uint32)
-        else:  # q4_0 as q4_1 with m = -8 d (exact in float16)
+        if m is None:  # q4_0 as q4_1 with m = -8 d (exact in float16)
             m = (d.astype(np.float32) * np.float32(-8.0)).astype(np.float16)
-            qs = np.ascontiguousarray(raw[:, :, 2:18]).reshape(n, nb * 16).view(np.uint32)
         return "q4", (qs, d, m)
     if t.format == "f16":
         return "f16", (np.asarray(t.data, np.float16), dummy, dummy)
@@ -271,9 +265,8 @@ class CudaBackend:
         cuda.synchronize()
 
     def rope_tables(self, max_position, head_dim, theta):
-        inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-        ang = np.arange(max_position, dtype=np.float64)[:, None] * inv_freq[None, :]
-        return self.vector(np.cos(ang)), self.vector(np.sin(ang))
+        cos, sin = rope_tables(max_position, head_dim, theta)
+        return self.vector(cos), self.vector(sin)
 
     # --- per-step metadata
     def _ints(self, a, dtype):

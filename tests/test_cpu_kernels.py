@@ -18,6 +18,7 @@ from engine.backends import cpu_linear as L
 from engine.backends import cpu_ops as ops
 from engine.backends.cpu import CpuBackend, CpuLinear
 from models.quant import QuantTensor
+from models.rope import rope_tables
 from tests import reference as R
 
 SEED = int(os.environ.get("CPU_KERNEL_SEED", np.random.SeedSequence().entropy % 2**32))
@@ -272,7 +273,7 @@ def test_rope_store_kv(rng):
     orig = qkv.astype(np.float64)
     kc = np.zeros((12, bs, hkv, dh), np.float32)
     vc = np.zeros_like(kc)
-    cos, sin = ops.rope_tables(64, dh, 10000.0)
+    cos, sin = rope_tables(64, dh, 10000.0)
     ops.rope_store_kv(qkv, positions, cos, sin, kc, vc, slots, h, hkv)
     q = R.rope(orig[:, :h * dh].reshape(t, h, dh), positions, 10000.0)
     k = R.rope(orig[:, h * dh:(h + hkv) * dh].reshape(t, hkv, dh), positions, 10000.0)
@@ -322,7 +323,7 @@ def test_rope_attention_with_and_without_warming_the_next_weights(rng):
     pos = np.array([37], np.int32)
     slots = (table[0, pos // bs].astype(np.int64) * bs + pos % bs)
     qkv = _nonzero(rng, (1, (h + 2 * hkv) * dh))
-    cos, sin = ops.rope_tables(64, dh, 1e4)
+    cos, sin = rope_tables(64, dh, 1e4)
     nxt = CpuLinear([_tensor(rng, "q4_1", 64, 64)])
     outs = []
     for warm in (None, nxt):

@@ -11,6 +11,7 @@ from engine.backends import cpu_ops as ops
 from engine.backends.cpu_layers import LayerStack
 from engine.sampling import SampleResult, SamplingBatch, sample
 from models.quant import QuantTensor
+from models.rope import rope_tables
 
 # From this many input rows on, a matrix would be dequantized and multiplied by numpy's BLAS instead of
 # the tiled kernels. Measured on the 2-core AVX-512 machine (SmolLM2 shapes, 16 to 512 rows): the float
@@ -58,7 +59,7 @@ class CpuLinear:
                                    np.concatenate([t.data for t in tensors]))]
         self.parts, col = [], 0
         for t in tensors:
-            packed = L.repack(t.format, t.data, t.shape)
+            packed = L.repack(t)
             self.parts.append(_Part(packed[0], packed[1:], t.shape[0], col))
             col += t.shape[0]
         self.out_features = col
@@ -253,4 +254,4 @@ class CpuBackend:
         return sample(logits, batch)
 
     def rope_tables(self, max_position, head_dim, theta):
-        return ops.rope_tables(max_position, head_dim, theta)
+        return rope_tables(max_position, head_dim, theta)

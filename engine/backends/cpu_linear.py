@@ -48,8 +48,9 @@ from numba.core import cgutils
 from numba.core import config as _numba_config
 from numba.extending import intrinsic, models, register_model
 
+from models.quant import QK, QuantTensor
+
 TILE = 16  # rows per tile: one 16-lane register
-QK = 32    # values per quantization block
 
 
 # ===================================================================================== SIMD values
@@ -525,23 +526,15 @@ def _tile_scales(*scales: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(_tiles(s).transpose(0, 2, 3, 1))
 
 
-def repack(fmt: str, data: np.ndarray, shape) -> tuple:
-    """GGML-ordered weight data -> (family, *tiled arrays)."""
-    n, k = shape
-    nb = k // QK
+def repack(t: QuantTensor) -> tuple:
+    """A stored matrix (GGML-ordered data) -> (family, *tiled arrays)."""
+    fmt, data = t.format, t.data
     if fmt in ("q4_0", "q4_1"):
-        bytes_per_block = 18 if fmt == "q4_0" else 20
-        blocks = np.asarray(data).reshape(n, nb, bytes_per_block)
-        d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0]
-        if fmt == "q4_1":
-            m = blocks[:, :, 2:4].copy().view(np.float16)[..., 0]
-            return ("q4", _tile_bytes(blocks[:, :, 4:20]), _tile_scales(d, m))
-        return ("q4", _tile_bytes(blocks[:, :, 2:18]), _tile_scales(d))
+        d, m, qs = t.block_fields()
+        return ("q4", _tile_bytes(qs), _tile_scales(d) if m is None else _tile_scales(d, m))
     if fmt == "q8_0":
-        blocks = np.asarray(data).reshape(n, nb, 34)
-        d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0]
-        qs = (blocks[:, :, 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-        return ("q8", _tile_bytes(qs), _tile_scales(d))
+        d, _, qs = t.block_fields()
+        return ("q8", _tile_bytes((qs.view(np.int8).astype(np.int16) + 128).astype(np.uint8)), _tile_scales(d))
     if fmt == "f32":
         return ("f32", np.ascontiguousarray(_tiles(np.asarray(data, np.float32)).transpose(0, 2, 1)))
     if fmt in ("f16", "bf16"):

@@ -352,11 +352,4 @@ def silu_mul(gate_up, out):
         _L.silu_mul_row(addr(gate_up), U(t) * U(2 * f), f, addr(out), U(t) * U(f))
 
 
-def rope_tables(max_position: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin [max_position, head_dim/2] float32, computed in float64."""
-    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-    ang = np.arange(max_position, dtype=np.float64)[:, None] * inv_freq[None, :]
-    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
-
-
 _L.flush_stale_caches(globals(), "cpu_ops", _L.__file__)
