@@ -9,7 +9,8 @@ import numpy as np
 from engine.backends import cpu_linear as L
 from engine.backends import cpu_ops as ops
 from engine.backends.cpu_layers import LayerStack
-from engine.sampling import SampleResult, SamplingBatch, sample
+from engine.backends.cpu_sampler import sample
+from engine.backends.sampling_batch import SampleResult, SamplingBatch
 from models.quant import QuantTensor
 from models.rope import rope_tables
 

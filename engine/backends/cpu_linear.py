@@ -48,6 +48,8 @@ from numba.core import cgutils
 from numba.core import config as _numba_config
 from numba.extending import intrinsic, models, register_model
 
+from engine.backends.cpu_cache import flush_stale_caches  # noqa: F401  (re-exported for the kernel modules)
+
 from models.quant import QK, QuantTensor
 
 TILE = 16  # rows per tile: one 16-lane register
@@ -465,38 +467,6 @@ def vdpbusd(typingctx, acc, a, b):
             s = builder.add(s, builder.shuffle_vector(p, p, ir.Constant(_VI, [4 * lane + j for lane in range(16)])))
         return s
     return I32x16(acc, a, b), cg
-
-
-def flush_stale_caches(namespace: dict, tag: str, *sources: str) -> None:
-    """numba's on-disk cache checks only the file that defines a function, so kernels in another module
-    built from the SIMD helpers above would keep stale machine code after this file changes. Call at
-    the end of such a module: its cached kernels are flushed once whenever `sources` change."""
-    import hashlib
-
-    from numba.core.dispatcher import Dispatcher
-    disps = [v for v in namespace.values() if isinstance(v, Dispatcher) and hasattr(v._cache, "cache_path")]
-    if not disps:
-        return
-    digest = hashlib.sha256()
-    for src in sources:
-        with open(src, "rb") as f:
-            digest.update(f.read())
-    stamp = digest.hexdigest()
-    path = os.path.join(disps[0]._cache.cache_path, f"{tag}.deps-stamp")
-    try:
-        with open(path) as f:
-            if f.read() == stamp:
-                return
-    except OSError:
-        pass
-    for d in disps:
-        d._cache.flush()
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
-            f.write(stamp)
-    except OSError:  # read-only cache location: flushed again next time, still correct
-        pass
 
 
 # ===================================================================================== repacking
