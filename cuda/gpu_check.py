@@ -350,8 +350,8 @@ def attention_check(be, report, rng, h, hkv, dh, split, seqs) -> None:
 
 
 def sampling_check(be, report, rng, vocab: int = 49152, nrows: int = 32) -> None:
-    from engine.sampling import RowSpec, SamplingBatch, SamplingParams
-    from engine.sampling import sample as cpu_sample
+    from engine.backends.contract import RowSpec, SamplingBatch, SamplingParams
+    from engine.backends.cpu_sampler import sample as cpu_sample
 
     p = SamplingParams
     prompt = rng.integers(0, vocab, 40).tolist()
@@ -405,7 +405,7 @@ def load_weights(path: str | None, report: Report, plan: Plan = FULL):
 def model_check(weights, tokenizer, be, report: Report, greedy_tokens: int = 24) -> None:
     """cpu vs cuda backend: logits of a prompt, then greedy decoding, one sequence."""
     from engine.backends.cpu import CpuBackend
-    from engine.sampling import RowSpec, SamplingBatch, SamplingParams
+    from engine.backends.contract import RowSpec, SamplingBatch, SamplingParams
     from models.llama import LlamaModel
 
     cfg = weights.config
@@ -505,7 +505,7 @@ def _upload(b, step):
 
 
 def benchmarks(weights, be, report: Report, deadline: float, bandwidth, peak, torch_model, plan: Plan = FULL) -> None:
-    from engine.sampling import RowSpec, SamplingBatch, SamplingParams
+    from engine.backends.contract import RowSpec, SamplingBatch, SamplingParams
     from models.llama import LlamaModel
 
     cfg = weights.config
@@ -596,7 +596,7 @@ def kernel_timings(weights, be, report: Report, deadline: float, plan: Plan = FU
     """Per-op timings at the model's shapes, for tuning cuda/launch.py: the host cost of a launch, each matmul
     on the GEMV and on the GEMM path, decode attention (with its split-K choice) and the sampler."""
     from cuda.backend import CudaBackend, split_plan
-    from engine.sampling import RowSpec, SamplingBatch, SamplingParams
+    from engine.backends.contract import RowSpec, SamplingBatch, SamplingParams
 
     c = be.config
     cfg = weights.config

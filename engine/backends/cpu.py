@@ -1,8 +1,6 @@
 """The `cpu` backend: every op of the forward pass as a numba @njit kernel on host arrays."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numba
 import numpy as np
 
@@ -11,6 +9,7 @@ from engine.backends import cpu_ops as ops
 from engine.backends.cpu_layers import LayerStack
 from engine.backends.cpu_sampler import sample
 from engine.backends.sampling_batch import SampleResult, SamplingBatch
+from engine.backends.stacked_linear import StackedLinear
 from models.quant import QuantTensor
 from models.rope import rope_tables
 
@@ -19,15 +18,6 @@ from models.rope import rope_tables
 # kernels run at 190-220 GFLOP/s, OpenBLAS at 75-190 even without the dequantization, and the int8
 # kernels are faster still; so it is off. CpuLinear.blas_min_rows turns it on per matrix.
 BLAS_MIN_ROWS = 1 << 62
-
-
-@dataclass
-class _Part:
-    """One stored matrix of a (possibly fused) linear layer, in its tiled layout."""
-    family: str      # q4, q8, f32, f16, bf16
-    arrays: tuple    # (qs, sc) for q4/q8, (w,) for float formats
-    rows: int
-    col0: int        # first output column it produces
 
 
 _NO_AUX = np.zeros(1, np.float32)  # the aux argument of a product without a fused transform
@@ -45,26 +35,13 @@ class _Scratch:
         return self.buf[:k * n].reshape(k, n)
 
 
-class CpuLinear:
+class CpuLinear(StackedLinear):
     """y = x @ W.T for one or more stored matrices stacked along the output (e.g. q|k|v, gate|up).
 
     int8: quantize x to int8 for the q4/q8 kernels (default: where the CPU has AVX-512 VNNI)."""
 
     def __init__(self, tensors: list[QuantTensor], int8: bool | None = None, scratch: _Scratch | None = None):
-        self.in_features = tensors[0].shape[1]
-        if any(t.shape[1] != self.in_features for t in tensors):
-            raise ValueError("fused matrices must share their input size")
-        if len({t.format for t in tensors}) == 1 and len(tensors) > 1:
-            # one packed matrix: one parallel region per call and better balance across threads
-            tensors = [QuantTensor(tensors[0].format, (sum(t.shape[0] for t in tensors), self.in_features),
-                                   np.concatenate([t.data for t in tensors]))]
-        self.parts, col = [], 0
-        for t in tensors:
-            packed = L.repack(t)
-            self.parts.append(_Part(packed[0], packed[1:], t.shape[0], col))
-            col += t.shape[0]
-        self.out_features = col
-        self.formats = tuple(t.format for t in tensors)
+        super().__init__(tensors, _tiled_layout)
         self.nbytes = sum(a.nbytes for p in self.parts for a in p.arrays)
         self._set_warm()
         self.int8 = L.INT8_DEFAULT if int8 is None else bool(int8)
@@ -164,7 +141,14 @@ class CpuLinear:
         return out
 
 
+def _tiled_layout(t: QuantTensor) -> tuple[str, tuple]:
+    family, *arrays = L.repack(t)
+    return family, tuple(arrays)
+
+
 class CpuBackend:
+    """The backend contract (engine/backends/contract.py) on host arrays."""
+
     name = "cpu"
 
     def __init__(self, int8_activations: bool | None = None, int8_passes: int = 2):
@@ -220,8 +204,8 @@ class CpuBackend:
     def rmsnorm(self, x, w, eps, out) -> None:
         ops.rmsnorm(x, w, eps, out)
 
-    def matmul(self, x, w: CpuLinear, out, accumulate: bool = False) -> None:
-        w(x, out, accumulate)
+    def matmul(self, x, lin: CpuLinear, out, accumulate: bool = False) -> None:
+        lin(x, out, accumulate)
 
     def rope_store_kv(self, qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads):
         ops.rope_store_kv(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
