@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.backends import cpu_linear as L
+from engine.backends import cpu_matmul as L
 from engine.backends import cpu_ops as ops
 from engine.backends.cpu import CpuBackend, CpuLinear
 from models.quant import QuantTensor
@@ -446,7 +446,7 @@ def test_real_model_quantized_stays_close(smollm2):
 def _dangling_addresses(source: str) -> list[str]:
     """Each `addr(name)` in a function whose array may be freed while the address is in use: name is
     neither a parameter of the function nor used as an array later in it (numba frees a local array
-    right after its variable's last use; see cpu_linear.addr)."""
+    right after its variable's last use; see cpu_simd.addr)."""
     import ast
 
     bad = []
