@@ -1,10 +1,10 @@
 """The `cuda` backend: every op of the forward pass and the sampler as numba.cuda kernels.
 
-Same interface as engine/backends/cpu.py. Weights are uploaded once (repacked into the device layouts of
-cuda/kernels/common.py); activations, the KV cache and logits stay on the device; `sample` returns only the
-token ids and the logprobs asked for. Launch configurations come from cuda/launch.py, chosen for the GPU
-when the backend is created. Importing this module needs no driver; creating a CudaBackend does (or the
-simulator, NUMBA_ENABLE_CUDASIM=1).
+The backend contract (engine/backends/contract.py) on the GPU. Weights are uploaded once (repacked into the
+device layouts of cuda/kernels/common.py); activations, the KV cache and logits stay on the device; `sample`
+returns only the token ids and the logprobs asked for. Launch configurations come from cuda/launch.py, chosen
+for the GPU when the backend is created. Importing this module needs no driver; creating a CudaBackend does
+(or the simulator, NUMBA_ENABLE_CUDASIM=1).
 """
 from __future__ import annotations
 
@@ -370,16 +370,10 @@ class CudaBackend(ComposedOps):
     # --- sampling
     def sample(self, logits, batch):
         """The CPU sampler's semantics on the device: logits [S, V] stay there; ids and logprobs come back."""
+        batch.check_logits_shape(logits.shape)
         nrows, vocab = logits.shape
         k = batch.max_num_logprobs
-        if batch.num_rows != nrows:
-            raise ValueError(f"logits must be [{batch.num_rows}, vocab], got shape {tuple(logits.shape)}")
-        if batch.max_token_id >= vocab:
-            raise ValueError(f"token id {batch.max_token_id} in the sampling batch is out of range for a "
-                             f"vocabulary of {vocab}")
-        res = SampleResult(token_ids=np.zeros(nrows, np.int64), logprobs=np.zeros(nrows, np.float32),
-                           top_token_ids=np.full((nrows, k), -1, np.int64),
-                           top_logprobs=np.full((nrows, k), -np.inf, np.float32))
+        res = SampleResult.empty(nrows, k)
         if nrows == 0:
             return res
         if not _is_device_array(logits):

@@ -20,8 +20,8 @@ def _ops(cls) -> dict[str, inspect.Signature]:
             if callable(fn) and not name.startswith("_")}
 
 
-def _mismatches(impl) -> list[str]:
-    """Ops of the contract that `impl` lacks or takes with other parameters (names, order, defaults)."""
+def _mismatches(impl: type) -> list[str]:
+    """Ops of the contract that the class `impl` lacks or takes with other parameters (names, order, defaults)."""
     wrong = []
     for name, want in _ops(Backend).items():
         fn = getattr(impl, name, None)
@@ -60,7 +60,7 @@ def test_cuda_backend_instance_satisfies_the_contract():
     """Run in the simulator tier (NUMBA_ENABLE_CUDASIM=1): creating a CudaBackend needs a device."""
     from cuda.backend import CudaBackend
     backend = CudaBackend()
-    assert isinstance(backend, Backend) and _mismatches(backend) == []
+    assert isinstance(backend, Backend) and _mismatches(type(backend)) == []
     assert backend.layer_stack([]) is None
 
 

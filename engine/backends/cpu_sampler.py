@@ -284,11 +284,7 @@ def _process_rows(logits, out, rep, pres, freq, bias_indptr, bias_ids, bias_vals
 
 def _check_logits(logits: np.ndarray, batch: SamplingBatch) -> np.ndarray:
     logits = np.ascontiguousarray(logits, dtype=np.float32)
-    if logits.ndim != 2 or logits.shape[0] != batch.num_rows:
-        raise ValueError(f"logits must be [{batch.num_rows}, vocab], got shape {logits.shape}")
-    if batch.max_token_id >= logits.shape[1]:
-        raise ValueError(f"token id {batch.max_token_id} in the sampling batch is out of range for a "
-                         f"vocabulary of {logits.shape[1]}")
+    batch.check_logits_shape(logits.shape)
     return logits
 
 
@@ -296,9 +292,7 @@ def sample(logits: np.ndarray, batch: SamplingBatch) -> SampleResult:
     """Sample one token per row of logits [S, V] float32."""
     logits = _check_logits(logits, batch)
     S, K = batch.num_rows, batch.max_num_logprobs
-    res = SampleResult(token_ids=np.zeros(S, np.int64), logprobs=np.zeros(S, np.float32),
-                       top_token_ids=np.full((S, K), -1, np.int64),
-                       top_logprobs=np.full((S, K), -np.inf, np.float32))
+    res = SampleResult.empty(S, K)
     if S == 0:
         return res
     b = batch

@@ -59,6 +59,14 @@ class SamplingBatch:
     def num_rows(self) -> int:
         return len(self.temperature)
 
+    def check_logits_shape(self, shape) -> None:
+        """Logits for this batch are [num_rows, vocab] with every token id of the batch inside the vocab."""
+        if len(shape) != 2 or shape[0] != self.num_rows:
+            raise ValueError(f"logits must be [{self.num_rows}, vocab], got shape {tuple(shape)}")
+        if self.max_token_id >= shape[1]:
+            raise ValueError(f"token id {self.max_token_id} in the sampling batch is out of range for a "
+                             f"vocabulary of {shape[1]}")
+
     @classmethod
     def build(cls, rows: list[RowSpec]) -> SamplingBatch:
         S = len(rows)
@@ -114,4 +122,11 @@ class SampleResult:
     logprobs: np.ndarray       # f32 [S]     log-probability of the chosen token (raw logits)
     top_token_ids: np.ndarray  # i64 [S, K]  K = max logprobs asked in the batch; -1 past a row's own count
     top_logprobs: np.ndarray   # f32 [S, K]  descending; -inf past a row's own count
+
+    @classmethod
+    def empty(cls, num_rows: int, k: int) -> "SampleResult":
+        """A result for num_rows rows and k top logprobs, filled in by a sampler."""
+        return cls(token_ids=np.zeros(num_rows, np.int64), logprobs=np.zeros(num_rows, np.float32),
+                   top_token_ids=np.full((num_rows, k), -1, np.int64),
+                   top_logprobs=np.full((num_rows, k), -np.inf, np.float32))
 
