@@ -74,8 +74,7 @@ class Backend(Protocol):
         """out (+)= (silu(gate) * up) @ W.T with gate_up = [gate | up]"""
 
     def layer_stack(self, layers: list) -> LayerLoop | None:
-        """The whole layer loop as one call; None where the backend runs it op by op (no such kernel,
-        or not for these layers' weights)."""
+        """The layer loop as one call for these layers, or None (not supported): the forward then runs it op by op."""
 
     # --- sampling
     def sample(self, logits, batch: SamplingBatch) -> SampleResult:
