@@ -24,6 +24,8 @@ class StackedLinear:
 
     layout(t) -> (family, arrays): a stored matrix in the backend's layout."""
 
+    nbytes: int   # bytes of the weights in the backend's memory (each backend counts its own layout)
+
     def __init__(self, tensors: list[QuantTensor], layout: Callable[[QuantTensor], tuple[str, tuple]]):
         self.in_features = tensors[0].shape[1]
         if any(t.shape[1] != self.in_features for t in tensors):
