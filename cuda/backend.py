@@ -1,15 +1,14 @@
 """The `cuda` backend: every op of the forward pass and the sampler as numba.cuda kernels.
 
-Same interface as engine/backends/cpu.py. Weights are uploaded once (repacked into the device layouts of
-cuda/kernels/common.py); activations, the KV cache and logits stay on the device; `sample` returns only the
-token ids and the logprobs asked for. Launch configurations come from cuda/launch.py, chosen for the GPU
-when the backend is created. Importing this module needs no driver; creating a CudaBackend does (or the
-simulator, NUMBA_ENABLE_CUDASIM=1).
+The backend contract (engine/backends/contract.py) on the GPU. Weights are uploaded once (repacked into the
+device layouts of cuda/kernels/common.py); activations, the KV cache and logits stay on the device; `sample`
+returns only the token ids and the logprobs asked for. Launch configurations come from cuda/launch.py, chosen
+for the GPU when the backend is created. Importing this module needs no driver; creating a CudaBackend does
+(or the simulator, NUMBA_ENABLE_CUDASIM=1).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import numpy as np
 from numba import config as numba_config
@@ -21,7 +20,7 @@ from cuda.kernels import linear as lin_k
 from cuda.kernels import rowwise as row_k
 from cuda.kernels import sampling as samp_k
 from cuda.kernels.common import SIMULATOR
-from models.quant import QK, QuantTensor
+from engine.backends.contract import ComposedOps, QuantTensor, SampleResult, StackedLinear, rope_tables
 
 if SIMULATOR:
     from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray as _DeviceArrayBase
@@ -103,33 +102,17 @@ def take_rows(src, index) -> DeviceTensor:
 
 # --------------------------------------------------------------------------- weights
 
-@dataclass
-class _Part:
-    """One stored matrix of a (possibly fused) linear layer in its device layout."""
-    family: str          # q4, q8, f16, bf16, f32 (cuda/kernels/common.py)
-    arrays: tuple        # (wa, wb, wc) device arrays
-    rows: int
-    col0: int            # first output column it produces
-
-
 def _device_layout(t: QuantTensor):
     """(family, host arrays (wa, wb, wc)) of a stored matrix."""
-    n, k = t.shape
+    n = t.shape[0]
     dummy = np.zeros((1, 1), np.float16)
     if t.format in ("q4_0", "q4_1", "q8_0"):
-        nb = k // QK
-        block = {"q4_0": 18, "q4_1": 20, "q8_0": 34}[t.format]
-        raw = np.ascontiguousarray(t.data).reshape(n, nb, block)
-        d = np.ascontiguousarray(raw[:, :, 0:2]).view(np.float16).reshape(n, nb)
+        d, m, qs = t.block_fields()
+        qs = np.ascontiguousarray(qs).reshape(n, -1).view(np.uint32)
         if t.format == "q8_0":
-            qs = np.ascontiguousarray(raw[:, :, 2:34]).reshape(n, nb * 32).view(np.uint32)
             return "q8", (qs, d, dummy)
-        if t.format == "q4_1":
-            m = np.ascontiguousarray(raw[:, :, 2:4]).view(np.float16).reshape(n, nb)
-            qs = np.ascontiguousarray(raw[:, :, 4:20]).reshape(n, nb * 16).view(np.uint32)
-        else:  # q4_0 as q4_1 with m = -8 d (exact in float16)
+        if m is None:  # q4_0 as q4_1 with m = -8 d (exact in float16)
             m = (d.astype(np.float32) * np.float32(-8.0)).astype(np.float16)
-            qs = np.ascontiguousarray(raw[:, :, 2:18]).reshape(n, nb * 16).view(np.uint32)
         return "q4", (qs, d, m)
     if t.format == "f16":
         return "f16", (np.asarray(t.data, np.float16), dummy, dummy)
@@ -138,28 +121,18 @@ def _device_layout(t: QuantTensor):
     return "f32", (np.asarray(t.data, np.float32), dummy, dummy)
 
 
-class CudaLinear:
+class CudaLinear(StackedLinear):
     """y = x @ W.T for one or more stored matrices stacked along the output (q|k|v, gate|up), on the device."""
 
     def __init__(self, tensors: list[QuantTensor]):
-        self.in_features = tensors[0].shape[1]
-        if any(t.shape[1] != self.in_features for t in tensors):
-            raise ValueError("fused matrices must share their input size")
-        if len(tensors) > 1 and len({t.format for t in tensors}) == 1:
-            # one packed matrix: one launch per call
-            tensors = [QuantTensor(tensors[0].format, (sum(t.shape[0] for t in tensors), self.in_features),
-                                   np.concatenate([t.data for t in tensors]))]
-        self.parts: list[_Part] = []
         self.nbytes = 0  # bytes a full pass over the weights reads
-        col = 0
-        for t in tensors:
-            family, host = _device_layout(t)
-            used = {"q4": 3, "q8": 2}.get(family, 1)
-            self.nbytes += sum(int(a.nbytes) for a in host[:used])
-            self.parts.append(_Part(family, tuple(_to_device(a) for a in host), t.shape[0], col))
-            col += t.shape[0]
-        self.out_features = col
-        self.formats = tuple(t.format for t in tensors)
+        super().__init__(tensors, self._upload)
+
+    def _upload(self, t: QuantTensor) -> tuple[str, tuple]:
+        family, host = _device_layout(t)
+        used = {"q4": 3, "q8": 2}.get(family, 1)
+        self.nbytes += sum(int(a.nbytes) for a in host[:used])
+        return family, tuple(_to_device(a) for a in host)
 
 
 # --------------------------------------------------------------------------- the backend
@@ -222,7 +195,10 @@ def split_plan(c: launch.LaunchConfig, work_items: int, max_ctx: int) -> tuple[i
     return _ceil_div(max_ctx, split), split
 
 
-class CudaBackend:
+class CudaBackend(ComposedOps):
+    """The backend contract (engine/backends/contract.py) on the device. No fused kernels: the fused ops
+    are composed from the basic ones (ComposedOps)."""
+
     name = "cuda"
 
     def share_cpu(self, sharing: bool) -> None:
@@ -267,13 +243,16 @@ class CudaBackend:
     def download(self, a) -> np.ndarray:
         return a.copy_to_host() if _is_device_array(a) else np.asarray(a)
 
+    def layer_stack(self, layers) -> None:
+        """No one-call layer loop on this backend: the forward runs the layers op by op."""
+        return None
+
     def synchronize(self) -> None:
         cuda.synchronize()
 
     def rope_tables(self, max_position, head_dim, theta):
-        inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-        ang = np.arange(max_position, dtype=np.float64)[:, None] * inv_freq[None, :]
-        return self.vector(np.cos(ang)), self.vector(np.sin(ang))
+        cos, sin = rope_tables(max_position, head_dim, theta)
+        return self.vector(cos), self.vector(sin)
 
     # --- per-step metadata
     def _ints(self, a, dtype):
@@ -322,13 +301,13 @@ class CudaBackend:
         if x.shape[0]:
             self._k(row_k.rmsnorm, x.shape[0], self.config.threads)(x, w, np.float32(eps), out)
 
-    def matmul(self, x, w: CudaLinear, out, accumulate: bool = False) -> None:
+    def matmul(self, x, lin: CudaLinear, out, accumulate: bool = False) -> None:
         ntok = x.shape[0]
         if ntok == 0:
             return
         c = self.config
         acc = bool(accumulate)
-        for p in w.parts:
+        for p in lin.parts:
             if ntok <= c.gemv_max_tokens:
                 grid = _ceil_div(p.rows, c.gemv_threads // 32)
                 self._k(self._gemv[p.family], grid, c.gemv_threads)(x, *p.arrays, out, p.col0, acc)
@@ -390,19 +369,11 @@ class CudaBackend:
 
     # --- sampling
     def sample(self, logits, batch):
-        """engine.sampling.sample on the device: logits [S, V] stay there; ids and logprobs come back."""
-        from engine.sampling import SampleResult
-
+        """The CPU sampler's semantics on the device: logits [S, V] stay there; ids and logprobs come back."""
+        batch.check_logits_shape(logits.shape)
         nrows, vocab = logits.shape
         k = batch.max_num_logprobs
-        if batch.num_rows != nrows:
-            raise ValueError(f"logits must be [{batch.num_rows}, vocab], got shape {tuple(logits.shape)}")
-        if batch.max_token_id >= vocab:
-            raise ValueError(f"token id {batch.max_token_id} in the sampling batch is out of range for a "
-                             f"vocabulary of {vocab}")
-        res = SampleResult(token_ids=np.zeros(nrows, np.int64), logprobs=np.zeros(nrows, np.float32),
-                           top_token_ids=np.full((nrows, k), -1, np.int64),
-                           top_logprobs=np.full((nrows, k), -np.inf, np.float32))
+        res = SampleResult.empty(nrows, k)
         if nrows == 0:
             return res
         if not _is_device_array(logits):

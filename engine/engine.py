@@ -11,11 +11,12 @@ from pathlib import Path
 import numpy as np
 
 from engine.backends import get_backend
+from engine.backends.sampling_batch import RowSpec, SamplingBatch
 from engine.config import EngineConfig
 from engine.kv_cache import BlockPool, KVCacheManager
 from engine.request import InferenceRequest
 from engine.runner import ModelRunner
-from engine.sampling import RowSpec, SamplingBatch, SamplingParams
+from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, TokenLogprob
 from engine.stop import StopChecker

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.sampling import RowSpec, SampleResult, SamplingBatch
+from engine.backends.sampling_batch import RowSpec, SampleResult, SamplingBatch
 from engine.sequence import Sequence
 from models.llama import LlamaModel, StepInput
 

@@ -1,7 +1,8 @@
 """The Llama-family forward pass, written top to bottom as a sequence of backend ops.
 
 One call runs one engine step: any mix of prefill chunks and decode tokens from many sequences,
-flattened into T tokens, against the paged KV cache (layouts: tests/reference.py).
+flattened into T tokens, against the paged KV cache (layouts: tests/reference.py). The ops are those of
+the backend contract (engine/backends/contract.py), called by name on whatever backend is given.
 """
 from __future__ import annotations
 
@@ -31,19 +32,15 @@ class RunState:
         qkv = cfg.q_size + 2 * cfg.kv_size
         self.capacity = capacity
         self.h = z((capacity, cfg.hidden_size))                    # residual stream
-        self.x = z((capacity, cfg.hidden_size))                    # normed input of a block (unfused backends)
         self.qkv = z((capacity, qkv))                              # q | k | v
         self.attn = z((capacity, cfg.q_size))                      # attention output
         self.gate_up = z((capacity, 2 * cfg.intermediate_size))    # gate | up
-        self.mlp = z((capacity, cfg.intermediate_size))            # silu(gate) * up (unfused backends)
 
 
 class LlamaModel:
     def __init__(self, weights: ModelWeights, backend):
         cfg = self.config = weights.config
         b = self.backend = backend
-        # the ops the forward calls: the backend's own, or its basic ops composed where it does not fuse
-        self.ops = backend if all(hasattr(backend, op) for op in FUSED_OPS) else _ComposedOps(backend, self)
         self.embed = b.linear([weights.embed])
         self.lm_head = self.embed if weights.lm_head is None else b.linear([weights.lm_head])
         self.layers = [
@@ -57,10 +54,8 @@ class LlamaModel:
             )
             for lw in weights.layers
         ]
-        # The same layer loop as one backend call, where the backend can stack the layers' weights
-        # (cpu: engine/backends/cpu_layers.py); None runs the loop below op by op.
-        self.layer_stack = backend.layer_stack(self.layers) \
-            if self.ops is backend and hasattr(backend, "layer_stack") else None
+        # the layer loop as one backend call where the backend has one for these layers; None: op by op
+        self.layer_stack = backend.layer_stack(self.layers)
         self.final_norm = b.vector(weights.final_norm)
         self.rope_cos, self.rope_sin = b.rope_tables(cfg.max_position, cfg.head_dim, cfg.rope_theta)
         self.scale = cfg.head_dim ** -0.5
@@ -93,7 +88,7 @@ class LlamaModel:
 
     def forward(self, step: StepInput, k_cache, v_cache):
         """Logits [len(logits_indices), V] for one engine step; writes the step's K/V into the cache."""
-        b, cfg = self.ops, self.config
+        b, cfg = self.backend, self.config
         t = len(step.tokens)
         rs = self._run_state(t)
         h, qkv, attn, gate_up = (a[:t] for a in (rs.h, rs.qkv, rs.attn, rs.gate_up))
@@ -112,7 +107,7 @@ class LlamaModel:
         return logits
 
     def _layers(self, step: StepInput, h, qkv, attn, gate_up, k_cache, v_cache) -> None:
-        b, cfg = self.ops, self.config
+        b, cfg = self.backend, self.config
         H, Hkv, eps = cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps
         for i, ly in enumerate(self.layers):
             b.rmsnorm_matmul(h, ly.attn_norm, eps, ly.qkv, qkv)                    # q|k|v = rmsnorm(h) Wqkv^T
@@ -123,36 +118,6 @@ class LlamaModel:
             b.matmul(attn, ly.o, h, accumulate=True)                               # h += attn Wo^T
             b.rmsnorm_matmul(h, ly.ffn_norm, eps, ly.gate_up, gate_up)             # gate|up = rmsnorm(h) Wgu^T
             b.silu_mul_matmul(gate_up, ly.down, h, accumulate=True)                # h += (silu(gate) * up) Wdown^T
-
-
-FUSED_OPS = ("rmsnorm_matmul", "rope_attention", "silu_mul_matmul")
-
-
-class _ComposedOps:
-    """A backend without the fused ops the forward calls, with them composed from its basic ops:
-    rmsnorm then matmul, rope_store_kv then attention, silu_mul then matmul (scratch: the RunState)."""
-
-    def __init__(self, backend, model: "LlamaModel"):
-        self._b, self._model = backend, model
-
-    def __getattr__(self, name):
-        return getattr(self._b, name)
-
-    def rmsnorm_matmul(self, x, w, eps, lin, out, accumulate: bool = False) -> None:
-        normed = self._model._state.x[:x.shape[0]]
-        self._b.rmsnorm(x, w, eps, normed)
-        self._b.matmul(normed, lin, out, accumulate=accumulate)
-
-    def rope_attention(self, qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables, token_seq,
-                       num_heads, num_kv_heads, scale, out, next_linear=None) -> None:
-        self._b.rope_store_kv(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
-        self._b.attention(qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads,
-                          scale, out)
-
-    def silu_mul_matmul(self, gate_up, lin, out, accumulate: bool = False) -> None:
-        mlp = self._model._state.mlp[:gate_up.shape[0]]
-        self._b.silu_mul(gate_up, mlp)
-        self._b.matmul(mlp, lin, out, accumulate=accumulate)
 
 
 @dataclass

@@ -28,6 +28,16 @@ GGML_TYPE = {
     "q4_1": gguf.GGMLQuantizationType.Q4_1,
 }
 FORMAT_OF_GGML = {v: k for k, v in GGML_TYPE.items()}
+# bytes of one stored block of QK values (GGML's own table; float formats store one value a "block")
+BLOCK_BYTES = {f: gguf.GGML_QUANT_SIZES[t][1] for f, t in GGML_TYPE.items() if f in BLOCK_FORMATS}
+
+
+def bytes_per_weight(fmt: str) -> float:
+    """Stored bytes per matrix element of format `fmt` (block formats include their scales)."""
+    if fmt not in GGML_TYPE:
+        raise UnsupportedFormat(f"unsupported weight format {fmt!r}")
+    block, nbytes = gguf.GGML_QUANT_SIZES[GGML_TYPE[fmt]]
+    return nbytes / block
 
 
 class UnsupportedFormat(ValueError):
@@ -76,6 +86,18 @@ class QuantTensor:
             return (self.data.astype(np.uint32) << 16).view(np.float32)
         flat = gguf.quants.dequantize(np.ascontiguousarray(self.data), GGML_TYPE[self.format])
         return flat.reshape(self.shape).astype(np.float32, copy=False)
+
+    def block_fields(self) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+        """A block format's fields per (row, block): scales d float16 [N, nb], mins m float16 [N, nb]
+        (q4_1; None otherwise) and the quant bytes uint8 [N, nb, 16 or 32], as GGML lays a block out."""
+        if self.format not in BLOCK_FORMATS:
+            raise ValueError(f"{self.format} is not a block format")
+        n, k = self.shape
+        blocks = np.asarray(self.data).reshape(n, k // QK, BLOCK_BYTES[self.format])
+        d = np.ascontiguousarray(blocks[:, :, 0:2]).view(np.float16)[..., 0]
+        if self.format == "q4_1":
+            return d, np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16)[..., 0], blocks[:, :, 4:]
+        return d, None, blocks[:, :, 2:]
 
     def rows(self, index: np.ndarray) -> "QuantTensor":
         """A new tensor holding the selected rows (row reordering never splits a block)."""

@@ -14,10 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.backends import cpu_linear as L
+from engine.backends import cpu_matmul as L
 from engine.backends import cpu_ops as ops
 from engine.backends.cpu import CpuBackend, CpuLinear
 from models.quant import QuantTensor
+from models.rope import rope_tables
 from tests import reference as R
 
 SEED = int(os.environ.get("CPU_KERNEL_SEED", np.random.SeedSequence().entropy % 2**32))
@@ -226,22 +227,19 @@ def test_fused_transform_on_stacked_parts_and_blas(rng):
 
 def test_fused_ops_match_the_composed_ones(rng):
     """The forward's fused ops against their parts (the composition a backend without them gets)."""
-    from models.llama import LlamaModel, _ComposedOps
+    from engine.backends.contract import ComposedOps
+    from models.llama import LlamaModel
     from tests.tiny_model import make_tiny_weights
 
-    class Plain:
-        """A CPU backend without the fused ops."""
-        def __init__(self):
-            self._b = CpuBackend()
-
-        def __getattr__(self, name):
-            if name in ("rmsnorm_matmul", "rope_attention", "silu_mul_matmul", "layer_stack"):
-                raise AttributeError(name)
-            return getattr(self._b, name)
+    class Plain(ComposedOps, CpuBackend):
+        """A CPU backend without the fused ops (nor the one-call layer loop)."""
+        def layer_stack(self, layers):
+            return None
 
     w = make_tiny_weights(seed=int(rng.integers(1 << 30)), fmt="q8_0")
     fused, plain = LlamaModel(w, CpuBackend()), LlamaModel(w, Plain())
-    assert fused.ops is fused.backend and isinstance(plain.ops, _ComposedOps) and plain.layer_stack is None
+    assert not isinstance(fused.backend, ComposedOps) and isinstance(plain.backend, ComposedOps) \
+        and plain.layer_stack is None
     tokens = rng.integers(0, w.config.vocab_size, 11)
     a = _forward_chunks(fused, tokens, [7, 1, 1, 2])
     b = _forward_chunks(plain, tokens, [7, 1, 1, 2])
@@ -272,7 +270,7 @@ def test_rope_store_kv(rng):
     orig = qkv.astype(np.float64)
     kc = np.zeros((12, bs, hkv, dh), np.float32)
     vc = np.zeros_like(kc)
-    cos, sin = ops.rope_tables(64, dh, 10000.0)
+    cos, sin = rope_tables(64, dh, 10000.0)
     ops.rope_store_kv(qkv, positions, cos, sin, kc, vc, slots, h, hkv)
     q = R.rope(orig[:, :h * dh].reshape(t, h, dh), positions, 10000.0)
     k = R.rope(orig[:, h * dh:(h + hkv) * dh].reshape(t, hkv, dh), positions, 10000.0)
@@ -322,7 +320,7 @@ def test_rope_attention_with_and_without_warming_the_next_weights(rng):
     pos = np.array([37], np.int32)
     slots = (table[0, pos // bs].astype(np.int64) * bs + pos % bs)
     qkv = _nonzero(rng, (1, (h + 2 * hkv) * dh))
-    cos, sin = ops.rope_tables(64, dh, 1e4)
+    cos, sin = rope_tables(64, dh, 1e4)
     nxt = CpuLinear([_tensor(rng, "q4_1", 64, 64)])
     outs = []
     for warm in (None, nxt):
@@ -448,7 +446,7 @@ def test_real_model_quantized_stays_close(smollm2):
 def _dangling_addresses(source: str) -> list[str]:
     """Each `addr(name)` in a function whose array may be freed while the address is in use: name is
     neither a parameter of the function nor used as an array later in it (numba frees a local array
-    right after its variable's last use; see cpu_linear.addr)."""
+    right after its variable's last use; see cpu_simd.addr)."""
     import ast
 
     bad = []

@@ -18,8 +18,9 @@ pytestmark = pytest.mark.simulator
 # tests/conftest.py collects this file only in a process started with NUMBA_ENABLE_CUDASIM=1.
 from cuda import launch  # noqa: E402
 from cuda.backend import CudaBackend  # noqa: E402
-from engine.sampling import RowSpec, SamplingBatch, SamplingParams  # noqa: E402
-from engine.sampling import sample as cpu_sample  # noqa: E402
+from engine.backends.cpu_sampler import sample as cpu_sample  # noqa: E402
+from engine.backends.sampling_batch import RowSpec, SamplingBatch  # noqa: E402
+from engine.sampling import SamplingParams  # noqa: E402
 from models.llama import LlamaModel, StepInput  # noqa: E402
 from models.quant import QuantTensor  # noqa: E402
 from tests import reference as R  # noqa: E402

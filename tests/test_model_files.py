@@ -15,7 +15,7 @@ from safetensors.numpy import save_file
 from models import convert
 from models.gguf_file import FastGGUFReader, ModelFileError, open_gguf, read_gguf, unpermute_rope_rows
 from models.loader import default_model_path, load_model, load_tokenizer, read_gguf_fields
-from models.quant import FORMATS, QuantTensor, UnsupportedFormat
+from models.quant import BLOCK_FORMATS, FORMATS, QuantTensor, UnsupportedFormat, bytes_per_weight
 from models.safetensors_file import QUANT_METADATA_KEY, read_safetensors_dir, write_safetensors_dir
 from models.weights import ModelWeights
 from tests import reference
@@ -59,6 +59,31 @@ def assert_same_config(a, b):
     ea, eb = da.pop("rms_norm_eps"), db.pop("rms_norm_eps")
     assert da == db
     assert abs(ea - eb) <= 1e-6 * ea  # GGUF stores it as float32
+
+
+# ---- formats --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_bytes_per_weight_is_the_stored_size(fmt):
+    w = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+    t = QuantTensor.from_float(w, fmt)
+    assert t.nbytes == bytes_per_weight(fmt) * w.size
+    with pytest.raises(UnsupportedFormat):
+        bytes_per_weight("q2_k")
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_block_fields_decode_to_the_dequantized_matrix(fmt):
+    """Scales, mins and quants as GGML lays a block out (what the backends repack from)."""
+    t = QuantTensor.from_float(np.random.default_rng(1).standard_normal((4, 64)).astype(np.float32), fmt)
+    d, m, qs = t.block_fields()
+    d = d.astype(np.float32)[..., None]
+    if fmt == "q8_0":
+        w = d * qs.view(np.int8)
+    else:
+        q = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.float32)
+        w = d * q + (m.astype(np.float32)[..., None] if m is not None else -8 * d)
+    assert np.array_equal(w.reshape(t.shape), t.dequantize())
 
 
 # ---- GGUF ---------------------------------------------------------------------------------------------

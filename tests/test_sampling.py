@@ -12,9 +12,10 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from engine.sampling import (BLOCK, MAX_LOGPROBS, RowSpec, SamplingBatch, SamplingParamError, SamplingParams,
-                             processed_logits, sample)
-from engine import sampling as sm
+from engine.backends import cpu_sampler as sm
+from engine.backends.cpu_sampler import BLOCK, processed_logits, sample
+from engine.backends.sampling_batch import RowSpec, SamplingBatch
+from engine.sampling import MAX_LOGPROBS, SamplingParamError, SamplingParams
 
 MASK64 = (1 << 64) - 1
 
@@ -195,7 +196,7 @@ def random_params(rng, **fixed):
 def test_uniform_is_splitmix64_of_seed_and_step(rng):
     for _ in range(50):
         seed, step = int(rng.integers(0, 2**63)) * 2 + 1, int(rng.integers(0, 10**6))
-        assert sm._uniform01(np.uint64(seed), step) == uniform(seed, step), rng.seed
+        assert sm.uniform01(np.uint64(seed), step) == uniform(seed, step), rng.seed
     us = np.array([uniform(7, s) for s in range(4000)])
     assert abs(us.mean() - 0.5) < 0.03 and us.min() >= 0 and us.max() < 1
 

@@ -2,7 +2,7 @@
 
 1. every kernel against numpy on random data, with this GPU's launch configuration (each weight format on
    the GEMV and GEMM paths, RoPE + paged attention with and without split-K, head dims 64 and 128, the
-   sampler against engine.sampling on a full vocabulary);
+   sampler against the cpu sampler on a full vocabulary);
 2. the cuda backend against the cpu backend on the default model: logits of a prompt close, greedy ids equal
    (both compute in float32);
 3. decode tokens/s at batch 1, 16, 64, 256 and prefill tokens/s, beside the roofline (weight bytes / memory

@@ -1,5 +1,5 @@
 """The correctness half of gpu_check: every kernel against the numpy reference, the sampler against
-engine.sampling, and the cuda backend against the cpu backend on a whole model."""
+the cpu sampler, and the cuda backend against the cpu backend on a whole model."""
 from __future__ import annotations
 
 import dataclasses
@@ -120,8 +120,8 @@ def attention_check(be, report, rng, h, hkv, dh, split, seqs) -> None:
 
 
 def sampling_check(be, report, rng, vocab: int = 49152, nrows: int = 32) -> None:
-    from engine.sampling import RowSpec, SamplingBatch, SamplingParams
-    from engine.sampling import sample as cpu_sample
+    from engine.backends.contract import RowSpec, SamplingBatch, SamplingParams
+    from engine.backends.cpu_sampler import sample as cpu_sample
 
     p = SamplingParams
     prompt = rng.integers(0, vocab, 40).tolist()
@@ -139,7 +139,7 @@ def sampling_check(be, report, rng, vocab: int = 49152, nrows: int = 32) -> None
     want = cpu_sample(logits, batch)
     got = be.sample(be.upload(logits), batch)
     same = got.token_ids == want.token_ids
-    report.check("sample: token ids equal to engine.sampling", bool(same.all()),
+    report.check("sample: token ids equal to the cpu sampler", bool(same.all()),
                  f"{int(same.sum())}/{len(rows)} rows equal" + ("" if same.all() else
                                                                f"; differ at rows {np.flatnonzero(~same).tolist()}"))
     _close("sample: chosen-token logprobs", got.logprobs, want.logprobs, 1e-4, report)
@@ -153,7 +153,7 @@ def sampling_check(be, report, rng, vocab: int = 49152, nrows: int = 32) -> None
 def model_check(weights, tokenizer, be, report: Report, greedy_tokens: int = 24) -> None:
     """cpu vs cuda backend: logits of a prompt, then greedy decoding, one sequence."""
     from engine.backends.cpu import CpuBackend
-    from engine.sampling import RowSpec, SamplingBatch, SamplingParams
+    from engine.backends.contract import RowSpec, SamplingBatch, SamplingParams
     from models.llama import LlamaModel
 
     cfg = weights.config

@@ -36,7 +36,7 @@ def _time_decode(model, layout: BatchLayout, prompts: np.ndarray, steps: int, wa
 
 
 def benchmarks(weights, be, report: Report, deadline: float, bandwidth, peak, torch_model, plan: Plan = FULL) -> None:
-    from engine.sampling import RowSpec, SamplingBatch, SamplingParams
+    from engine.backends.contract import RowSpec, SamplingBatch, SamplingParams
     from models.llama import LlamaModel
 
     cfg = weights.config
@@ -127,7 +127,7 @@ def kernel_timings(weights, be, report: Report, deadline: float, plan: Plan = FU
     """Per-op timings at the model's shapes, for tuning cuda/launch.py: the host cost of a launch, each matmul
     on the GEMV and on the GEMM path, decode attention (with its split-K choice) and the sampler."""
     from cuda.backend import CudaBackend, split_plan
-    from engine.sampling import RowSpec, SamplingBatch, SamplingParams
+    from engine.backends.contract import RowSpec, SamplingBatch, SamplingParams
 
     c = be.config
     cfg = weights.config

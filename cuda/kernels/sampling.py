@@ -1,4 +1,4 @@
-"""Sampling on the device: one block per row of logits, the semantics of engine/sampling.py.
+"""Sampling on the device: one block per row of logits, the semantics of engine/backends/cpu_sampler.py.
 
 Per row: logit_bias, the min_tokens mask, repetition/frequency/presence penalties (once per distinct token
 of the history), then greedy argmax (temperature 0) or a draw from softmax((w - max) / T) restricted by
@@ -22,7 +22,7 @@ from numba import cuda, float32, int32, int64, uint64
 
 from cuda.kernels.common import F0, F1, MAX_BLOCK, NEG, SIMULATOR, block_argmax, block_max, block_sum
 
-DRAW_BLOCK = 64                      # engine.sampling.BLOCK: the draw order's block length
+DRAW_BLOCK = 64                      # cpu_sampler_primitives.BLOCK: the draw order's block length
 NO_CUT_KEY = np.int64(-(1 << 31) - 1)  # below every key: "no cut"
 KEY_MIN = np.int64(-(1 << 31))
 KEY_MAX = np.int64((1 << 31) - 1)

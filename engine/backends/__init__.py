@@ -1,4 +1,5 @@
-"""Backends: the same ops on two targets. `cuda` when a GPU is present, `cpu` otherwise; either can be forced."""
+"""Backends: the ops of the backend contract (contract.py) on two targets. `cuda` when a GPU is present, `cpu`
+otherwise; either can be forced."""
 from __future__ import annotations
 
 import os

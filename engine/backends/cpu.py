@@ -1,31 +1,26 @@
 """The `cpu` backend: every op of the forward pass as a numba @njit kernel on host arrays."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numba
 import numpy as np
 
-from engine.backends import cpu_linear as L
+from engine.backends import cpu_dequant as dq
+from engine.backends import cpu_matmul as mm
 from engine.backends import cpu_ops as ops
 from engine.backends.cpu_layers import LayerStack
-from engine.sampling import SampleResult, SamplingBatch, sample
+from engine.backends.cpu_repack import TILE, repack
+from engine.backends.cpu_sampler import sample
+from engine.backends.cpu_simd import INT8_DEFAULT
+from engine.backends.cpu_transforms import X_PLAIN, X_RMSNORM, X_SILU_MUL, transform
+from engine.backends.sampling_batch import SampleResult, SamplingBatch
+from engine.backends.stacked_linear import StackedLinear
 from models.quant import QuantTensor
+from models.rope import rope_tables
 
 # From this many input rows on, a matrix would be dequantized and multiplied by numpy's BLAS instead of
-# the tiled kernels. Measured on the 2-core AVX-512 machine (SmolLM2 shapes, 16 to 512 rows): the float
-# kernels run at 190-220 GFLOP/s, OpenBLAS at 75-190 even without the dequantization, and the int8
-# kernels are faster still; so it is off. CpuLinear.blas_min_rows turns it on per matrix.
+# the tiled kernels: off, as the tiled kernels were faster at every size measured (docs/notes-backends.md).
+# CpuLinear.blas_min_rows turns it on per matrix.
 BLAS_MIN_ROWS = 1 << 62
-
-
-@dataclass
-class _Part:
-    """One stored matrix of a (possibly fused) linear layer, in its tiled layout."""
-    family: str      # q4, q8, f32, f16, bf16
-    arrays: tuple    # (qs, sc) for q4/q8, (w,) for float formats
-    rows: int
-    col0: int        # first output column it produces
 
 
 _NO_AUX = np.zeros(1, np.float32)  # the aux argument of a product without a fused transform
@@ -43,29 +38,16 @@ class _Scratch:
         return self.buf[:k * n].reshape(k, n)
 
 
-class CpuLinear:
+class CpuLinear(StackedLinear):
     """y = x @ W.T for one or more stored matrices stacked along the output (e.g. q|k|v, gate|up).
 
     int8: quantize x to int8 for the q4/q8 kernels (default: where the CPU has AVX-512 VNNI)."""
 
     def __init__(self, tensors: list[QuantTensor], int8: bool | None = None, scratch: _Scratch | None = None):
-        self.in_features = tensors[0].shape[1]
-        if any(t.shape[1] != self.in_features for t in tensors):
-            raise ValueError("fused matrices must share their input size")
-        if len({t.format for t in tensors}) == 1 and len(tensors) > 1:
-            # one packed matrix: one parallel region per call and better balance across threads
-            tensors = [QuantTensor(tensors[0].format, (sum(t.shape[0] for t in tensors), self.in_features),
-                                   np.concatenate([t.data for t in tensors]))]
-        self.parts, col = [], 0
-        for t in tensors:
-            packed = L.repack(t.format, t.data, t.shape)
-            self.parts.append(_Part(packed[0], packed[1:], t.shape[0], col))
-            col += t.shape[0]
-        self.out_features = col
-        self.formats = tuple(t.format for t in tensors)
+        super().__init__(tensors, _tiled_layout)
         self.nbytes = sum(a.nbytes for p in self.parts for a in p.arrays)
         self._set_warm()
-        self.int8 = L.INT8_DEFAULT if int8 is None else bool(int8)
+        self.int8 = INT8_DEFAULT if int8 is None else bool(int8)
         self.passes = 2
         self._scratch = scratch or _Scratch()
         self.blas_min_rows = BLAS_MIN_ROWS
@@ -77,14 +59,14 @@ class CpuLinear:
         if x.dtype != np.float32 or not x.flags.c_contiguous:
             x = np.ascontiguousarray(x, dtype=np.float32)
         if norm is not None:
-            kind, aux = L.X_RMSNORM, norm
+            kind, aux = X_RMSNORM, norm
         else:
-            kind, aux = (L.X_SILU_MUL if silu_mul else L.X_PLAIN), _NO_AUX
+            kind, aux = (X_SILU_MUL if silu_mul else X_PLAIN), _NO_AUX
         eps = float(eps)
-        if x.shape[0] >= self.blas_min_rows or len(self.parts) > 1 and kind != L.X_PLAIN:
+        if x.shape[0] >= self.blas_min_rows or len(self.parts) > 1 and kind != X_PLAIN:
             # one transform for every part (or for BLAS), then plain products
-            if kind != L.X_PLAIN:
-                x, kind, aux = L.transform(x, kind, aux, eps), L.X_PLAIN, _NO_AUX
+            if kind != X_PLAIN:
+                x, kind, aux = transform(x, kind, aux, eps), X_PLAIN, _NO_AUX
             if x.shape[0] >= self.blas_min_rows:
                 self._blas(x, out, accumulate)
                 return
@@ -96,21 +78,21 @@ class CpuLinear:
         for p in self.parts:
             a = p.arrays
             if p.family == "q4" and self.int8:
-                L.matmul_q4_i8(x, a[0], a[1], out, p.col0, p.rows, accumulate, self.passes, kind, aux, eps)
+                mm.matmul_q4_i8(x, a[0], a[1], out, p.col0, p.rows, accumulate, self.passes, kind, aux, eps)
             elif p.family == "q8" and self.int8:
-                L.matmul_q8_i8(x, a[0], a[1], out, p.col0, p.rows, accumulate, self.passes, kind, aux, eps)
+                mm.matmul_q8_i8(x, a[0], a[1], out, p.col0, p.rows, accumulate, self.passes, kind, aux, eps)
             elif p.family in ("q4", "q8"):
-                L.matmul_quant_exact(x, a[0], a[1], out, p.col0, p.rows, accumulate, kind, aux, eps)
+                dq.matmul_quant_exact(x, a[0], a[1], out, p.col0, p.rows, accumulate, kind, aux, eps)
             else:
-                L.matmul_float(L.FLOAT_KIND[p.family], x, a[0], out, p.col0, p.rows, accumulate, kind, aux, eps)
+                mm.matmul_float(mm.FLOAT_KIND[p.family], x, a[0], out, p.col0, p.rows, accumulate, kind, aux, eps)
 
     def dequantize_t(self, wt: np.ndarray) -> None:
         """W.T as float32 [in, padded out] into wt (columns beyond out_features are padding)."""
         for p in self.parts:
             if p.family in ("q4", "q8"):
-                L.dequantize_quant_t(p.arrays[0], p.arrays[1], wt, p.col0)
+                dq.dequantize_quant_t(p.arrays[0], p.arrays[1], wt, p.col0)
             else:
-                L.dequantize_float_t(L.FLOAT_KIND[p.family], p.arrays[0], wt, p.col0)
+                dq.dequantize_float_t(mm.FLOAT_KIND[p.family], p.arrays[0], wt, p.col0)
 
     def dequantize_into(self, w: np.ndarray) -> None:
         """W as float32 [out, in]."""
@@ -118,7 +100,7 @@ class CpuLinear:
 
     def _dense_t(self) -> np.ndarray:
         # padded so that each part's tiles fit (parts start at multiples of 1, tiles write 16 columns)
-        wt = self._scratch.get(self.in_features, self.out_features + L.TILE * len(self.parts))
+        wt = self._scratch.get(self.in_features, self.out_features + TILE * len(self.parts))
         self.dequantize_t(wt)
         return wt
 
@@ -155,14 +137,21 @@ class CpuLinear:
             r = rows[sel] - p.col0
             if p.family in ("q4", "q8"):
                 tmp = np.empty((len(r), self.in_features), np.float32)
-                L.gather_quant(p.arrays[0], p.arrays[1], r, tmp)
+                dq.gather_quant(p.arrays[0], p.arrays[1], r, tmp)
                 out[sel] = tmp
             else:
-                out[sel] = L.gather_float(L.FLOAT_KIND[p.family], p.arrays[0], r)
+                out[sel] = dq.gather_float(mm.FLOAT_KIND[p.family], p.arrays[0], r)
         return out
 
 
+def _tiled_layout(t: QuantTensor) -> tuple[str, tuple]:
+    family, *arrays = repack(t)
+    return family, tuple(arrays)
+
+
 class CpuBackend:
+    """The backend contract (engine/backends/contract.py) on host arrays."""
+
     name = "cpu"
 
     def __init__(self, int8_activations: bool | None = None, int8_passes: int = 2):
@@ -170,11 +159,10 @@ class CpuBackend:
         the default where the CPU has AVX-512 VNNI) or exactly in float32 (False).
         int8_passes: 2 (default) rounds each activation block twice (~16 bits: logits match the float
         path to ~1e-5); 1 is llama.cpp's single int8 rounding, faster for batches and prefill but
-        measurably less exact on this model (logit cosine 0.991-0.998 against the float reference, and
-        0.46 at a position whose activations carry a huge outlier: two planes keep 0.99998 there)."""
+        measurably less exact (docs/notes-backends.md)."""
         if int8_passes not in (1, 2):
             raise ValueError(f"int8_passes must be 1 or 2, got {int8_passes!r}")
-        self.int8 = L.INT8_DEFAULT if int8_activations is None else bool(int8_activations)
+        self.int8 = INT8_DEFAULT if int8_activations is None else bool(int8_activations)
         self.int8_passes = int8_passes
         self._scratch = _Scratch()
 
@@ -199,8 +187,7 @@ class CpuBackend:
     def share_cpu(self, sharing: bool) -> None:
         """Kernels launched from the calling thread (numba's thread count is per launching thread)
         leave one core free while `sharing`: with every core busy, a parallel kernel whose thread was
-        descheduled by other work (a model loading beside this one) waits at each barrier for it,
-        and 4 ms decode steps took 130-170 ms."""
+        descheduled by other work (a model loading beside this one) waits at each barrier for it."""
         total = numba.config.NUMBA_NUM_THREADS
         numba.set_num_threads(max(1, total - 1) if sharing else total)
 
@@ -218,8 +205,8 @@ class CpuBackend:
     def rmsnorm(self, x, w, eps, out) -> None:
         ops.rmsnorm(x, w, eps, out)
 
-    def matmul(self, x, w: CpuLinear, out, accumulate: bool = False) -> None:
-        w(x, out, accumulate)
+    def matmul(self, x, lin: CpuLinear, out, accumulate: bool = False) -> None:
+        lin(x, out, accumulate)
 
     def rope_store_kv(self, qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads):
         ops.rope_store_kv(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
@@ -253,4 +240,4 @@ class CpuBackend:
         return sample(logits, batch)
 
     def rope_tables(self, max_position, head_dim, theta):
-        return ops.rope_tables(max_position, head_dim, theta)
+        return rope_tables(max_position, head_dim, theta)

@@ -1,10 +1,9 @@
 """Every decoder layer of a step in one kernel call, for models whose layers share one weight layout.
 
-The forward pass calls five kernels per layer (models/llama.py). From Python each call costs a few
-microseconds of interpreter and dispatch on top of the kernel's own parallel launch; a decode step of
-a 30-layer model makes 150 of them, which is a tenth of SmolLM2's batch-1 step on 2 cores. Here one
-@njit function runs the same kernels, in the same order, on the same arrays: the logits are the same
-bit for bit, and the per-call cost is the launch alone.
+The forward pass calls five kernels per layer (models/llama.py), and from Python each call costs
+interpreter and dispatch time on top of the kernel's own launch. Here one @njit function runs the same
+kernels, in the same order, on the same arrays: the logits are the same bit for bit, and the per-call
+cost is the launch alone.
 
 It needs each slot (q|k|v, o, gate|up, down) to be one q4/q8 matrix of the same shape in every
 layer, multiplied on int8 activations (the same number of passes everywhere), so that the slot's
@@ -19,8 +18,11 @@ import numpy as np
 from numba import njit
 from numba.core.errors import NumbaPerformanceWarning
 
-from engine.backends import cpu_linear as L
+from engine.backends import cpu_int8, cpu_matmul, cpu_simd, cpu_transforms
 from engine.backends import cpu_ops as ops
+from engine.backends.cpu_cache import flush_stale_caches
+from engine.backends.cpu_matmul import matmul_q4_i8, matmul_q8_i8
+from engine.backends.cpu_transforms import X_PLAIN, X_RMSNORM, X_SILU_MUL
 
 
 # parallel=True below although these functions have no parallel loop of their own: they call parallel
@@ -34,9 +36,9 @@ warnings.filterwarnings("ignore", message=r"(?s).*'parallel=True' was specified 
 @njit(cache=True, parallel=True)
 def _linear(x, qs, sc, out, n_out, accumulate, passes, kind, aux, eps):
     if qs.shape[2] == 4:   # 4 lanes of bytes per 32-block: q4; 8: q8
-        L.matmul_q4_i8(x, qs, sc, out, 0, n_out, accumulate, passes, kind, aux, eps)
+        matmul_q4_i8(x, qs, sc, out, 0, n_out, accumulate, passes, kind, aux, eps)
     else:
-        L.matmul_q8_i8(x, qs, sc, out, 0, n_out, accumulate, passes, kind, aux, eps)
+        matmul_q8_i8(x, qs, sc, out, 0, n_out, accumulate, passes, kind, aux, eps)
 
 
 @njit(cache=True, parallel=True)
@@ -47,16 +49,15 @@ def run_layers(h, qkv, attn, gate_up, positions, cos, sin, k_cache, v_cache, slo
     caches [layer, ...]. rows: the output sizes of the four slots; *_qs, *_sc: each slot's matrices
     stacked over the layers; warm_a, warm_b: [layer] bytes of o (rope_attention warms them).
     It keeps the GIL for the step: released, the node's other Python threads (token streams, request
-    parsing) ran during the step and took the two cores from the kernels' threads (bench_batching at
-    16 sequences: 600 tok/s instead of 710); they run between steps instead."""
+    parsing) ran during the step and took the cores from the kernels' threads; they run between steps."""
     no_aux = attn_norm[0, :1]   # the aux argument of a product without a fused transform (unused)
     for i in range(attn_norm.shape[0]):
-        _linear(h, qkv_qs[i], qkv_sc[i], qkv, rows[0], False, passes, L.X_RMSNORM, attn_norm[i], eps)
+        _linear(h, qkv_qs[i], qkv_sc[i], qkv, rows[0], False, passes, X_RMSNORM, attn_norm[i], eps)
         ops.rope_attention(qkv, positions, cos, sin, k_cache[i], v_cache[i], slot_mapping, block_tables, token_seq,
                            num_heads, num_kv_heads, scale, attn, warm_a[i], warm_b[i])
-        _linear(attn, o_qs[i], o_sc[i], h, rows[1], True, passes, L.X_PLAIN, no_aux, eps)
-        _linear(h, gu_qs[i], gu_sc[i], gate_up, rows[2], False, passes, L.X_RMSNORM, ffn_norm[i], eps)
-        _linear(gate_up, down_qs[i], down_sc[i], h, rows[3], True, passes, L.X_SILU_MUL, no_aux, eps)
+        _linear(attn, o_qs[i], o_sc[i], h, rows[1], True, passes, X_PLAIN, no_aux, eps)
+        _linear(h, gu_qs[i], gu_sc[i], gate_up, rows[2], False, passes, X_RMSNORM, ffn_norm[i], eps)
+        _linear(gate_up, down_qs[i], down_sc[i], h, rows[3], True, passes, X_SILU_MUL, no_aux, eps)
 
 
 class LayerStack:
@@ -107,4 +108,5 @@ class LayerStack:
                    a["o"][1], a["gate_up"][0], a["gate_up"][1], a["down"][0], a["down"][1], *self.o_warm)
 
 
-L.flush_stale_caches(globals(), "cpu_layers", L.__file__, ops.__file__)
+flush_stale_caches(globals(), "cpu_layers", cpu_simd.__file__, cpu_int8.__file__, cpu_transforms.__file__,
+                   cpu_matmul.__file__, ops.__file__)

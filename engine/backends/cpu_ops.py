@@ -1,6 +1,6 @@
 """Non-matmul ops of the forward pass as numba kernels for the CPU (layouts: tests/reference.py).
 
-They use the 16-lane SIMD values of cpu_linear (accumulators in registers, a vector exp), with scalar
+They use the 16-lane SIMD values of cpu_simd (accumulators in registers, a vector exp), with scalar
 tails for sizes that are not multiples of 16.
 """
 from __future__ import annotations
@@ -8,9 +8,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from engine.backends import cpu_linear as _L
-from engine.backends.cpu_linear import (
-    F, U, addr, ld_f, ld_i64, st_f, vadd, vbcast_f, vdiv, vexp, vfma, vhmax, vload_f, vmax, vmul, vstore_f, vsub, vsum, vzero_f, vpairsum1, vpairsum2, vpairsum4, vpairsum8,
+from engine.backends import cpu_simd, cpu_transforms
+from engine.backends.cpu_cache import flush_stale_caches
+from engine.backends.cpu_simd import (
+    F, U, addr, ld_f, ld_i64, st_f, vadd, vbcast_f, vexp, vfma, vhmax, vload_f, vmax, vmul, vpairsum1, vpairsum2,
+    vpairsum4, vpairsum8, vstore_f, vsub, vsum, vzero_f,
 )
 
 _NOTHING = np.zeros(0, np.uint8)
@@ -25,7 +27,7 @@ def rmsnorm(x, w, eps, out):
     """out[t] = x[t] / rms(x[t]) * w."""
     d = x.shape[1]
     for t in range(x.shape[0]):
-        _L.rmsnorm_row(addr(x), U(t) * U(d), addr(w), d, eps, addr(out), U(t) * U(d))
+        cpu_transforms.rmsnorm_row(addr(x), U(t) * U(d), addr(w), d, eps, addr(out), U(t) * U(d))
 
 
 @njit(cache=True, nogil=True, fastmath=True, inline="always")
@@ -86,7 +88,7 @@ def _attend_items(c, stride, qkv, k_cache, v_cache, block_tables, positions, tok
                   scale, out, scores, o):
     """Items c, c + stride, ... of the (token, kv head) grid: the `group` query heads sharing kv head kvh
     attend over the token's positions 0..positions[t] through its sequence's block table.
-    Needs head_dim % 16 == 0. (Raw addresses in the loops: see cpu_linear's note on reference counts.)"""
+    Needs head_dim % 16 == 0. (Raw addresses in the loops: see cpu_int8's note on reference counts.)"""
     bs, dh = k_cache.shape[1], k_cache.shape[3]
     group = num_heads // num_kv_heads
     nitems = qkv.shape[0] * num_kv_heads
@@ -267,7 +269,7 @@ def _paged_attention(qkv, k_cache, v_cache, block_tables, positions, token_seq, 
 def _attend(c, stride, qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads,
             scale, out, max_n):
     """The scratch lives here, not in the items functions: they use it only through raw addresses,
-    which would not keep it alive (see cpu_linear.addr)."""
+    which would not keep it alive (see cpu_simd.addr)."""
     group = num_heads // num_kv_heads
     sld = max_n + 16  # scores padded to a multiple of 16, plus a slot for 1 / sum
     scores = np.empty(group * sld, np.float32)
@@ -349,14 +351,7 @@ def silu_mul(gate_up, out):
     """out = silu(gate) * up, with gate_up = [gate | up]."""
     f = out.shape[1]
     for t in range(gate_up.shape[0]):
-        _L.silu_mul_row(addr(gate_up), U(t) * U(2 * f), f, addr(out), U(t) * U(f))
+        cpu_transforms.silu_mul_row(addr(gate_up), U(t) * U(2 * f), f, addr(out), U(t) * U(f))
 
 
-def rope_tables(max_position: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin [max_position, head_dim/2] float32, computed in float64."""
-    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-    ang = np.arange(max_position, dtype=np.float64)[:, None] * inv_freq[None, :]
-    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
-
-
-_L.flush_stale_caches(globals(), "cpu_ops", _L.__file__)
+flush_stale_caches(globals(), "cpu_ops", cpu_simd.__file__, cpu_transforms.__file__)

@@ -1,0 +1,188 @@
+"""Matrix products on weights kept in their stored, tiled format (cpu_repack), as numba kernels for the CPU.
+
+Two ways to multiply quantized weights:
+  int8 (default where the CPU has AVX-512 VNNI): x rounded to int8 on the fly (cpu_int8), vpdpbusd dots.
+  float (exact; the fallback without VNNI, or CpuLinear(int8=False)): each tile dequantized to float32
+     in a small scratch, then the float kernel (cpu_dequant.matmul_quant_exact).
+Float formats always use the float kernels here (4 rows x 16 outputs of accumulators in registers).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from engine.backends import cpu_int8, cpu_simd, cpu_transforms
+from engine.backends.cpu_cache import flush_stale_caches
+from engine.backends.cpu_int8 import q4_tile_i8, q8_tile_i8, quantize_row
+from engine.backends.cpu_simd import (
+    U, addr, ld_f, st_f, vadd, vbcast_f, vfma, vget, vload_bf, vload_f, vload_h, vstore_f, vzero_f,
+)
+from engine.backends.cpu_transforms import transformed
+from models.quant import QK
+
+
+@njit(cache=True, fastmath=True)
+def store_tile_row(op, ld, i, col, acc, rn, accumulate):
+    """out[i, col : col + rn] (+)= acc[:rn] for out (float32 at op) with row length ld."""
+    o = i * U(ld) + U(col)
+    if rn == 16:
+        if accumulate:
+            vstore_f(op, o, vadd(vload_f(op, o), acc))
+        else:
+            vstore_f(op, o, acc)
+    else:
+        for r in range(rn):
+            v = vget(acc, r)
+            if accumulate:
+                v += ld_f(op, o + U(r))
+            st_f(op, o + U(r), v)
+
+
+@njit(cache=True, fastmath=True)
+def float_tile(wp, kind, xp, k, t, i0, nrows):
+    """kind 0: float32 weights, 1: f16, 2: bf16 ([nt, K, 16] at wp); x float32 at xp."""
+    a0 = vzero_f()
+    a1 = vzero_f()
+    a2 = vzero_f()
+    a3 = vzero_f()
+    base = t * U(k) * U(16)
+    x0 = i0 * U(k)
+    for j in range(U(k)):
+        if kind == 0:
+            w = vload_f(wp, base + j * U(16))
+        elif kind == 1:
+            w = vload_h(wp, base + j * U(16))
+        else:
+            w = vload_bf(wp, base + j * U(16))
+        a0 = vfma(w, vbcast_f(ld_f(xp, x0 + j)), a0)
+        if nrows == 4:
+            a1 = vfma(w, vbcast_f(ld_f(xp, x0 + U(k) + j)), a1)
+            a2 = vfma(w, vbcast_f(ld_f(xp, x0 + U(2 * k) + j)), a2)
+            a3 = vfma(w, vbcast_f(ld_f(xp, x0 + U(3 * k) + j)), a3)
+    return a0, a1, a2, a3
+
+
+# Each public kernel is a parallel loop over row tiles whose body is one call of a plain compiled
+# function (`_rows_*`): a small parallel body keeps numba's compile time down (with the whole tile
+# loop inlined into it, numba's parfor passes took tens of seconds per kernel).
+@njit(cache=True, fastmath=True)
+def _quantize_x_row(x, i, passes, xq, xd, xs):
+    k = x.shape[1]
+    quantize_row(addr(x), U(i) * U(k), k, addr(xq), addr(xd), addr(xs), U(i), k // QK, passes)
+
+
+@njit(cache=True, fastmath=True, inline="always")
+def _prepare(x, passes):
+    """x [M, K] -> int8 planes xq ([M, passes, K]), block scales xd and sums xs [M, nb];
+    rows in parallel when there are many."""
+    m, k = x.shape
+    nb = k // QK
+    xq = np.empty((m, passes, k), np.int8)
+    xd = np.empty((m, nb), np.float32)
+    xs = np.empty((m, nb), np.float32)
+    if m >= 16:
+        for i in prange(m):
+            _quantize_x_row(x, i, passes, xq, xd, xs)
+    else:
+        for i in range(m):
+            _quantize_x_row(x, i, passes, xq, xd, xs)
+    return xq, xd, xs
+
+
+@njit(cache=True, fastmath=True)
+def quantize_activations(x, passes=1):
+    """The int8 form of x [M, K] that the int8 kernels use: xq [M, passes, K] int8, xd and xs [M, nb];
+    per 32-block x ~ xq[:, 0] * xd (passes 1) or (256 * xq[:, 0] + xq[:, 1]) * xd (passes 2).
+    For tests and tools; the kernels quantize on the fly."""
+    m, k = x.shape
+    nb = k // QK
+    xq = np.empty((m, passes, k), np.int8)
+    xd = np.empty((m, nb), np.float32)
+    xs = np.empty((m, nb), np.float32)
+    for i in range(m):
+        _quantize_x_row(x, i, passes, xq, xd, xs)
+    return xq, xd, xs
+
+
+@njit(cache=True, fastmath=True, inline="always")
+def _rows_i8(is_q4, qs, sc, xq, xd, xs, t, out, col, rn, accumulate):
+    """Tile t against every row of x: 4 rows at a time (4 x 16 accumulators in registers), then the rest."""
+    m, passes, k = xq.shape
+    nb, ns, ld = qs.shape[1], sc.shape[2], out.shape[1]
+    qp, sp, xqp, xdp, xsp, op = addr(qs), addr(sc), addr(xq), addr(xd), addr(xs), addr(out)
+    m4 = m - m % 4
+    for i0 in range(0, m4, 4):
+        i = U(i0)
+        if is_q4:
+            a0, a1, a2, a3 = q4_tile_i8(qp, sp, ns, xqp, xdp, xsp, k, passes, t, nb, i, 4)
+        else:
+            a0, a1, a2, a3 = q8_tile_i8(qp, sp, xqp, xdp, xsp, k, passes, t, nb, i, 4)
+        store_tile_row(op, ld, i, col, a0, rn, accumulate)
+        store_tile_row(op, ld, i + U(1), col, a1, rn, accumulate)
+        store_tile_row(op, ld, i + U(2), col, a2, rn, accumulate)
+        store_tile_row(op, ld, i + U(3), col, a3, rn, accumulate)
+    for i0 in range(m4, m):
+        if is_q4:
+            a0, a1, a2, a3 = q4_tile_i8(qp, sp, ns, xqp, xdp, xsp, k, passes, t, nb, U(i0), 1)
+        else:
+            a0, a1, a2, a3 = q8_tile_i8(qp, sp, xqp, xdp, xsp, k, passes, t, nb, U(i0), 1)
+        store_tile_row(op, ld, U(i0), col, a0, rn, accumulate)
+
+
+@njit(cache=True, fastmath=True)
+def _rows_q4_i8(qs, sc, xq, xd, xs, t, out, col, rn, accumulate):
+    _rows_i8(True, qs, sc, xq, xd, xs, t, out, col, rn, accumulate)
+
+
+@njit(cache=True, fastmath=True)
+def _rows_q8_i8(qs, sc, xq, xd, xs, t, out, col, rn, accumulate):
+    _rows_i8(False, qs, sc, xq, xd, xs, t, out, col, rn, accumulate)
+
+
+@njit(cache=True, fastmath=True)
+def rows_float(kind, w, wp, x, t, out, col, rn, accumulate):
+    """Tile t of a float matrix (at wp: [nt, K, 16]; w keeps it alive) against every row of x."""
+    m, k = x.shape
+    xp, op, ld = addr(x), addr(out), out.shape[1]
+    m4 = m - m % 4
+    for i0 in range(0, m4, 4):
+        i = U(i0)
+        a0, a1, a2, a3 = float_tile(wp, kind, xp, k, t, i, 4)
+        store_tile_row(op, ld, i, col, a0, rn, accumulate)
+        store_tile_row(op, ld, i + U(1), col, a1, rn, accumulate)
+        store_tile_row(op, ld, i + U(2), col, a2, rn, accumulate)
+        store_tile_row(op, ld, i + U(3), col, a3, rn, accumulate)
+    for i0 in range(m4, m):
+        a0, a1, a2, a3 = float_tile(wp, kind, xp, k, t, U(i0), 1)
+        store_tile_row(op, ld, U(i0), col, a0, rn, accumulate)
+
+
+# Public kernels: out[:, col0 : col0 + n_out] (+)= x @ W.T for one tiled matrix (x [M, K] and out
+# C-contiguous float32; qs, sc / w: the arrays of `repack`). One parallel loop over row tiles.
+@njit(cache=True, parallel=True, fastmath=True)
+def matmul_q4_i8(x, qs, sc, out, col0, n_out, accumulate, passes, kind, aux, eps):
+    xq, xd, xs = _prepare(transformed(x, kind, aux, eps), passes)
+    for ti in prange(qs.shape[0]):
+        _rows_q4_i8(qs, sc, xq, xd, xs, U(ti), out, col0 + ti * 16, min(16, n_out - ti * 16), accumulate)
+
+
+@njit(cache=True, parallel=True, fastmath=True)
+def matmul_q8_i8(x, qs, sc, out, col0, n_out, accumulate, passes, kind, aux, eps):
+    xq, xd, xs = _prepare(transformed(x, kind, aux, eps), passes)
+    for ti in prange(qs.shape[0]):
+        _rows_q8_i8(qs, sc, xq, xd, xs, U(ti), out, col0 + ti * 16, min(16, n_out - ti * 16), accumulate)
+
+
+@njit(cache=True, parallel=True, fastmath=True)
+def matmul_float(wkind, x, w, out, col0, n_out, accumulate, kind, aux, eps):
+    """Float weights w [nt, K, 16]: wkind 0 float32, 1 f16, 2 bf16 (w uint16 for both)."""
+    wp = addr(w)
+    xt = transformed(x, kind, aux, eps)
+    for ti in prange(w.shape[0]):
+        rows_float(wkind, w, wp, xt, U(ti), out, col0 + ti * 16, min(16, n_out - ti * 16), accumulate)
+
+
+FLOAT_KIND = {"f32": 0, "f16": 1, "bf16": 2}
+
+
+flush_stale_caches(globals(), "cpu_matmul", cpu_simd.__file__, cpu_int8.__file__, cpu_transforms.__file__)
