@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any, Mapping
 from urllib.parse import urlparse
 
-from app.priority import LatencyClass
+from engine.protocol import LatencyClass
+
 
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "config" / "default.toml"
 QUANTIZATIONS = ("q4_0", "q4_1", "q8_0", "f16", "bf16", "f32")
@@ -276,9 +277,9 @@ def _build(data: Mapping[str, Any]) -> GatewayConfig:
         tier_name = o.pop("tier", None)
         _require(tier_name in tiers, f"orgs.{org_id}.tier: unknown tier {tier_name!r}")
         tier = tiers[tier_name]
-        max_cls = _latency(o.pop("max_latency_class", tier.max_latency_class.value),
+        max_cls = _latency(o.pop("max_latency_class", tier.max_latency_class.label),
                            f"orgs.{org_id}.max_latency_class")
-        default_cls = _latency(o.pop("default_latency_class", tier.default_latency_class.value),
+        default_cls = _latency(o.pop("default_latency_class", tier.default_latency_class.label),
                                f"orgs.{org_id}.default_latency_class")
         _require(not o, f"[orgs.{org_id}] unknown keys: {sorted(o)}")
         orgs[org_id] = OrgConfig(org_id, tier_name, max_cls, default_cls)

@@ -29,7 +29,7 @@ import redis
 from flask import Flask, Response, g, request
 
 from app.config import GatewayConfig, LimitsConfig, TierConfig
-from app.errors import APIError
+from engine.protocol import APIError
 
 log = logging.getLogger("zen.gateway")
 EXTENSION_KEY = "zen.tokens"

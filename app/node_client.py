@@ -21,17 +21,13 @@ import time
 from typing import Callable, Iterator
 from urllib.parse import urlsplit
 
-from app.errors import APIError
 from app.inference import InferenceRequest
 from app.router import TRANSPORT_ERRORS, NodePool
+from engine.protocol import REQUEST_ID_HEADER, SECRET_HEADER, APIError, ClientGone
 
 log = logging.getLogger("zen.gateway")
 
 CLIENT_CHECK_S = 0.2   # how often a request that collects a JSON answer checks that its client is still there
-
-
-class ClientGone(Exception):
-    """The gateway's own client closed its connection; the upstream request was closed too."""
 
 
 class NodeStreamError(Exception):
@@ -52,8 +48,8 @@ class NodeStream:
         self._on_sent = on_sent
         self._req = req
         self._candidates = iter(candidates[: client.config.max_attempts])
-        self._body = json.dumps(dict(req.to_node_payload(), stream=True)).encode()
-        self._headers = {"X-Node-Secret": client.config.secret, "X-Request-Id": req.node_request_id,
+        self._body = json.dumps(req.generate_request(stream=True).to_json()).encode()
+        self._headers = {SECRET_HEADER: client.config.secret, REQUEST_ID_HEADER: req.node_request_id,
                          "Accept": "text/event-stream", "Content-Type": "application/json"}
         self._retry_after = 1
         self._last = "no node answered"

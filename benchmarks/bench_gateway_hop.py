@@ -48,7 +48,7 @@ MODEL_ID, QUANTIZATION, ALIAS = "SmolLM2-135M-Instruct", "q4_1", "zen-small"
 def create_standin() -> "flask.Flask":  # noqa: F821
     """The stand-in node's app (gunicorn `benchmarks.bench_gateway_hop:create_standin()`); its compute time
     per request comes from $HOP_COMPUTE_MS, its secret from $NODE_SECRET."""
-    from engine.server import openmp_defaults
+    from engine.node.serve import openmp_defaults
     openmp_defaults(os.environ)   # as the node: before libgomp is loaded
     import numpy as np
     from flask import Flask, Response, abort, request

@@ -12,7 +12,7 @@ import pytest
 
 from app import close_app, create_app
 from app.config import LimitsConfig, TierConfig
-from app.errors import APIError
+from engine.protocol import APIError
 from app.limits import (REQUESTS_KEY, MemoryTokenBuckets, RedisTokenBuckets, SweptMemoryStorage,
                         TokenLimiter, format_duration, refill)
 from tests.test_gateway_support import (METRICS_HEADERS, bearer, free_port, make_config, node,  # noqa: F401

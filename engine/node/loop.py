@@ -13,7 +13,7 @@ import time
 from collections import deque
 
 from engine.engine import Engine, RequestError, SequenceDelta
-from engine.request import InferenceRequest
+from engine.request import EngineRequest
 
 log = logging.getLogger("engine.loop")
 
@@ -64,7 +64,7 @@ class HandOff:
 class RequestStream:
     """The deltas of one request as the loop produces them; iterate, or call next_delta(timeout)."""
 
-    def __init__(self, loop: "EngineLoop", request: InferenceRequest):
+    def __init__(self, loop: "EngineLoop", request: EngineRequest):
         self.loop = loop
         self.request = request
         self.num_sequences = request.sampling.n
@@ -144,7 +144,7 @@ class EngineLoop:
         self._thread.add(self)
 
     # ---- any thread
-    def submit(self, request: InferenceRequest) -> RequestStream:
+    def submit(self, request: EngineRequest) -> RequestStream:
         """Validate now (RequestError to the caller), then queue for the loop."""
         if self.failed is not None:
             raise RuntimeError(f"the engine loop has failed: {self.failed}")
