@@ -1,8 +1,9 @@
 """Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
 
 Views raise `APIError` (engine/protocol.py, shared with the node); the handlers registered here
-turn it, werkzeug's HTTP errors and anything unexpected into that shape. A client never sees a stack trace: an unexpected
-exception is logged with its traceback and answered with a 500 that names the request id.
+turn it, werkzeug's HTTP errors and anything unexpected into that shape. A client never sees a
+stack trace: an unexpected exception is logged with its traceback and answered with a 500 that
+names the request id.
 """
 from __future__ import annotations
 

@@ -98,8 +98,8 @@ class NodeConfig:
         return EngineConfig(
             model=spec.path, model_id=spec.id, quantization=convert_to, backend=self.backend,
             block_size=self.block_size, kv_cache_bytes=self.kv_cache_bytes, max_model_len=self.max_model_len,
-            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                                      max_waiting=self.max_waiting))
+            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs, max_waiting=self.max_waiting,
+                                      max_num_batched_tokens=self.max_num_batched_tokens))
 
     @staticmethod
     def secret_from_env(name: str = "NODE_SECRET") -> str:

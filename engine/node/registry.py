@@ -142,7 +142,8 @@ class ModelRegistry:
         label, convert_to = self.resolve(model_id, quantization)
         if (model_id, label) in self._exact_bytes:
             return self._exact_bytes[(model_id, label)]
-        return self.info(model_id).weight_bytes(convert_to) + self.engine_config(self.spec(model_id), convert_to).kv_cache_bytes
+        kv_cache_bytes = self.engine_config(self.spec(model_id), convert_to).kv_cache_bytes
+        return self.info(model_id).weight_bytes(convert_to) + kv_cache_bytes
 
     # ---- leases
     def _find_locked(self, model_id: str, quantization: str | None) -> ResidentModel | None:
@@ -282,10 +283,7 @@ class ModelRegistry:
             if closed:
                 loop.stop()
                 return
-            # Everything alive now (modules, numba's compiled code, the model) lives until an eviction:
-            # out of the cyclic GC's full collections, which otherwise walk it all while holding the
-            # GIL (60-70 ms with SmolLM2 loaded) and stall every model's token streams; the next
-            # load's many short-lived objects trigger such collections.
+            # What is alive now lives until an eviction: kept out of full GC passes, which stall every stream.
             gc.freeze()
             log.info("model loaded", extra={"event": "model_loaded", "model": spec.id, "quantization": label,
                                             "load_time_s": round(seconds, 3), "bytes": m.bytes})
@@ -305,8 +303,7 @@ class ModelRegistry:
         """Start-up: load the named models (all of them must fit), or by default the listed models in
         order while each fits without evicting another."""
         for spec in self.specs.values():
-            # Tokenizers are built here, once: building one holds the GIL for a few hundred ms, which a
-            # later cold load must not do beside other models' running streams.
+            # Built once here: building one holds the GIL, which a later cold load must not do beside streams.
             try:
                 load_tokenizer(spec.path)
             except Exception:  # an unloadable model reports its error when it is loaded

@@ -13,7 +13,7 @@ from engine.node.app import create_app
 from engine.node.config import NodeConfig
 from engine.protocol import JsonFormatter
 
-OPENMP_SPINCOUNT = "30000"      # libgomp's 300,000 kept a core spinning ~8 ms after a burst's last step
+OPENMP_SPINCOUNT = "30000"      # libgomp's default kept a core spinning, taken from the gateway, after each burst
 OPENMP_PROC_BIND = "close"      # an unbound kernel thread moved to a busy core stalls the whole parallel region
 
 

@@ -12,7 +12,7 @@ from engine.engine import RequestError
 from engine.node.generation import Generation, SSEBody, collect, request_error, tokenize, unavailable
 from engine.node.node import Node
 from engine.node.registry import ModelBusy, ModelNotFound, ModelUnavailable
-from engine.protocol import APIError, GenerateRequest, optional_str, bad_value
+from engine.protocol import APIError, GenerateRequest, bad_value, optional_str
 from engine.request import EngineRequest
 from models.inspect import check_quantization
 
