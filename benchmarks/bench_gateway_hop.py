@@ -69,7 +69,7 @@ def create_standin() -> "flask.Flask":  # noqa: F821
     def compute_thread() -> None:
         # Every parallel loop is launched from this one thread, as the node's step thread launches its
         # kernels: libgomp gives each launching thread a team of its own, and with more teams' threads
-        # than cores it stops spinning between regions (engine/loop.py, StepThread).
+        # than cores it stops spinning between regions (engine/node/loop.py, StepThread).
         compute(1000, out)
         t0 = time.perf_counter()
         compute(2_000_000, out)

@@ -4,7 +4,7 @@
                                                [--rounds 2] [--out bench-results/resident-models.json]
 
 Two engines of the default model (in two weight formats, as a node holds them for two aliases) each
-get an EngineLoop, as engine/registry.py makes them: either each on a thread of its own (how the node
+get an EngineLoop, as engine/node/registry.py makes them: either each on a thread of its own (how the node
 did it before) or both on one StepThread (how it does now). Both models first answer one request, so
 that each stepping thread has launched parallel kernels. Then, timed: requests to the first model alone
 (its decode tokens/s while the other sits idle), and one request to each model at once (aggregate
