@@ -12,18 +12,20 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flask import Response, jsonify
 
 from engine.engine import RequestError
 from engine.node.admission import Ticket
 from engine.node.metrics import FinishedSequence
-from engine.node.node import Node
 from engine.node.registry import ResidentModel
 from engine.protocol import (APIError, ClientGone, GenerateRequest, bad_value, client_gone,
                              stream_error_event)
 from engine.request import EngineRequest
+
+if TYPE_CHECKING:
+    from engine.node.node import Node
 
 log = logging.getLogger("engine.node")
 
@@ -33,6 +35,10 @@ HEARTBEAT_S = 1.0                          # a stream without tokens this long s
 
 def unavailable(message: str, code: str, retry_after: int = 1) -> APIError:
     return APIError(503, message, code=code, headers={"Retry-After": str(max(1, int(retry_after)))})
+
+
+def model_not_found(e: LookupError) -> APIError:
+    return APIError(404, str(e), param="model", code="model_not_found")
 
 
 def tokenize(call: GenerateRequest, m: ResidentModel) -> tuple[list[int], str | None]:
@@ -66,7 +72,7 @@ class Choice:
 class Generation:
     """One submitted request: reads its deltas, keeps what the answer needs, and cleans up once."""
 
-    def __init__(self, node: Node, m: ResidentModel, call: GenerateRequest, req: EngineRequest, stream,
+    def __init__(self, node: "Node", m: ResidentModel, call: GenerateRequest, req: EngineRequest, stream,
                  ticket: Ticket, sock):
         self.node, self.m, self.call, self.req, self.stream = node, m, call, req, stream
         self.ticket, self.sock = ticket, sock

@@ -1,16 +1,20 @@
-"""Node: everything the node's app serves from (config, registry, metrics, telemetry, admission, state)."""
+"""Node: what the node's app serves from (config, registry, metrics, telemetry, admission, state), and
+the one path of a generation: model, admission, the model's engine loop."""
 from __future__ import annotations
 
 import logging
 import threading
 import time
 
+from engine.engine import RequestError
 from engine.node.admission import Admission
 from engine.node.config import NodeConfig
+from engine.node.generation import Generation, model_not_found, request_error, tokenize, unavailable
 from engine.node.metrics import ModelSnapshot, NodeMetrics, NodeSnapshot
-from engine.node.registry import ModelRegistry, ResidentModel
+from engine.node.registry import ModelNotFound, ModelRegistry, ModelUnavailable, ResidentModel
 from engine.node.telemetry import Telemetry, host_memory_available
-from engine.protocol import AcceleratorState, MemoryState, ModelState, NodeState, QueueState
+from engine.protocol import AcceleratorState, GenerateRequest, MemoryState, ModelState, NodeState, QueueState
+from engine.request import EngineRequest
 
 log = logging.getLogger("engine.node")
 
@@ -64,6 +68,42 @@ class Node:
     def healthy(self) -> bool:
         return self.ready.is_set() and not self.closing and all(
             m.loop.failed is None for m in self.registry.resident())
+
+    def submit(self, call: GenerateRequest, received: float, sock) -> Generation:
+        """Find the model (loading it if needed), admit the request, and hand it to the model's loop;
+        `sock` is the client's socket, watched so that a client that leaves cancels its request."""
+        try:
+            self.registry.spec(call.model)
+        except ModelNotFound as e:
+            raise model_not_found(e) from None
+        if self.admission.would_refuse(call.sampling.n):   # before any cold load
+            raise unavailable("the node's waiting queue is full", "queue_full")
+        try:
+            m = self.registry.acquire(call.model, call.quantization, self.config.load_wait_s)
+        except ModelUnavailable as e:
+            raise unavailable(str(e), e.code, e.retry_after) from None
+        handed_over = False
+        try:
+            ids, text = tokenize(call, m)
+            req = EngineRequest(call.request_id, m.id, ids, call.sampling, call.latency_class, call.org,
+                                arrival_time=received, queue_timeout_s=call.queue_timeout_s, prompt_text=text)
+            ticket = self.admission.admit(m.key, call.sampling.n)
+            if ticket is None:
+                raise unavailable("the node's waiting queue is full", "queue_full")
+            try:
+                stream = m.loop.submit(req)
+            except RequestError as e:
+                ticket.close()
+                raise request_error(e) from None
+            except RuntimeError as e:   # the model's loop has failed
+                ticket.close()
+                raise unavailable(str(e), "engine_failure", 5) from None
+            gen = Generation(self, m, call, req, stream, ticket, sock)
+            handed_over = True   # the Generation releases the model when it closes
+            return gen
+        finally:
+            if not handed_over:
+                self.registry.release(m)
 
     # ---- state
     def snapshot(self) -> NodeSnapshot:

@@ -8,12 +8,10 @@ from typing import Any
 from flask import Blueprint, Response, current_app, g, jsonify, request
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from engine.engine import RequestError
-from engine.node.generation import Generation, SSEBody, collect, request_error, tokenize, unavailable
+from engine.node.generation import SSEBody, collect, model_not_found, unavailable
 from engine.node.node import Node
 from engine.node.registry import ModelBusy, ModelNotFound, ModelUnavailable
 from engine.protocol import APIError, GenerateRequest, bad_value, optional_str
-from engine.request import EngineRequest
 from models.inspect import check_quantization
 
 bp = Blueprint("node", __name__)
@@ -80,10 +78,6 @@ def _model_body() -> tuple[str, str | None]:
     return model, quant
 
 
-def _not_found(e: ModelNotFound) -> APIError:
-    return APIError(404, str(e), param="model", code="model_not_found")
-
-
 @bp.post("/v1/models/load")
 def load_model():
     n = the_node()
@@ -91,7 +85,7 @@ def load_model():
     try:
         m = n.registry.load(model, quant, n.config.load_wait_s)
     except ModelNotFound as e:
-        raise _not_found(e) from None
+        raise model_not_found(e) from None
     except ModelUnavailable as e:
         raise unavailable(str(e), e.code, e.retry_after) from None
     return jsonify({"status": "loaded", "model": m.id, "quantization": m.quantization, "bytes": m.bytes,
@@ -105,7 +99,7 @@ def unload_model():
     try:
         gone = n.registry.unload(model, quant)
     except ModelNotFound as e:
-        raise _not_found(e) from None
+        raise model_not_found(e) from None
     except ModelBusy as e:
         raise APIError(409, str(e), param="model", code="model_busy") from None
     if not gone:
@@ -116,43 +110,11 @@ def unload_model():
 
 @bp.post("/v1/generate")
 def generate():
-    """Validate, find the model (loading it if needed), admit, submit to its loop, then answer."""
-    n = the_node()
     received = time.monotonic()
     call = GenerateRequest.from_json(json_body(), check_quantization)
     g.request_id = call.request_id
-    try:
-        n.registry.spec(call.model)
-    except ModelNotFound as e:
-        raise _not_found(e) from None
-    if n.admission.would_refuse(call.sampling.n):   # before any cold load
-        raise unavailable("the node's waiting queue is full", "queue_full")
-    try:
-        m = n.registry.acquire(call.model, call.quantization, n.config.load_wait_s)
-    except ModelUnavailable as e:
-        raise unavailable(str(e), e.code, e.retry_after) from None
-    handed_over = False
-    try:
-        ids, text = tokenize(call, m)
-        req = EngineRequest(call.request_id, m.id, ids, call.sampling, call.latency_class, call.org,
-                            arrival_time=received, queue_timeout_s=call.queue_timeout_s, prompt_text=text)
-        ticket = n.admission.admit(m.key, call.sampling.n)
-        if ticket is None:
-            raise unavailable("the node's waiting queue is full", "queue_full")
-        try:
-            stream = m.loop.submit(req)
-        except RequestError as e:
-            ticket.close()
-            raise request_error(e) from None
-        except RuntimeError as e:   # the model's loop has failed
-            ticket.close()
-            raise unavailable(str(e), "engine_failure", 5) from None
-        gen = Generation(n, m, call, req, stream, ticket, request.environ.get("gunicorn.socket"))
-        handed_over = True
-        if call.stream:
-            return Response(SSEBody(gen), mimetype="text/event-stream",
-                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return collect(gen)
-    finally:
-        if not handed_over:
-            n.registry.release(m)
+    gen = the_node().submit(call, received, request.environ.get("gunicorn.socket"))
+    if call.stream:
+        return Response(SSEBody(gen), mimetype="text/event-stream",
+                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return collect(gen)
