@@ -16,18 +16,18 @@ from typing import Any, Callable, Mapping
 from flask import Blueprint, Response, current_app, g, jsonify, request
 
 from app import params
-from engine.connection import client_gone
 from app.auth import login_required
 from app.catalog import Catalog
 from app.config import GatewayConfig
-from app.errors import APIError, bad_request, sse_error_event
-from app.inference import InferenceRequest, PromptInput, SamplingParams
+from app.errors import bad_request
+from app.inference import InferenceRequest, PromptInput, sampling_params
 from app.limits import TokenLimiter, request_limit_headers, token_headers
 from app.metrics import GatewayMetrics
-from app.node_client import PING, ClientGone, NodeClient, NodeStream, NodeStreamError, collect_result
+from app.node_client import PING, NodeClient, NodeStream, NodeStreamError, collect_result
 from app.priority import LATENCY_CLASS_HEADER, latency_class_for
 from app.responses import (CHAT, COMPLETIONS, SSE_DONE, ChunkWriter, chat_completion,
                            text_completion, usage_of)
+from engine.protocol import APIError, ClientGone, client_gone, sse_error_event
 
 log = logging.getLogger("zen.gateway")
 bp = Blueprint("api", __name__, url_prefix="/v1")
@@ -136,9 +136,9 @@ def build_request(body: Mapping[str, Any], kind: str) -> tuple[InferenceRequest,
                                           caller.max_latency_class, caller.default_latency_class)
     except ValueError as exc:
         raise bad_request(f"`{LATENCY_CLASS_HEADER}` header {exc}", LATENCY_CLASS_HEADER) from None
-    theta = SamplingParams(max_tokens=max_tokens, min_tokens=min_tokens, stop=stop,
-                           stop_token_ids=stop_ids, logit_bias=bias, ignore_eos=ignore_eos,
-                           n=n, logprobs=logprobs, **sampling)
+    theta = sampling_params(max_tokens=max_tokens, min_tokens=min_tokens, stop=stop,
+                            stop_token_ids=stop_ids, logit_bias=bias, ignore_eos=ignore_eos,
+                            n=n, logprobs=logprobs, **sampling)
     req = InferenceRequest(model=model, inputs=inputs, params=theta, latency_class=latency_class,
                            org=caller.org, request_id=g.request_id, stream=stream)
     return req, include_usage, logprobs
@@ -146,7 +146,7 @@ def build_request(body: Mapping[str, Any], kind: str) -> tuple[InferenceRequest,
 
 def _generate(body: Mapping[str, Any], kind: str) -> Response:
     req, include_usage, logprobs_top = build_request(body, kind)
-    g.log_fields.update(model=req.model.alias, latency_class=req.latency_class.value,
+    g.log_fields.update(model=req.model.alias, latency_class=req.latency_class.label,
                         stream=req.stream)
     try:
         reservation = _tokens().reserve(req.org, g.caller.tier, req.token_cost())
@@ -205,13 +205,13 @@ def _answer_json(req: InferenceRequest, kind: str, node: str, result: dict, rese
     metrics = _metrics()
     metrics.usage(req.org, m.alias, usage["prompt_tokens"], usage["completion_tokens"])
     timings = result["timings"]
-    metrics.latency(m.alias, req.latency_class.value,
+    metrics.latency(m.alias, req.latency_class.label,
                     ttft_s=_float(timings.get("ttft_s")), itl_s=_float(timings.get("mean_itl_s")),
                     e2e_s=time.perf_counter() - started)
     g.log_fields.update(prompt_tokens=usage["prompt_tokens"],
                         completion_tokens=usage["completion_tokens"])
     resp = jsonify(body)
-    resp.headers["x-latency-class"] = req.latency_class.value
+    resp.headers["x-latency-class"] = req.latency_class.label
     return resp
 
 
@@ -255,9 +255,9 @@ def _answer_stream(req: InferenceRequest, kind: str, outcome: NodeStream, reserv
                         yield writer.token(event)
                     # recorded once the chunk is out: the histograms are not on the token's path
                     if first:
-                        metrics.latency(m.alias, req.latency_class.value, ttft_s=now - started)
+                        metrics.latency(m.alias, req.latency_class.label, ttft_s=now - started)
                     elif event.get("index", 0) == 0 and last_token_at is not None:
-                        metrics.latency(m.alias, req.latency_class.value, itl_s=now - last_token_at)
+                        metrics.latency(m.alias, req.latency_class.label, itl_s=now - last_token_at)
                     if event.get("index", 0) == 0:
                         last_token_at = now
                 elif kind_ == "done":
@@ -305,7 +305,7 @@ def _answer_stream(req: InferenceRequest, kind: str, outcome: NodeStream, reserv
         tokens.settle(reservation, usage["total_tokens"])
         if usage["total_tokens"]:
             metrics.usage(req.org, m.alias, usage["prompt_tokens"], usage["completion_tokens"])
-            metrics.latency(m.alias, req.latency_class.value, e2e_s=ended - started)
+            metrics.latency(m.alias, req.latency_class.label, e2e_s=ended - started)
         metrics.request_done(req.org, endpoint, result["status"])
         log.info("request", extra={
             **log_fields, "node": outcome.node, "node_attempts": outcome.attempts,
@@ -314,6 +314,6 @@ def _answer_stream(req: InferenceRequest, kind: str, outcome: NodeStream, reserv
 
     resp = Response(generate(), mimetype="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
-                             "x-latency-class": req.latency_class.value})
+                             "x-latency-class": req.latency_class.label})
     resp.call_on_close(finish)
     return resp

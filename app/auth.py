@@ -27,7 +27,7 @@ from jwt import PyJWK, PyJWKSet
 from app.config import AuthConfig, GatewayConfig, TierConfig
 from app.errors import unauthorized
 from app.jwks import RemoteKeySet
-from app.priority import LatencyClass
+from engine.protocol import LatencyClass
 
 EXTENSION_KEY = "zen.auth"
 _ORG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")

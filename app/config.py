@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Any, Mapping, NamedTuple
 from urllib.parse import urlparse
 
-from app.priority import LatencyClass
+from engine.protocol import LatencyClass
+from models.formats import FORMATS
+
 
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "config" / "default.toml"
-QUANTIZATIONS = ("q4_0", "q4_1", "q8_0", "f16", "bf16", "f32")
 JWT_ALGORITHMS = ("HS256", "HS384", "HS512", "RS256", "RS384", "RS512",
                   "ES256", "ES384", "ES512", "PS256", "PS384", "PS512", "EdDSA")
 FAILURE_POLICIES = ("open", "closed")
@@ -199,8 +200,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _require(bool(self.model), f"models.{self.alias}.model must not be empty")
-        _require(self.quantization in QUANTIZATIONS,
-                 f"models.{self.alias}.quantization must be one of {QUANTIZATIONS}")
+        _require(self.quantization in FORMATS,
+                 f"models.{self.alias}.quantization must be one of {FORMATS}")
         _require(self.max_context >= 16, f"models.{self.alias}.max_context must be >= 16")
         _require(1 <= self.default_max_tokens <= self.max_context,
                  f"models.{self.alias}.default_max_tokens must be in [1, max_context]")
@@ -342,9 +343,9 @@ def _build(data: Mapping[str, Any]) -> GatewayConfig:
         tier_name = o.pop("tier", None)
         _require(tier_name in tiers, f"orgs.{org_id}.tier: unknown tier {tier_name!r}")
         tier = tiers[tier_name]
-        max_cls = _latency(o.pop("max_latency_class", tier.max_latency_class.value),
+        max_cls = _latency(o.pop("max_latency_class", tier.max_latency_class.label),
                            f"orgs.{org_id}.max_latency_class")
-        default_cls = _latency(o.pop("default_latency_class", tier.default_latency_class.value),
+        default_cls = _latency(o.pop("default_latency_class", tier.default_latency_class.label),
                                f"orgs.{org_id}.default_latency_class")
         _require(not o, f"[orgs.{org_id}] unknown keys: {sorted(o)}")
         orgs[org_id] = OrgConfig(org_id, tier_name, max_cls, default_cls)

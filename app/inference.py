@@ -1,17 +1,19 @@
-"""The inference request r = (m, x, θ, τ) as the gateway forwards it to an engine node.
+"""The inference request r = (m, x, θ, τ) as the gateway receives it from a client.
 
 m: the resolved model (alias → model id + quantization), x: the input (text prompt, token
-ids or chat messages), θ: the sampling parameters, τ: the latency class. `to_node_payload`
-writes it in the node protocol of POST {node}/v1/generate.
+ids or chat messages), θ: the sampling parameters, τ: the latency class. `generate_request`
+turns it into what an engine node is sent (engine/protocol.py's GenerateRequest).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from typing import Any
 
 from app.catalog import ResolvedModel
-from app.priority import LatencyClass
+from app.errors import bad_request
+from engine.protocol import GenerateRequest, LatencyClass
+from engine.sampling import SamplingParamError, SamplingParams
 
 # Rough upper estimate of BPE tokens per UTF-8 byte, used only to reserve prompt tokens in
 # the org's token bucket before a node has tokenized the prompt; the reservation is settled
@@ -21,33 +23,12 @@ _TOKENS_PER_MESSAGE = 4      # chat-template overhead per message (role markers)
 _TOKENS_PER_CONVERSATION = 3
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """θ: the sampling parameters, named as the node protocol names them."""
-
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[str, float] = field(default_factory=dict)
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    n: int = 1
-    logprobs: int | None = None     # None: no logprobs; k: the chosen token's and k alternatives
-
-    def to_node(self) -> dict[str, Any]:
-        # Shallow: asdict() deep-copies every field, a cost on each request's path for nothing.
-        out = {f.name: getattr(self, f.name) for f in fields(self)}
-        out["stop"] = list(self.stop)
-        out["stop_token_ids"] = list(self.stop_token_ids)
-        return out
+def sampling_params(**fields: Any) -> SamplingParams:
+    """θ, as the engine defines it (validated there too: a 400 naming the parameter, as the node gives)."""
+    try:
+        return SamplingParams(**fields)
+    except SamplingParamError as e:
+        raise bad_request(str(e), e.param, "invalid_value") from None
 
 
 @dataclass(frozen=True)
@@ -86,7 +67,7 @@ class InferenceRequest:
 
     model: ResolvedModel          # m
     inputs: PromptInput           # x
-    params: SamplingParams        # θ
+    params: "SamplingParams"      # θ
     latency_class: LatencyClass   # τ
     org: str
     request_id: str
@@ -102,14 +83,9 @@ class InferenceRequest:
         sees it under the org's name (a slash never occurs in a client's id)."""
         return f"{self.org}/{self.request_id}"
 
-    def to_node_payload(self) -> dict[str, Any]:
-        return {
-            "request_id": self.node_request_id,
-            "model": self.model.model,
-            "quantization": self.model.quantization,
-            "org": self.org,
-            "latency_class": self.latency_class.value,
-            **self.inputs.to_node(),
-            "sampling": self.params.to_node(),
-            "stream": self.stream,
-        }
+    def generate_request(self, stream: bool) -> GenerateRequest:
+        """What the node is sent: POST /v1/generate's body."""
+        return GenerateRequest(
+            request_id=self.node_request_id, model=self.model.model, quantization=self.model.quantization,
+            org=self.org, latency_class=self.latency_class, sampling=self.params, stream=stream,
+            **self.inputs.to_node())

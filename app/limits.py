@@ -33,9 +33,9 @@ import redis
 from flask import Flask, Response, g, request
 
 from app.config import GatewayConfig, LimitsConfig, TierConfig
-from app.errors import APIError
 from app.limit_store import EmbeddedStorage, EmbeddedTokenBuckets, LimitStore, open_limit_store
 from app.token_buckets import BucketResult, MemoryTokenBuckets, RedisTokenBuckets, TokenBuckets
+from engine.protocol import APIError
 
 log = logging.getLogger("zen.gateway")
 EXTENSION_KEY = "zen.tokens"

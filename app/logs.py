@@ -5,7 +5,6 @@ code running outside one (a stream's generator, the node poller) passes them as 
 """
 from __future__ import annotations
 
-import json
 import logging
 import re
 import sys
@@ -14,38 +13,22 @@ import uuid
 
 from flask import Flask, g, has_request_context, request
 
+from engine.protocol import REQUEST_ID_HEADER, JsonFormatter
+
 LOGGER_NAME = "zen.gateway"
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-# LogRecord attributes that are not ours to print.
-_STANDARD_ATTRS = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
-
-
-class JsonFormatter(logging.Formatter):
-    """Formats a record as one JSON line; `extra` fields become keys."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        out = {
-            "ts": round(record.created, 6),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "msg": record.getMessage(),
-        }
-        if has_request_context():
-            out.setdefault("request_id", getattr(g, "request_id", None))
-            caller = getattr(g, "caller", None)
-            out.setdefault("org", caller.org if caller is not None else None)
-        for key, value in vars(record).items():
-            if key not in _STANDARD_ATTRS and not key.startswith("_"):
-                out[key] = value
-        if record.exc_info:
-            out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str)
+def request_fields() -> dict:
+    """The request id and org of the request being served (none outside one)."""
+    if not has_request_context():
+        return {}
+    caller = getattr(g, "caller", None)
+    return {"request_id": getattr(g, "request_id", None), "org": caller.org if caller is not None else None}
 
 
 def configure_logging(level: str = "INFO") -> logging.Logger:
     """Send the gateway's logs to stderr as JSON lines."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter())
+    handler.setFormatter(JsonFormatter(context=request_fields))
     logger = logging.getLogger(LOGGER_NAME)
     logger.handlers = [handler]
     logger.setLevel(level.upper())
@@ -63,7 +46,7 @@ def init_request_logging(app: Flask) -> None:
 
     @app.before_request
     def _assign_request_id():
-        incoming = request.headers.get("X-Request-Id", "")
+        incoming = request.headers.get(REQUEST_ID_HEADER, "")
         g.request_id = incoming if _REQUEST_ID_RE.match(incoming) else new_request_id()
         g.started = time.perf_counter()
         g.log_fields = {}

@@ -10,7 +10,8 @@ from typing import Any
 from flask import Blueprint, current_app, jsonify
 
 from app import params
-from app.priority import LATENCY_CLASS_HEADER, LatencyClass
+from app.priority import LATENCY_CLASS_HEADER
+from engine.protocol import LatencyClass
 
 bp = Blueprint("openapi", __name__)
 
@@ -94,7 +95,7 @@ def build_openapi(max_n: int) -> dict:
     latency_header = {
         "name": LATENCY_CLASS_HEADER, "in": "header", "required": False,
         "description": "Requested latency class; capped by the org's SLA.",
-        "schema": {"type": "string", "enum": [c.value for c in LatencyClass]},
+        "schema": {"type": "string", "enum": [c.label for c in LatencyClass]},
     }
     generation_responses = {
         "200": {"description": "The completion (JSON), or with stream: true server-sent events "

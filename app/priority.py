@@ -5,34 +5,9 @@ The class comes from the `X-Latency-Class` request header, is capped by the org'
 """
 from __future__ import annotations
 
-import enum
+from engine.protocol import LatencyClass
 
 LATENCY_CLASS_HEADER = "X-Latency-Class"
-
-
-class LatencyClass(str, enum.Enum):
-    """A request's latency class; REALTIME is served first, BATCH last."""
-
-    REALTIME = "realtime"
-    STANDARD = "standard"
-    BATCH = "batch"
-
-    @property
-    def rank(self) -> int:
-        """0 for the most urgent class."""
-        return _RANK[self]
-
-    @classmethod
-    def parse(cls, value: str) -> "LatencyClass":
-        """The class named by `value` (case-insensitive); ValueError if none is."""
-        try:
-            return cls(value.strip().lower())
-        except ValueError:
-            names = ", ".join(c.value for c in cls)
-            raise ValueError(f"must be one of {names}") from None
-
-
-_RANK = {LatencyClass.REALTIME: 0, LatencyClass.STANDARD: 1, LatencyClass.BATCH: 2}
 
 
 def cap_latency_class(wanted: LatencyClass, sla_max: LatencyClass) -> LatencyClass:

@@ -1,7 +1,7 @@
 """The router: a live view of every engine node, and the choice of node for a request.
 
-Each node's state σ_g = (M_g, U_g, Q_g, T_g) is polled from GET {node}/state in the
-background (per worker process, started on first use) and expires after a short TTL; a
+Each node's state σ_g = (M_g, U_g, Q_g, T_g), engine/protocol.py's NodeState, is polled from
+GET {node}/state in the background (per worker process, started on first use) and expires after a short TTL; a
 node whose poll fails, or that refuses a connection, is down until a poll succeeds.
 A request r for model m goes to
 
@@ -17,116 +17,24 @@ from __future__ import annotations
 import http.client
 import json
 import logging
-import math
 import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import urllib3
 
 from app.catalog import ResolvedModel
 from app.config import NodesConfig, RoutingConfig
+from engine.protocol import SECRET_HEADER, NodeState
 
 log = logging.getLogger("zen.gateway")
 
 # What breaks a connection to a node, or a stream from it: urllib3's errors (the state poller),
 # http.client's (requests and streams) and the socket's.
 TRANSPORT_ERRORS = (urllib3.exceptions.HTTPError, http.client.HTTPException, OSError)
-
-
-# -- node state --------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class ResidentModel:
-    """A model resident on a node, with its measured rates (0: not measured yet)."""
-
-    id: str
-    quantization: str
-    version: str = ""
-    bytes: int = 0
-    load_time_s: float | None = None
-    prefill_tokens_per_s: float = 0.0
-    decode_tokens_per_s: float = 0.0     # per sequence, as one stream sees it
-    running: int = 0
-    waiting: int = 0
-
-    @property
-    def key(self) -> tuple[str, str]:
-        return (self.id, self.quantization)
-
-
-@dataclass(frozen=True)
-class NodeState:
-    """σ_g as reported by GET {node}/state."""
-
-    node_id: str
-    healthy: bool
-    models: tuple[ResidentModel, ...]
-    available_models: tuple[str, ...]
-    utilization: float
-    waiting: int              # sequences not running yet
-    running: int              # sequences running (a prefill included)
-    max_waiting: int          # the node's bound on admitted
-    temperature_c: float | None
-    power_w: float | None = None
-    kv_cache_usage: float = 0.0
-    admitted: int = 0         # sequences without a first token yet, running or not
-
-    @property
-    def queue_full(self) -> bool:
-        return self.max_waiting > 0 and self.admitted >= self.max_waiting
-
-    def resident(self, key: tuple[str, str]) -> ResidentModel | None:
-        return next((m for m in self.models if m.key == key), None)
-
-    def can_load(self, model_id: str) -> bool:
-        """Whether the node can serve the model at all (resident or loadable)."""
-        return (not self.available_models or model_id in self.available_models
-                or any(m.id == model_id for m in self.models))
-
-
-def _num(value: Any, default: float = 0.0) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return default
-    return float(value)
-
-
-def parse_state(data: Mapping[str, Any]) -> NodeState:
-    """A NodeState from a /state body; tolerant of missing optional fields."""
-    if not isinstance(data, Mapping):
-        raise ValueError("state is not an object")
-    models = []
-    for m in data.get("models") or []:
-        if not isinstance(m, Mapping) or not isinstance(m.get("id"), str):
-            continue
-        load = m.get("load_time_s")
-        models.append(ResidentModel(
-            id=m["id"], quantization=str(m.get("quantization") or ""),
-            version=str(m.get("version") or ""), bytes=int(_num(m.get("bytes"))),
-            load_time_s=_num(load) if load is not None else None,
-            prefill_tokens_per_s=max(0.0, _num(m.get("prefill_tokens_per_s"))),
-            decode_tokens_per_s=max(0.0, _num(m.get("decode_tokens_per_s"))),
-            running=int(_num(m.get("running"))), waiting=int(_num(m.get("waiting")))))
-    queue = data.get("queue") if isinstance(data.get("queue"), Mapping) else {}
-    temp = data.get("temperature_c")
-    power = data.get("power_w")
-    return NodeState(
-        node_id=str(data.get("node_id") or ""),
-        healthy=data.get("healthy") is True,
-        models=tuple(models),
-        available_models=tuple(a for a in data.get("available_models") or [] if isinstance(a, str)),
-        utilization=min(1.0, max(0.0, _num(data.get("utilization")))),
-        waiting=max(0, int(_num(queue.get("waiting")))),
-        running=max(0, int(_num(queue.get("running")))),
-        max_waiting=max(0, int(_num(queue.get("max_waiting")))),
-        temperature_c=_num(temp) if temp is not None else None,
-        power_w=_num(power) if power is not None else None,
-        kv_cache_usage=min(1.0, max(0.0, _num(data.get("kv_cache_usage")))),
-        admitted=max(0, int(_num(queue.get("admitted", queue.get("waiting"))))),
-    )
 
 
 # -- scoring -----------------------------------------------------------------------------------
@@ -237,10 +145,10 @@ class NodePool:
         timeout = min(self.config.connect_timeout_s, max(0.2, self.config.state_ttl_s / 2))
         try:
             resp = self._http.request("GET", url + "/state", timeout=timeout,
-                                      headers={"X-Node-Secret": self.config.secret})
+                                      headers={SECRET_HEADER: self.config.secret})
             if resp.status != 200:
                 raise ValueError(f"GET /state answered {resp.status}")
-            state = parse_state(json.loads(resp.data))
+            state = NodeState.from_json(json.loads(resp.data))
         except (*TRANSPORT_ERRORS, ValueError) as exc:
             self._set_down(url, f"{exc.__class__.__name__}: {str(exc)[:200]}")
             return

@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.bench_engine import machine_info  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
-from engine.request import InferenceRequest  # noqa: E402
+from engine.request import EngineRequest  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from engine.scheduler import SchedulerConfig  # noqa: E402
 
@@ -44,7 +44,7 @@ def run_requests(engine: Engine, prompts: list[list[int]], max_tokens: int) -> l
     ids = []
     for i, p in enumerate(prompts):
         rid = f"bench-{time.monotonic_ns()}-{i}"
-        engine.add_request(InferenceRequest(rid, engine.model_id, p, SamplingParams(
+        engine.add_request(EngineRequest(rid, engine.model_id, p, SamplingParams(
             temperature=0.0, max_tokens=max_tokens, ignore_eos=True)))
         ids.append(rid)
     seqs = [s for rid in ids for s in engine._requests[rid]]

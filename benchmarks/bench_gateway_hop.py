@@ -50,7 +50,7 @@ MODEL_ID, QUANTIZATION, ALIAS = "SmolLM2-135M-Instruct", "q4_1", "zen-small"
 def create_standin() -> "flask.Flask":  # noqa: F821
     """The stand-in node's app (gunicorn `benchmarks.bench_gateway_hop:create_standin()`); its compute time
     per request comes from $HOP_COMPUTE_MS, its secret from $NODE_SECRET."""
-    from engine.server import openmp_defaults
+    from engine.node.serve import openmp_defaults
     openmp_defaults(os.environ)   # as the node: before libgomp is loaded
     import numpy as np
     from flask import Flask, Response, abort, request
@@ -71,7 +71,7 @@ def create_standin() -> "flask.Flask":  # noqa: F821
     def compute_thread() -> None:
         # Every parallel loop is launched from this one thread, as the node's step thread launches its
         # kernels: libgomp gives each launching thread a team of its own, and with more teams' threads
-        # than cores it stops spinning between regions (engine/loop.py, StepThread).
+        # than cores it stops spinning between regions (engine/node/loop.py, StepThread).
         compute(1000, out)
         t0 = time.perf_counter()
         compute(2_000_000, out)

@@ -4,7 +4,7 @@
                                                [--rounds 2] [--out bench-results/resident-models.json]
 
 Two engines of the default model (in two weight formats, as a node holds them for two aliases) each
-get an EngineLoop, as engine/registry.py makes them: either each on a thread of its own (how the node
+get an EngineLoop, as engine/node/registry.py makes them: either each on a thread of its own (how the node
 did it before) or both on one StepThread (how it does now). Both models first answer one request, so
 that each stepping thread has launched parallel kernels. Then, timed: requests to the first model alone
 (its decode tokens/s while the other sits idle), and one request to each model at once (aggregate
@@ -26,8 +26,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.bench_engine import machine_info  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
-from engine.loop import EngineLoop, StepThread  # noqa: E402
-from engine.request import InferenceRequest  # noqa: E402
+from engine.node.loop import EngineLoop, StepThread  # noqa: E402
+from engine.request import EngineRequest  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "models" / "weights" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -37,7 +37,7 @@ PROMPT = "Tell me a long story about the sea, the ships that sail on it and the 
 def generate(loop: EngineLoop, tokens: int, ids: list[int]) -> tuple[int, float]:
     """One request to completion: (tokens, seconds from its first token to its last)."""
     rid = f"bench-{time.monotonic_ns()}-{threading.get_ident()}"
-    stream = loop.submit(InferenceRequest(rid, loop.engine.model_id, ids,
+    stream = loop.submit(EngineRequest(rid, loop.engine.model_id, ids,
                                           SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)))
     stamps = []
     for d in stream:

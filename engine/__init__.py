@@ -3,7 +3,7 @@
 
 def __getattr__(name):
     # LLM and SamplingParams pull in numba kernels; import them on first use so that `import engine`
-    # (and the gateway's `engine.connection`) stays light.
+    # (and the gateway's `engine.protocol`) stays light.
     if name in ("LLM", "RequestOutput", "CompletionOutput"):
         from engine import llm
         return getattr(llm, name)

@@ -38,8 +38,8 @@ def _serve(args) -> int:
 
     # The node keeps its metrics in its own registry, in its single worker: never multiprocess mode.
     os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    from engine.node_config import ModelSpec, NodeConfig, parse_bytes
-    from engine.server import configure_logging, serve
+    from engine.node.config import ModelSpec, NodeConfig, parse_bytes
+    from engine.node.serve import configure_logging, serve
 
     configure_logging(args.log_level)
     try:

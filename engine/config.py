@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.scheduler import SchedulerConfig
-from models.quant import FORMATS
+from models.inspect import check_quantization
 
 
 @dataclass
@@ -20,8 +20,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self):
-        if self.quantization is not None and self.quantization not in FORMATS:
-            raise ValueError(f"quantization must be one of {', '.join(FORMATS)}; got {self.quantization!r}")
+        check_quantization(self.quantization)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.kv_cache_bytes <= 0:

@@ -14,7 +14,7 @@ from engine.backends import get_backend
 from engine.backends.sampling_batch import RowSpec, SamplingBatch
 from engine.config import EngineConfig
 from engine.kv_cache import BlockPool, KVCacheManager
-from engine.request import InferenceRequest
+from engine.request import EngineRequest
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
@@ -119,7 +119,7 @@ class Engine:
         self.runner.model = self.model = None
 
     # ------------------------------------------------------------------------------------ requests
-    def validate(self, request: InferenceRequest) -> None:
+    def validate(self, request: EngineRequest) -> None:
         n = len(request.prompt_token_ids)
         if n == 0:
             raise RequestError("the prompt is empty", param="prompt")
@@ -148,7 +148,7 @@ class Engine:
         if request.request_id in self._requests:
             raise RequestError(f"request id {request.request_id!r} is already in use", param="request_id")
 
-    def add_request(self, request: InferenceRequest) -> None:
+    def add_request(self, request: EngineRequest) -> None:
         """Validate, then queue the request's n sequences (raises RequestError, nothing queued)."""
         self.validate(request)
         p = request.sampling

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.engine import Engine, SequenceDelta
-from engine.request import InferenceRequest, LatencyClass
+from engine.protocol import LatencyClass
+from engine.request import EngineRequest
 from engine.sampling import SamplingParams
 from engine.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, SchedulerConfig
 from engine.sequence import TokenLogprob
@@ -65,7 +66,7 @@ class LLM:
             else:
                 ids, text = [int(t) for t in prompt], None
             try:
-                self.engine.add_request(InferenceRequest(rid, self.engine.model_id, ids, p, latency_class,
+                self.engine.add_request(EngineRequest(rid, self.engine.model_id, ids, p, latency_class,
                                                          prompt_text=text))
             except Exception:
                 for r in order:  # leave the engine as it was

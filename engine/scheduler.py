@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.kv_cache import KVCacheManager
-from engine.request import LatencyClass
+from engine.protocol import LatencyClass
 from engine.sequence import Sequence, SequenceStatus
 
 

@@ -5,7 +5,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from engine.request import InferenceRequest, LatencyClass
+from engine.protocol import LatencyClass
+from engine.request import EngineRequest
 
 
 class SequenceStatus(enum.Enum):
@@ -35,7 +36,7 @@ class Sequence:
 
     The block table is owned here; the blocks themselves belong to the block pool."""
 
-    def __init__(self, seq_id: int, request: InferenceRequest, index: int, seed: int):
+    def __init__(self, seq_id: int, request: EngineRequest, index: int, seed: int):
         self.seq_id = seq_id
         self.request = request
         self.index = index                      # choice index among the request's n sequences

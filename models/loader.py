@@ -9,7 +9,8 @@ import threading
 from collections.abc import Mapping
 
 from models.gguf_file import Metadata, ModelFileError, open_gguf, read_gguf
-from models.quant import FORMATS, UnsupportedFormat
+from models.inspect import check_quantization
+from models.quant import UnsupportedFormat
 from models.safetensors_file import CONFIG_NAME, read_safetensors_dir
 from models.tokenizer import Tokenizer
 from models.weights import ModelWeights
@@ -54,11 +55,6 @@ def locate_model(path) -> tuple[str, str]:
             raise ModelFileError(f"{p}: not a GGUF file")
         raise ModelFileError(f"{p}: not a model file (expected a GGUF file or a directory with config.json)")
     return "gguf", p
-
-
-def _check_quantization(quantization: str | None):
-    if quantization is not None and quantization not in FORMATS:
-        raise UnsupportedFormat(f"unsupported quantization {quantization!r} (supported: {', '.join(FORMATS)})")
 
 
 def _tokenizer_from_gguf(path: str, fields: dict) -> Tokenizer:
@@ -116,7 +112,7 @@ def load_model(path, quantization: str | None = None) -> tuple[ModelWeights, Tok
     anything that is not a loadable model; models.quant.UnsupportedFormat for a tensor type or
     quantization we cannot use.
     """
-    _check_quantization(quantization)
+    check_quantization(quantization)
     kind, p = locate_model(path)
     if kind == "gguf":
         try:

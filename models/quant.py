@@ -14,10 +14,9 @@ from dataclasses import dataclass
 import gguf
 import numpy as np
 
+from models.formats import BLOCK_FORMATS, FLOAT_FORMATS, FORMATS  # noqa: F401 (re-exported)
+
 QK = 32
-FLOAT_FORMATS = ("f32", "f16", "bf16")
-BLOCK_FORMATS = ("q8_0", "q4_0", "q4_1")
-FORMATS = FLOAT_FORMATS + BLOCK_FORMATS
 
 GGML_TYPE = {
     "f32": gguf.GGMLQuantizationType.F32,

@@ -28,10 +28,10 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine.protocol import SECRET_HEADER
 from tests.tiny_model import make_tiny_tokenizer, make_tiny_weights, write_tiny_gguf
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SECRET_HEADER = "X-Node-Secret"
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 15.0
 

@@ -7,8 +7,9 @@ import pytest
 
 from app.catalog import Catalog
 from app.config import DEFAULT_CONFIG_PATH, DEVELOPMENT_SECRETS, ConfigError, load_config
-from app.errors import APIError
-from app.priority import LatencyClass, cap_latency_class, latency_class_for
+from engine.protocol import APIError
+from app.priority import cap_latency_class, latency_class_for
+from engine.protocol import LatencyClass
 
 
 def test_shipped_default_config_loads():
@@ -188,8 +189,8 @@ def test_catalog_resolves_aliases_and_enforces_tiers():
 
 
 def test_the_gateway_does_not_load_the_engine_kernels():
-    """A gateway worker needs engine.connection only: numba (and the kernels) would cost every worker
-    ~80 MB and seconds of start-up."""
+    """A gateway worker needs the wire protocol and SamplingParams only: numba (and the kernels) would
+    cost every worker ~80 MB and seconds of start-up."""
     import subprocess
     import sys
     code = ("import os, sys; os.environ['ZEN_NODES'] = 'http://127.0.0.1:9'; "
@@ -197,4 +198,4 @@ def test_the_gateway_does_not_load_the_engine_kernels():
             "print(sorted(m for m in sys.modules if m == 'numba' or m.startswith('engine.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "['engine.connection']"
+    assert out.stdout.strip() == "['engine.protocol', 'engine.sampling']"

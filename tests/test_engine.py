@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from engine.config import EngineConfig
 from engine.engine import Engine, RequestError
-from engine.request import InferenceRequest, LatencyClass
+from engine.protocol import LatencyClass
+from engine.request import EngineRequest
 from engine.sampling import SamplingParams
 from tests.node_fixtures import wait_for
 from engine.scheduler import SchedulerConfig
@@ -58,7 +59,7 @@ def run(eng: Engine, requests, abort_at=None):
 def req(rid, toks, cls=LatencyClass.STANDARD, **sp):
     sp.setdefault("max_tokens", 8)
     sp.setdefault("temperature", 0.0)
-    return InferenceRequest(rid, "tiny", toks, SamplingParams(**sp), cls)
+    return EngineRequest(rid, "tiny", toks, SamplingParams(**sp), cls)
 
 
 @pytest.fixture(scope="module")
@@ -177,16 +178,16 @@ def _prefill_chunks(requests, steps=4, budget=256):
 def test_prompts_keep_the_whole_budget_when_nothing_else_could_start():
     """The half-budget bound on running prompts applies only while another request could start now:
     not for an n > 1 sibling waiting for its leader's prompt, nor for a lower-priority request."""
-    n2 = InferenceRequest("n2", "m", list(range(1, 1001)), SamplingParams(n=2), LatencyClass.STANDARD)
+    n2 = EngineRequest("n2", "m", list(range(1, 1001)), SamplingParams(n=2), LatencyClass.STANDARD)
     steps = _prefill_chunks([(n2, 0)])
     assert [s.get("n2/0") for s in steps] == [256, 256, 256, 232], steps
     def rt():
-        return InferenceRequest("rt", "m", list(range(1, 1001)), SamplingParams(), LatencyClass.REALTIME)
+        return EngineRequest("rt", "m", list(range(1, 1001)), SamplingParams(), LatencyClass.REALTIME)
 
-    batch = InferenceRequest("b", "m", list(range(2001, 2030)), SamplingParams(), LatencyClass.BATCH)
+    batch = EngineRequest("b", "m", list(range(2001, 2030)), SamplingParams(), LatencyClass.BATCH)
     steps = _prefill_chunks([(rt(), 0), (batch, 1)], steps=2)
     assert steps[1] == {"rt/0": 256}, steps                     # the batch request waits a step
-    other = InferenceRequest("o", "m", list(range(2001, 2030)), SamplingParams(), LatencyClass.REALTIME)
+    other = EngineRequest("o", "m", list(range(2001, 2030)), SamplingParams(), LatencyClass.REALTIME)
     steps = _prefill_chunks([(rt(), 0), (other, 1)], steps=2)
     assert steps[1] == {"rt/0": 128, "o/0": 29}, steps          # an equal-priority one starts at once
 
@@ -424,14 +425,14 @@ def test_loops_on_one_step_thread_take_turns_and_fail_alone(monkeypatch):
     one starts for the next."""
     import threading
 
-    from engine.loop import EngineLoop, StepThread
+    from engine.node.loop import EngineLoop, StepThread
 
     monkeypatch.setattr(EngineLoop, "stream_yield_s", 0.0)
     steps = StepThread("engine-test-shared")
     a, b, bad = _CountingEngine("a"), _CountingEngine("b"), _CountingEngine("bad", fail_at=2)
     loops = [EngineLoop(e, thread=steps) for e in (a, b, bad)]
     try:
-        streams = [loop.submit(InferenceRequest(f"r-{e.model_id}", e.model_id, [1], SamplingParams(max_tokens=5)))
+        streams = [loop.submit(EngineRequest(f"r-{e.model_id}", e.model_id, [1], SamplingParams(max_tokens=5)))
                    for loop, e in zip(loops, (a, b, bad))]
         assert len(list(streams[0])) == 5 and len(list(streams[1])) == 5
         with pytest.raises(RuntimeError, match="a kernel bug"):
@@ -440,11 +441,11 @@ def test_loops_on_one_step_thread_take_turns_and_fail_alone(monkeypatch):
         assert len(a.step_threads | b.step_threads | bad.step_threads) == 1
         assert a.step_threads.isdisjoint({threading.get_ident()})
         # the failed loop is off the thread; the others still serve
-        again = loops[1].submit(InferenceRequest("r-b2", "b", [1], SamplingParams(max_tokens=2)))
+        again = loops[1].submit(EngineRequest("r-b2", "b", [1], SamplingParams(max_tokens=2)))
         assert len(list(again)) == 2
         assert all(loop.stop(5) for loop in loops)
         assert not steps.alive
-        late = loops[0].submit(InferenceRequest("r-late", "a", [1], SamplingParams(max_tokens=2)))
+        late = loops[0].submit(EngineRequest("r-late", "a", [1], SamplingParams(max_tokens=2)))
         with pytest.raises(RuntimeError, match="stopped"):   # answered, never left waiting
             late.next_delta(timeout=5)
         deadline = time.monotonic() + 5   # the thread object lingers a moment after its last line
@@ -454,7 +455,7 @@ def test_loops_on_one_step_thread_take_turns_and_fail_alone(monkeypatch):
         c = _CountingEngine("c")
         loops.append(EngineLoop(c, thread=steps))
         assert steps.alive
-        assert len(list(loops[-1].submit(InferenceRequest("r-c", "c", [1], SamplingParams(max_tokens=3))))) == 3
+        assert len(list(loops[-1].submit(EngineRequest("r-c", "c", [1], SamplingParams(max_tokens=3))))) == 3
     finally:
         for loop in loops:
             loop.stop(5)
@@ -467,7 +468,7 @@ def test_loop_counts_the_sequences_waiting_to_run():
     sequence that runs."""
     import threading
 
-    from engine.loop import EngineLoop
+    from engine.node.loop import EngineLoop
 
     gate = threading.Event()
 
@@ -481,13 +482,13 @@ def test_loop_counts_the_sequences_waiting_to_run():
     engine = _BlockedEngine("blocked")
     loop = EngineLoop(engine)
     try:
-        first = loop.submit(InferenceRequest("r1", "blocked", [1], SamplingParams(max_tokens=1)))
+        first = loop.submit(EngineRequest("r1", "blocked", [1], SamplingParams(max_tokens=1)))
         deadline = time.monotonic() + 5
         while "r1" not in engine.pending:          # taken in: the step thread is now inside its step
             assert time.monotonic() < deadline
             time.sleep(0.005)
         assert loop.num_waiting == 0
-        loop.submit(InferenceRequest("r2", "blocked", [1], SamplingParams(max_tokens=1, n=2)))
+        loop.submit(EngineRequest("r2", "blocked", [1], SamplingParams(max_tokens=1, n=2)))
         assert loop.num_waiting == 2
         engine.num_waiting = 3
         assert loop.num_waiting == 5
@@ -507,7 +508,7 @@ def _read_on_a_thread(loop, engine: "_GilHoldingEngine", read):
     waits for its first delta (else it might not be waiting yet when that delta comes)."""
     import threading
     engine.first_step_gate = threading.Event()
-    stream = loop.submit(InferenceRequest("r", "stand-in", [1], SamplingParams(max_tokens=3)))
+    stream = loop.submit(EngineRequest("r", "stand-in", [1], SamplingParams(max_tokens=3)))
     reader = threading.Thread(target=read, args=(stream,))
     reader.start()
     wait_for(lambda: stream.reader_waiting, what="the reader to wait")
@@ -519,7 +520,7 @@ def test_the_loop_waits_for_the_reader_of_a_first_token_only(monkeypatch):
     """A request's first token: the next step waits until its reader comes back for more, even a reader
     slower than the pause between steps (it sleeps here, as a reader does that waits for a core). A later
     token: the next step does not wait for its reader."""
-    from engine.loop import EngineLoop
+    from engine.node.loop import EngineLoop
 
     monkeypatch.setattr(EngineLoop, "stream_handoff_s", 5.0)   # ample here; a bound, never reached
     engine = _GilHoldingEngine()
@@ -545,7 +546,7 @@ def test_a_reader_that_does_not_come_back_holds_the_loop_only_so_long(monkeypatc
     """The wait for a first token's reader is bounded: a reader stuck after its first token (a client
     that stopped reading) costs the other streams one stream_handoff_s, and the loop goes on."""
     import threading
-    from engine.loop import EngineLoop
+    from engine.node.loop import EngineLoop
 
     monkeypatch.setattr(EngineLoop, "stream_handoff_s", 0.1)
     engine = _GilHoldingEngine()
@@ -573,14 +574,14 @@ def test_a_stream_gets_its_token_before_the_next_step_holds_the_gil(monkeypatch)
     """The loop lets the stream thread take the GIL between steps; else the token of step 1 would
     reach its reader only once step 2's kernels had let go of it."""
     import threading
-    from engine.loop import EngineLoop
+    from engine.node.loop import EngineLoop
 
     monkeypatch.setattr(EngineLoop, "stream_yield_s", 0.05)   # ample here; the shipped values are tuned
     monkeypatch.setattr(EngineLoop, "stream_handoff_s", 5.0)  # (token 1 goes by the hand-off if its reader waits)
     engine = _GilHoldingEngine()
     loop = EngineLoop(engine)
     try:
-        stream = loop.submit(InferenceRequest("r", "stand-in", [1], SamplingParams(max_tokens=3)))
+        stream = loop.submit(EngineRequest("r", "stand-in", [1], SamplingParams(max_tokens=3)))
         received = []
         reader = threading.Thread(target=lambda: received.extend(
             (d.token_ids[0], time.monotonic()) for d in stream))

@@ -12,9 +12,9 @@ import pytest
 
 from app import close_app, create_app
 from app.config import LimitsConfig, TierConfig
-from app.errors import APIError
 from app.limits import REQUESTS_KEY, SweptMemoryStorage, TokenLimiter, format_duration
 from app.token_buckets import MemoryTokenBuckets, RedisTokenBuckets, refill
+from engine.protocol import APIError
 from tests.test_gateway_support import (METRICS_HEADERS, bearer, free_port, make_config, node,  # noqa: F401
                                         redis_url)
 

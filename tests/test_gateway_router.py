@@ -8,7 +8,8 @@ import pytest
 
 from app.catalog import ResolvedModel
 from app.config import NodesConfig, RoutingConfig
-from app.router import NodePool, estimate_latency, parse_state, rank_nodes, skip_reason
+from app.router import NodePool, estimate_latency, rank_nodes, skip_reason
+from engine.protocol import NodeState
 from tests.test_gateway_support import MODEL_ID, NODE_SECRET, StandInNode
 
 SMALL = ResolvedModel("zen-small", MODEL_ID, "q4_1", 8192, 512, cold_load_s=2.0)
@@ -22,7 +23,7 @@ def state(*, resident=True, waiting=0, running=0, max_waiting=64, utilization=0.
     models = [{"id": MODEL_ID, "version": "v1", "quantization": quant, "bytes": 100,
                "load_time_s": 0.5, "prefill_tokens_per_s": prefill, "decode_tokens_per_s": decode,
                "running": running, "waiting": waiting}] if resident else []
-    return parse_state({
+    return NodeState.from_json({
         "node_id": "n", "healthy": healthy, "models": models, "available_models": list(available),
         "utilization": utilization,
         "queue": {"waiting": waiting, "running": running, "max_waiting": max_waiting,
@@ -41,13 +42,13 @@ def test_parse_state_reads_the_node_protocol():
 
 
 def test_parse_state_tolerates_junk():
-    s = parse_state({"healthy": "yes", "models": [None, {"id": 3}, {"id": "m", "bytes": "x"}],
+    s = NodeState.from_json({"healthy": "yes", "models": [None, {"id": 3}, {"id": "m", "bytes": "x"}],
                      "utilization": 7, "queue": "full", "temperature_c": float("nan")})
     assert not s.healthy                       # only `true` is healthy
     assert [m.id for m in s.models] == ["m"]
     assert s.utilization == 1.0 and s.waiting == 0 and s.temperature_c == 0.0
     with pytest.raises(ValueError):
-        parse_state([1, 2])
+        NodeState.from_json([1, 2])
 
 
 def test_latency_estimate_is_queue_wait_plus_prefill_plus_decode():

@@ -2,13 +2,13 @@
 import pytest
 
 from engine.kv_cache import BlockPool, KVCacheManager
-from engine.request import InferenceRequest
+from engine.request import EngineRequest
 from engine.sampling import SamplingParams
 from engine.sequence import Sequence
 
 
 def _seq(seq_id, tokens):
-    return Sequence(seq_id, InferenceRequest(f"r{seq_id}", "m", list(tokens), SamplingParams()), 0, seed=0)
+    return Sequence(seq_id, EngineRequest(f"r{seq_id}", "m", list(tokens), SamplingParams()), 0, seed=0)
 
 
 def test_allocate_free_and_double_free():

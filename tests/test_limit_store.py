@@ -13,7 +13,7 @@ import limits.strategies
 import pytest
 
 from app.config import LimitsConfig, TierConfig
-from app.errors import APIError
+from engine.protocol import APIError
 from app.limit_store import (DB_NAME, LIMITS_DIR_ENV, EmbeddedStorage, EmbeddedTokenBuckets, LimitStore,
                              open_limit_store)
 from app.limits import TokenLimiter

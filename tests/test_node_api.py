@@ -267,7 +267,7 @@ def test_disconnect_aborts_non_streaming_request(node):
 
 
 def test_openmp_defaults_leave_the_operators_choice():
-    from engine.server import OPENMP_PROC_BIND, OPENMP_SPINCOUNT, openmp_defaults
+    from engine.node.serve import OPENMP_PROC_BIND, OPENMP_SPINCOUNT, openmp_defaults
 
     chosen = {"OMP_PROC_BIND": "false"}
     env: dict = dict(chosen)
@@ -300,7 +300,7 @@ def test_a_served_node_binds_one_kernel_thread_to_each_cpu(tiny_models, tmp_path
 
 
 def test_openmp_defaults_bind_threads_only_when_there_is_one_per_cpu():
-    from engine.server import OPENMP_PROC_BIND, openmp_defaults
+    from engine.node.serve import OPENMP_PROC_BIND, openmp_defaults
 
     cpus = len(os.sched_getaffinity(0))
     env: dict = {}

@@ -8,8 +8,8 @@ import time
 import pytest
 import requests
 
-from engine.node_config import ModelSpec, NodeConfig, parse_bytes
-from engine.registry import inspect_model
+from engine.node.config import ModelSpec, NodeConfig, parse_bytes
+from models.inspect import inspect_model
 from tests.node_fixtures import (  # noqa: F401 (start_node, tiny_models: fixtures)
     SECRET_HEADER, assert_openai_error, generate, make_tiny_model, metric, next_event, node_state, open_stream,
     scrape, start_node, tiny_models, wait_for)
@@ -116,7 +116,7 @@ def test_an_evicted_model_gives_its_memory_back_at_once(tiny_models):
     import weakref
 
     from engine.config import EngineConfig
-    from engine.registry import ModelRegistry
+    from engine.node.registry import ModelRegistry
 
     def engine_config(spec, quantization):
         return EngineConfig(model=spec.path, model_id=spec.id, quantization=quantization, backend="cpu",
@@ -147,8 +147,9 @@ def test_resident_models_leave_a_core_while_another_loads(tiny_models):
     import numba
 
     from engine.config import EngineConfig
-    from engine.registry import ModelRegistry
-    from engine.request import InferenceRequest, LatencyClass
+    from engine.node.registry import ModelRegistry
+    from engine.protocol import LatencyClass
+    from engine.request import EngineRequest
     from engine.sampling import SamplingParams
 
     def engine_config(spec, quantization):
@@ -158,7 +159,7 @@ def test_resident_models_leave_a_core_while_another_loads(tiny_models):
     def threads_of_next_step(loop) -> int:
         seen = []
         loop.step_listeners.append(lambda *args: seen.append(numba.get_num_threads()))
-        stream = loop.submit(InferenceRequest(f"r{time.monotonic_ns()}", "tiny-a", [5, 6],
+        stream = loop.submit(EngineRequest(f"r{time.monotonic_ns()}", "tiny-a", [5, 6],
                                               SamplingParams(max_tokens=2), LatencyClass.STANDARD))
         list(stream)
         loop.step_listeners.pop()
@@ -188,8 +189,9 @@ def test_cpu_models_are_stepped_by_one_thread(tiny_models):
     import threading
 
     from engine.config import EngineConfig
-    from engine.registry import ModelRegistry
-    from engine.request import InferenceRequest, LatencyClass
+    from engine.node.registry import ModelRegistry
+    from engine.protocol import LatencyClass
+    from engine.request import EngineRequest
     from engine.sampling import SamplingParams
 
     def engine_config(spec, quantization):
@@ -206,7 +208,7 @@ def test_cpu_models_are_stepped_by_one_thread(tiny_models):
     try:
         models = [reg.load("tiny-a", None, 120), reg.load("tiny-b", None, 120)]
         for m in models:
-            list(m.loop.submit(InferenceRequest(f"r-{m.id}", m.id, [5, 6], SamplingParams(max_tokens=3),
+            list(m.loop.submit(EngineRequest(f"r-{m.id}", m.id, [5, 6], SamplingParams(max_tokens=3),
                                                 LatencyClass.STANDARD)))
         assert stepped_on["tiny-a"] and stepped_on["tiny-a"] == stepped_on["tiny-b"]
         assert len([t for t in threading.enumerate() if t.name == "engine-cpu"]) == 1
@@ -219,7 +221,7 @@ def test_cpu_models_are_stepped_by_one_thread(tiny_models):
 
 
 def test_health_503_until_startup_models_load(tiny_models):
-    from engine.server import create_app
+    from engine.node.app import create_app
     app = create_app(NodeConfig(models=[ModelSpec(tiny_models["a"], "tiny-a")], backend="cpu",
                                 kv_cache_bytes=1 << 20), start=False)
     node = app.extensions["zen_node"]

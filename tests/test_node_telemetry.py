@@ -9,9 +9,9 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-import engine.telemetry as telemetry
-from engine.metrics import FinishedSequence, ModelSnapshot, NodeMetrics, NodeSnapshot, OrgLabels
-from engine.telemetry import Telemetry, TelemetrySample
+import engine.node.telemetry as telemetry
+from engine.node.metrics import FinishedSequence, ModelSnapshot, NodeMetrics, NodeSnapshot, OrgLabels
+from engine.node.telemetry import Telemetry, TelemetrySample
 
 Temp = namedtuple("Temp", "label current high critical")
 

@@ -13,23 +13,14 @@ import time
 from collections import deque
 
 from engine.engine import Engine, RequestError, SequenceDelta
-from engine.request import InferenceRequest
+from engine.request import EngineRequest
 
 log = logging.getLogger("engine.loop")
 
-# The step's kernels hold the GIL (see cpu_layers.run_layers): a stream's reader woken by a step's delta
-# writes its token only while the step thread lets go of it between steps, and the process reading
-# that write needs a core before the next step's kernels take both. For a request's first tokens, when
-# its reader is waiting for them, the step thread waits until the reader has taken them and come back
-# for more (a streaming reader has written them by then), at most STREAM_HANDOFF_S; on a StepThread
-# shared by several models that holds up their steps as long. With only the fixed pause below, about
-# 30% of first tokens at concurrency 1 reached the client 3-5 ms late, a whole step behind. Later
-# tokens keep the pause: waiting for them too cost 0.2 ms per token at concurrency 1 (3% of tokens/s).
+# The step's kernels hold the GIL: after a step that gave requests their first tokens, the step thread
+# waits (at most this long) until their readers have taken them, so the first token is not a step late.
 STREAM_HANDOFF_S = 0.002
-# The pause after other steps with deltas: long enough for a woken reader to take the GIL. Measured on
-# the 2-core machine against no pause: median TTFT at concurrency 1 down ~2.5 ms, and 16 streams
-# through the gateway 5-9% more tokens/s.
-STREAM_YIELD_S = 0.0002
+STREAM_YIELD_S = 0.0002   # the pause after other steps with deltas: a woken reader takes the GIL in it
 IDLE_WAIT_S = 0.05     # an idle step thread looks at its loops at least this often (submit, abort, stop wake it)
 
 
@@ -64,7 +55,7 @@ class HandOff:
 class RequestStream:
     """The deltas of one request as the loop produces them; iterate, or call next_delta(timeout)."""
 
-    def __init__(self, loop: "EngineLoop", request: InferenceRequest):
+    def __init__(self, loop: "EngineLoop", request: EngineRequest):
         self.loop = loop
         self.request = request
         self.num_sequences = request.sampling.n
@@ -144,7 +135,7 @@ class EngineLoop:
         self._thread.add(self)
 
     # ---- any thread
-    def submit(self, request: InferenceRequest) -> RequestStream:
+    def submit(self, request: EngineRequest) -> RequestStream:
         """Validate now (RequestError to the caller), then queue for the loop."""
         if self.failed is not None:
             raise RuntimeError(f"the engine loop has failed: {self.failed}")
@@ -278,12 +269,9 @@ class EngineLoop:
 class StepThread:
     """One thread that steps the EngineLoops given to it, in turn; it runs while it has any.
 
-    A node's CPU models share one. libgomp gives every thread that launches parallel kernels its own
-    team of worker threads, and once a process has more of those than cores it cuts every spin-wait
-    short, so each parallel region pays futex wake-ups: with two models resident, each stepped by a
-    thread of its own, every decode step took twice as long (6.1 -> 12-13 ms between tokens on the
-    2-core machine), even while only one of the models had work. The CPU kernels hold the GIL, so
-    two models' steps never ran at once anyway: one thread for both loses nothing.
+    A node's CPU models share one: a libgomp team per stepping thread means more kernel threads than
+    cores, and libgomp then stops spinning between parallel regions; the CPU kernels hold the GIL, so
+    two models' steps never ran at once anyway.
     """
 
     def __init__(self, name: str):

@@ -8,7 +8,8 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
+from engine.config import EngineConfig
+from engine.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, SchedulerConfig
 
 log = logging.getLogger("engine.node")
 
@@ -91,6 +92,14 @@ class NodeConfig:
         if not self.node_id:
             host = socket.gethostname() if self.host in ("0.0.0.0", "::", "") else self.host
             self.node_id = f"{host}:{self.port}"
+
+    def engine_config(self, spec: ModelSpec, convert_to: str | None) -> EngineConfig:
+        """The engine of one resident model: `spec`'s weights, converted to `convert_to` (None keeps them)."""
+        return EngineConfig(
+            model=spec.path, model_id=spec.id, quantization=convert_to, backend=self.backend,
+            block_size=self.block_size, kv_cache_bytes=self.kv_cache_bytes, max_model_len=self.max_model_len,
+            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs, max_waiting=self.max_waiting,
+                                      max_num_batched_tokens=self.max_num_batched_tokens))
 
     @staticmethod
     def secret_from_env(name: str = "NODE_SECRET") -> str:

@@ -14,9 +14,7 @@ parts (loading, stopping a loop) run outside it.
 from __future__ import annotations
 
 import gc
-import hashlib
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -24,19 +22,12 @@ from typing import Callable
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.loop import EngineLoop, StepThread
-from engine.node_config import ModelSpec
+from engine.node.config import ModelSpec
+from engine.node.loop import EngineLoop, StepThread
+from models.inspect import ModelFileInfo, inspect_model, resolve_quantization
 from models.loader import load_tokenizer
-from models.quant import BLOCK_FORMATS, FLOAT_FORMATS
 
 log = logging.getLogger("engine.registry")
-
-# Bytes per weight of each format (GGML block formats: 32 weights per block).
-BYTES_PER_WEIGHT = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32}
-# A model stored in mixed formats is named by its most compact one (a Q4_1 GGUF keeps its embedding in q8_0).
-FORMAT_ORDER = ("q4_0", "q4_1", "q8_0", "bf16", "f16", "f32")
-assert set(FORMAT_ORDER) == set(BLOCK_FORMATS + FLOAT_FORMATS)
-
 
 class ModelNotFound(LookupError):
     """The node has no such model (404)."""
@@ -53,81 +44,6 @@ class ModelUnavailable(RuntimeError):
 
 class ModelBusy(RuntimeError):
     """The model has requests in flight and cannot be unloaded now (409)."""
-
-
-@dataclass
-class ModelFileInfo:
-    """What the file says before loading: its dominant stored format and its weight counts."""
-    stored_format: str
-    matrix_weights: int          # elements of 2-D tensors (re-encoded by a quantization)
-    vector_bytes: int            # 1-D tensors (norms) stay float32
-    stored_bytes: int            # tensor bytes as stored
-    version: str                 # a content fingerprint, the same on every node with the same file
-
-    def weight_bytes(self, quantization: str | None) -> int:
-        if quantization is None:
-            return self.stored_bytes
-        return int(self.matrix_weights * BYTES_PER_WEIGHT[quantization]) + self.vector_bytes
-
-
-def inspect_model(path: str) -> ModelFileInfo:
-    """Read tensor shapes and types only (no weights) from a GGUF file or a safetensors directory."""
-    from models.loader import locate_model
-    kind, p = locate_model(path)
-    counts: dict[str, int] = {}
-    matrix, vector_bytes, stored = 0, 0, 0
-    if kind == "gguf":
-        from models.gguf_file import open_gguf
-        from models.quant import format_of_ggml
-        for t in open_gguf(p).tensors:
-            n = int(t.n_elements)
-            stored += int(t.n_bytes)
-            if len(t.shape) >= 2 and int(min(t.shape)) > 1:
-                matrix += n
-                try:
-                    fmt = format_of_ggml(t.tensor_type)
-                    counts[fmt] = counts.get(fmt, 0) + n
-                except ValueError:
-                    pass
-            else:
-                vector_bytes += 4 * n
-        files = [p]
-    else:
-        from safetensors import safe_open
-        dtype_format = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
-        files = sorted(os.path.join(p, f) for f in os.listdir(p) if f.endswith(".safetensors"))
-        for f in files:
-            with safe_open(f, framework="numpy") as st:
-                for name in st.keys():
-                    sl = st.get_slice(name)
-                    shape, dtype = sl.get_shape(), sl.get_dtype()
-                    n = 1
-                    for s in shape:
-                        n *= int(s)
-                    size = BYTES_PER_WEIGHT.get(dtype_format.get(dtype, "f32"), 4.0)
-                    stored += int(n * size)
-                    if len(shape) >= 2:
-                        matrix += n
-                        fmt = dtype_format.get(dtype, "f32")
-                        counts[fmt] = counts.get(fmt, 0) + n
-                    else:
-                        vector_bytes += 4 * n
-    stored_format = min(counts, key=FORMAT_ORDER.index) if counts else "f32"
-    return ModelFileInfo(stored_format, matrix, vector_bytes, stored, _fingerprint(files))
-
-
-def _fingerprint(files: list[str]) -> str:
-    """sha256 over the sizes and the first and last MiB of the files: cheap, and stable across copies."""
-    h = hashlib.sha256()
-    for f in files:
-        size = os.path.getsize(f)
-        h.update(str(size).encode())
-        with open(f, "rb") as fh:
-            h.update(fh.read(1 << 20))
-            if size > 2 << 20:
-                fh.seek(size - (1 << 20))
-                h.update(fh.read(1 << 20))
-    return h.hexdigest()[:12]
 
 
 @dataclass
@@ -218,16 +134,16 @@ class ModelRegistry:
                                        "model_load_failed", 60) from None
         return info
 
-    def label(self, model_id: str, quantization: str | None) -> str:
-        """The quantization a load with `quantization` ends up in (None keeps the file's)."""
-        return quantization or self.info(model_id).stored_format
+    def resolve(self, model_id: str, quantization: str | None) -> tuple[str, str | None]:
+        """(the label a load with `quantization` is served under, the format its weights convert to)."""
+        return resolve_quantization(quantization, self.info(model_id).stored_format)
 
     def estimate_bytes(self, model_id: str, quantization: str | None) -> int:
-        key = (model_id, self.label(model_id, quantization))
-        if key in self._exact_bytes:
-            return self._exact_bytes[key]
-        fmt = None if quantization == self.info(model_id).stored_format else quantization
-        return self.info(model_id).weight_bytes(fmt) + self.engine_config(self.spec(model_id), fmt).kv_cache_bytes
+        label, convert_to = self.resolve(model_id, quantization)
+        if (model_id, label) in self._exact_bytes:
+            return self._exact_bytes[(model_id, label)]
+        kv_cache_bytes = self.engine_config(self.spec(model_id), convert_to).kv_cache_bytes
+        return self.info(model_id).weight_bytes(convert_to) + kv_cache_bytes
 
     # ---- leases
     def _find_locked(self, model_id: str, quantization: str | None) -> ResidentModel | None:
@@ -277,9 +193,8 @@ class ModelRegistry:
         return m
 
     def _start_load(self, model_id: str, quantization: str | None) -> _LoadJob:
-        label = self.label(model_id, quantization)
+        label, fmt = self.resolve(model_id, quantization)
         key = (model_id, label)
-        fmt = None if label == self.info(model_id).stored_format else label
         need = self.estimate_bytes(model_id, quantization)
         evicted = []
         with self._lock:
@@ -368,10 +283,7 @@ class ModelRegistry:
             if closed:
                 loop.stop()
                 return
-            # Everything alive now (modules, numba's compiled code, the model) lives until an eviction:
-            # out of the cyclic GC's full collections, which otherwise walk it all while holding the
-            # GIL (60-70 ms with SmolLM2 loaded) and stall every model's token streams; the next
-            # load's many short-lived objects trigger such collections.
+            # What is alive now lives until an eviction: kept out of full GC passes, which stall every stream.
             gc.freeze()
             log.info("model loaded", extra={"event": "model_loaded", "model": spec.id, "quantization": label,
                                             "load_time_s": round(seconds, 3), "bytes": m.bytes})
@@ -391,8 +303,7 @@ class ModelRegistry:
         """Start-up: load the named models (all of them must fit), or by default the listed models in
         order while each fits without evicting another."""
         for spec in self.specs.values():
-            # Tokenizers are built here, once: building one holds the GIL for a few hundred ms, which a
-            # later cold load must not do beside other models' running streams.
+            # Built once here: building one holds the GIL, which a later cold load must not do beside streams.
             try:
                 load_tokenizer(spec.path)
             except Exception:  # an unloadable model reports its error when it is loaded

@@ -1,0 +1,73 @@
+"""The node's Flask application factory: the Node in app.extensions, the endpoints' Blueprint, the
+X-Node-Secret check and the error handlers (OpenAI's error shape, never a stack trace)."""
+from __future__ import annotations
+
+import hmac
+import logging
+import sys
+
+from flask import Flask, Response, g, jsonify, request
+from werkzeug.exceptions import HTTPException
+
+from engine.node.config import NodeConfig
+from engine.node.node import Node
+from engine.node.telemetry import Telemetry
+from engine.node.views import bp, the_node
+from engine.protocol import REQUEST_ID_HEADER, SECRET_HEADER, APIError
+
+log = logging.getLogger("engine.node")
+
+OPEN_PATHS = ("/health", "/metrics")       # everything else needs X-Node-Secret
+MAX_BODY_BYTES = 16 << 20
+GIL_SWITCH_INTERVAL_S = 0.0005             # a busy thread must not hold up the engine step's GIL hand-backs
+
+
+def error_response(e: APIError) -> Response:
+    resp = jsonify(e.body())
+    resp.status_code = e.status
+    resp.headers.update(e.headers)
+    return resp
+
+
+def create_app(config: NodeConfig, telemetry: Telemetry | None = None, start: bool = True) -> Flask:
+    """The node's Flask app; `start` loads the start-up models in the background."""
+    app = Flask("engine.node")
+    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    node = Node(config, telemetry)
+    app.extensions["zen_node"] = node
+    register_error_handlers(app)
+    app.before_request(_authenticate)
+    app.register_blueprint(bp)
+    if start:
+        node.start()
+    return app
+
+
+def _authenticate():
+    g.request_id = request.headers.get(REQUEST_ID_HEADER) or None
+    if request.path in OPEN_PATHS:
+        return None
+    given = request.headers.get(SECRET_HEADER, "").encode()
+    if not hmac.compare_digest(given, the_node().config.secret.encode()):
+        raise APIError(401, f"missing or wrong {SECRET_HEADER} header", code="invalid_node_secret",
+                       type="authentication_error")
+    return None
+
+
+def register_error_handlers(app: Flask) -> None:
+    @app.errorhandler(APIError)
+    def _api_error(e: APIError):
+        the_node().metrics.rejected(e.code or str(e.status))
+        return error_response(e)
+
+    @app.errorhandler(HTTPException)
+    def _http_error(e: HTTPException):
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.code)
+        return error_response(APIError(e.code or 500, e.description or e.name, code=code))
+
+    @app.errorhandler(Exception)
+    def _unexpected(e: Exception):
+        log.exception("unhandled error", extra={"path": request.path, "request_id": getattr(g, "request_id", None)})
+        return error_response(APIError(500, f"internal error in the engine node (request "
+                                            f"{getattr(g, 'request_id', '?')})", code="internal_error"))

@@ -1,0 +1,278 @@
+"""One generation on the node: a submitted request's deltas, answered as a JSON body or as server-sent events.
+
+A client that goes away (the socket reads EOF, or a write fails and the WSGI iterable is closed)
+cancels its request, whose blocks go back to the pool at once.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from flask import Response, jsonify
+
+from engine.engine import RequestError
+from engine.node.admission import Ticket
+from engine.node.metrics import FinishedSequence
+from engine.node.registry import ResidentModel
+from engine.protocol import (APIError, ClientGone, GenerateRequest, bad_value, client_gone,
+                             stream_error_event)
+from engine.request import EngineRequest
+
+if TYPE_CHECKING:
+    from engine.node.node import Node
+
+log = logging.getLogger("engine.node")
+
+POLL_S = 0.2                               # how often a waiting request thread checks its client
+HEARTBEAT_S = 1.0                          # a stream without tokens this long sends an SSE comment
+
+
+def unavailable(message: str, code: str, retry_after: int = 1) -> APIError:
+    return APIError(503, message, code=code, headers={"Retry-After": str(max(1, int(retry_after)))})
+
+
+def model_not_found(e: LookupError) -> APIError:
+    return APIError(404, str(e), param="model", code="model_not_found")
+
+
+def tokenize(call: GenerateRequest, m: ResidentModel) -> tuple[list[int], str | None]:
+    tok = m.engine.tokenizer
+    try:
+        if call.prompt is not None:
+            return tok.encode(call.prompt), call.prompt
+        if call.prompt_token_ids is not None:
+            return list(call.prompt_token_ids), None
+        text = tok.apply_chat_template(call.messages, add_generation_prompt=True)
+        return tok.encode(text, add_special_tokens=False), None
+    except ValueError as e:   # malformed messages, a template that refuses them
+        raise bad_value(str(e), "messages" if call.messages is not None else "prompt") from None
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else -9999.0
+
+
+@dataclass
+class Choice:
+    index: int
+    text: list = field(default_factory=list)
+    token_ids: list = field(default_factory=list)
+    logprobs: list | None = None
+    finish_reason: str | None = None
+    times: Any = None
+    started: bool = False
+
+
+class Generation:
+    """One submitted request: reads its deltas, keeps what the answer needs, and cleans up once."""
+
+    def __init__(self, node: "Node", m: ResidentModel, call: GenerateRequest, req: EngineRequest, stream,
+                 ticket: Ticket, sock):
+        self.node, self.m, self.call, self.req, self.stream = node, m, call, req, stream
+        self.ticket, self.sock = ticket, sock
+        self.choices = [Choice(i, logprobs=[] if call.sampling.logprobs is not None else None)
+                        for i in range(call.sampling.n)]
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def deltas(self, heartbeat_s: float | None = None):
+        """The request's deltas as they come; ClientGone when the client hangs up first (checked every
+        POLL_S, whether deltas flow or not). With heartbeat_s, None is yielded after that long without
+        a delta, so a stream can show its reader that it is alive (and learn whether the reader is)."""
+        checked = last = time.monotonic()
+        while True:
+            try:
+                d = self.stream.next_delta(timeout=POLL_S)
+                if d is None:   # asked once more after the last delta: see RequestStream.next_delta
+                    return
+            except queue.Empty:
+                d = None
+            now = time.monotonic()
+            if now - checked >= POLL_S:
+                checked = now
+                if client_gone(self.sock):
+                    raise ClientGone()
+                if self.node.closing or self.m.loop.failed is not None:
+                    raise RuntimeError("the engine stopped serving this model")
+            if d is None:
+                if heartbeat_s is not None and now - last >= heartbeat_s:
+                    last = now
+                    yield None
+                continue
+            last = now
+            c = self.choices[d.index]
+            if not c.started:
+                c.started = True
+                self.ticket.started()
+            c.token_ids.extend(d.token_ids)
+            c.text.append(d.text)
+            if c.logprobs is not None:
+                c.logprobs.extend(d.logprobs)
+            c.times = d.times
+            if d.finish_reason is not None:
+                c.finish_reason = d.finish_reason
+            yield d
+
+    def logprob_entry(self, lp) -> dict:
+        tok = self.m.engine.tokenizer
+        return {"token_id": lp.token_id, "token": tok.token_text(lp.token_id), "logprob": _finite(lp.logprob),
+                "top": [{"token_id": t, "token": tok.token_text(t), "logprob": _finite(v)} for t, v in lp.top]}
+
+    def usage(self) -> dict:
+        prompt = len(self.req.prompt_token_ids)
+        completion = sum(len(c.token_ids) for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def timings(self) -> dict:
+        times = [c.times for c in self.choices if c.times is not None]
+        arrival = self.req.arrival_time
+        fs = [t.first_scheduled for t in times if t.first_scheduled is not None]
+        ft = [t.first_token for t in times if t.first_token is not None]
+        fin = [t.finished for t in times if t.finished is not None]
+        gaps = [b - a for t in times for a, b in zip(t.token_times, t.token_times[1:])]
+
+        def r(x):
+            return None if x is None else round(max(0.0, x), 6)
+        return {"queue_s": r(min(fs) - arrival if fs else None),
+                "prefill_s": r(min(ft) - min(fs) if ft and fs else None),
+                "ttft_s": r(min(ft) - arrival if ft else None),
+                "mean_itl_s": r(sum(gaps) / len(gaps) if gaps else (0.0 if ft else None)),
+                "total_s": r((max(fin) if fin and len(fin) == len(self.choices) else time.monotonic()) - arrival)}
+
+    @property
+    def timed_out_before_start(self) -> bool:
+        return all(c.finish_reason == "timeout" and not c.token_ids for c in self.choices)
+
+    def close(self, outcome: str) -> None:
+        """Once: cancel if unfinished (its blocks return to the pool), free the queue slot and the lease,
+        and record metrics and the log line."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            unfinished = [c for c in self.choices if c.finish_reason is None]
+            if unfinished:
+                self.stream.cancel()
+            self.ticket.close()
+            now = time.monotonic()
+            metrics, model, cls = self.node.metrics, self.m.id, self.call.latency_class.label
+            for c in self.choices:
+                t = c.times
+                metrics.observe_finished(FinishedSequence(
+                    model, cls, self.call.org, c.finish_reason or "abort", self.req.arrival_time,
+                    t.first_scheduled if t else None, t.first_token if t else None,
+                    list(t.token_times) if t else [], (t.finished if t and t.finished else now)))
+            usage = self.usage()
+            metrics.count_tokens(model, cls, self.call.org, usage["prompt_tokens"], usage["completion_tokens"])
+            log.info("generation", extra={
+                "event": "generation", "request_id": self.req.request_id, "org": self.call.org, "model": model,
+                "quantization": self.m.quantization, "latency_class": cls, "outcome": outcome,
+                "stream": self.call.stream, "finish_reasons": [c.finish_reason or "abort" for c in self.choices],
+                **usage, **self.timings()})
+        finally:
+            self.node.registry.release(self.m)
+
+
+class SSEBody:
+    """The WSGI iterable of a stream. close() — called by the server when the response ends, when a
+    write fails or when the client went away — always runs the cleanup, even if iteration never began."""
+
+    def __init__(self, gen: Generation):
+        self.gen = gen
+        self._it = self._events()
+
+    def __iter__(self):
+        return self._it
+
+    def close(self) -> None:
+        try:
+            self._it.close()
+        finally:
+            self.gen.close("client_closed")
+
+    @staticmethod
+    def _event(obj: dict) -> bytes:
+        return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+    def _events(self):
+        gen = self.gen
+        outcome = "client_closed"
+        yield b""   # sends the headers now: the client knows the node took the request
+        try:
+            for d in gen.deltas(heartbeat_s=HEARTBEAT_S):
+                if d is None:
+                    yield b": ping\n\n"   # an SSE comment: readers skip it
+                    continue
+                chunk = []
+                n = len(d.token_ids)
+                for j, tid in enumerate(d.token_ids):
+                    lp = d.logprobs[j] if j < len(d.logprobs) else None
+                    chunk.append(self._event({
+                        "type": "token", "index": d.index, "token_id": tid, "text": d.text if j == n - 1 else "",
+                        "logprobs": gen.logprob_entry(lp) if lp is not None else None}))
+                if not n and d.text:
+                    chunk.append(self._event({"type": "token", "index": d.index, "token_id": None,
+                                              "text": d.text, "logprobs": None}))
+                if chunk:
+                    yield b"".join(chunk)
+            if gen.timed_out_before_start:
+                outcome = "queue_timeout"
+                yield self._event(stream_error_event(
+                    "the request waited past its queue_timeout_s before it was scheduled", "server_error",
+                    "queue_timeout"))
+                return
+            outcome = "ok"
+            yield self._event({"type": "done", "request_id": gen.req.request_id,
+                               "choices": [{"index": c.index, "finish_reason": c.finish_reason} for c in gen.choices],
+                               "usage": gen.usage(), "timings": gen.timings()})
+        except ClientGone:
+            outcome = "client_closed"
+        except RequestError as e:
+            outcome = "error"
+            yield self._event(stream_error_event(str(e), "invalid_request_error", e.code or "invalid_value"))
+        except Exception as e:   # noqa: BLE001 — an engine failure ends this stream with an error event
+            outcome = "error"
+            log.exception("stream failed", extra={"request_id": gen.req.request_id, "org": gen.call.org})
+            yield self._event(stream_error_event(f"engine failure: {e}", "server_error", "engine_failure"))
+        finally:
+            gen.close(outcome)
+
+
+def collect(gen: Generation) -> Response:
+    """Non-streaming: wait for every choice, then answer one JSON body."""
+    outcome = "error"
+    try:
+        for _ in gen.deltas():
+            pass
+        if gen.timed_out_before_start:
+            outcome = "queue_timeout"
+            raise unavailable("the request waited past its queue_timeout_s before it was scheduled", "queue_timeout")
+        outcome = "ok"
+        choices = [{"index": c.index, "text": "".join(c.text), "token_ids": c.token_ids,
+                    "finish_reason": c.finish_reason,
+                    "logprobs": None if c.logprobs is None else [gen.logprob_entry(lp) for lp in c.logprobs]}
+                   for c in gen.choices]
+        return jsonify({"request_id": gen.req.request_id, "model": gen.m.id, "quantization": gen.m.quantization,
+                        "choices": choices, "usage": gen.usage(), "timings": gen.timings()})
+    except ClientGone:
+        outcome = "client_closed"
+        return Response(status=499)
+    except RequestError as e:
+        raise request_error(e) from None
+    except RuntimeError as e:   # the model's loop failed, or the node is stopping
+        raise unavailable(f"engine failure: {e}", "engine_failure", 5) from None
+    finally:
+        gen.close(outcome)
+
+
+def request_error(e: RequestError) -> APIError:
+    if e.param == "request_id":
+        return APIError(409, str(e), param="request_id", code="duplicate_request_id")
+    return bad_value(str(e), e.param, e.code or "invalid_value")

@@ -1,0 +1,165 @@
+"""Node: what the node's app serves from (config, registry, metrics, telemetry, admission, state), and
+the one path of a generation: model, admission, the model's engine loop."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from engine.engine import RequestError
+from engine.node.admission import Admission
+from engine.node.config import NodeConfig
+from engine.node.generation import Generation, model_not_found, request_error, tokenize, unavailable
+from engine.node.metrics import ModelSnapshot, NodeMetrics, NodeSnapshot
+from engine.node.registry import ModelNotFound, ModelRegistry, ModelUnavailable, ResidentModel
+from engine.node.telemetry import Telemetry, host_memory_available
+from engine.protocol import AcceleratorState, GenerateRequest, MemoryState, ModelState, NodeState, QueueState
+from engine.request import EngineRequest
+
+log = logging.getLogger("engine.node")
+
+
+class Node:
+    """Everything the app serves from: config, registry, metrics, telemetry, admission."""
+
+    def __init__(self, config: NodeConfig, telemetry: Telemetry | None = None):
+        self.config = config
+        self.telemetry = telemetry or Telemetry()
+        self.admission = Admission(config.max_waiting)
+        self.metrics = NodeMetrics(config.max_org_labels, self.snapshot)
+        budget = config.memory_budget_bytes or self._default_budget()
+        self.registry = ModelRegistry(config.models, budget, config.engine_config,
+                                      on_loaded=self._on_loaded, on_evicted=self._on_evicted)
+        self.ready = threading.Event()
+        self.closing = False
+        self.started_at = time.time()
+
+    def _default_budget(self) -> int:
+        """Without --memory-budget: 90% of the GPU's memory, or 80% of the host memory available now."""
+        if self.telemetry.is_gpu:
+            return int(self.telemetry.sample().memory_total_bytes * 0.9)
+        return int(host_memory_available() * 0.8)
+
+    def _on_loaded(self, m: ResidentModel) -> None:
+        m.loop.step_listeners.append(self.metrics.step_listener(m.id, m.quantization))
+        m.loop.step_listeners.append(StreamRate(m))
+        self.metrics.model_loaded(m.id, m.quantization, m.load_time_s)
+
+    def _on_evicted(self, m: ResidentModel) -> None:
+        self.metrics.model_evicted(m.id, m.quantization)
+
+    def start(self) -> None:
+        """Load the start-up models in the background; /health answers 503 until they are in."""
+        def run():
+            try:
+                self.registry.preload(self.config.preload)
+            finally:
+                self.ready.set()
+                log.info("node ready", extra={"event": "node_ready", "node_id": self.config.node_id,
+                                              "models": [f"{m.id}:{m.quantization}" for m in self.registry.resident()]})
+        threading.Thread(target=run, name="preload", daemon=True).start()
+
+    def close(self) -> None:
+        self.closing = True
+        self.registry.close()
+        self.telemetry.close()
+
+    @property
+    def healthy(self) -> bool:
+        return self.ready.is_set() and not self.closing and all(
+            m.loop.failed is None for m in self.registry.resident())
+
+    def submit(self, call: GenerateRequest, received: float, sock) -> Generation:
+        """Find the model (loading it if needed), admit the request, and hand it to the model's loop;
+        `sock` is the client's socket, watched so that a client that leaves cancels its request."""
+        try:
+            self.registry.spec(call.model)
+        except ModelNotFound as e:
+            raise model_not_found(e) from None
+        if self.admission.would_refuse(call.sampling.n):   # before any cold load
+            raise unavailable("the node's waiting queue is full", "queue_full")
+        try:
+            m = self.registry.acquire(call.model, call.quantization, self.config.load_wait_s)
+        except ModelUnavailable as e:
+            raise unavailable(str(e), e.code, e.retry_after) from None
+        handed_over = False
+        try:
+            ids, text = tokenize(call, m)
+            req = EngineRequest(call.request_id, m.id, ids, call.sampling, call.latency_class, call.org,
+                                arrival_time=received, queue_timeout_s=call.queue_timeout_s, prompt_text=text)
+            ticket = self.admission.admit(m.key, call.sampling.n)
+            if ticket is None:
+                raise unavailable("the node's waiting queue is full", "queue_full")
+            try:
+                stream = m.loop.submit(req)
+            except RequestError as e:
+                ticket.close()
+                raise request_error(e) from None
+            except RuntimeError as e:   # the model's loop has failed
+                ticket.close()
+                raise unavailable(str(e), "engine_failure", 5) from None
+            gen = Generation(self, m, call, req, stream, ticket, sock)
+            handed_over = True   # the Generation releases the model when it closes
+            return gen
+        finally:
+            if not handed_over:
+                self.registry.release(m)
+
+    # ---- state
+    def snapshot(self) -> NodeSnapshot:
+        models = []
+        for m in self.registry.resident():
+            e = m.engine
+            models.append(ModelSnapshot(
+                m.id, m.quantization, e.num_running, e.num_waiting, e.pool.usage, e.pool.prefix_query_tokens,
+                e.pool.prefix_hit_tokens, m.bytes, m.load_time_s, m.loop.utilization()))
+        return NodeSnapshot(models, self.telemetry.sample(), self.registry.memory_budget_bytes,
+                            self.admission.waiting, self.config.max_waiting, dict(self.registry.last_load_s))
+
+    def state(self) -> NodeState:
+        """σ_g, the body of GET /state."""
+        resident = self.registry.resident()
+        tel = self.telemetry.sample()
+        models, used_blocks, blocks = [], 0, 0
+        for m in resident:
+            e, loop = m.engine, m.loop
+            used_blocks += e.pool.num_blocks - e.pool.num_free_blocks
+            blocks += e.pool.num_blocks
+            models.append(ModelState(
+                id=m.id, version=m.version, quantization=m.quantization, bytes=m.bytes,
+                load_time_s=round(m.load_time_s, 4),
+                prefill_tokens_per_s=round(loop.prefill_tokens_per_s, 2),
+                decode_tokens_per_s=round(m.stream_decode_tokens_per_s, 2),
+                batch_decode_tokens_per_s=round(loop.decode_tokens_per_s, 2),
+                running=e.num_running, waiting=loop.num_waiting, admitted=self.admission.by_model.get(m.key, 0),
+                kv_cache_usage=round(e.pool.usage, 4), kv_cache_blocks=e.pool.num_blocks,
+                utilization=round(loop.utilization(), 4), max_model_len=e.max_model_len,
+                formats=e.formats, idle_s=round(time.monotonic() - m.last_used, 1)))
+        return NodeState(
+            node_id=self.config.node_id, healthy=self.healthy, ready=self.ready.is_set(), models=tuple(models),
+            loading=tuple(self.registry.loading()), available_models=tuple(self.registry.available()),
+            utilization=round(max((m.loop.utilization() for m in resident), default=0.0), 4),
+            queue=QueueState(waiting=sum(x.waiting for x in models), running=sum(x.running for x in models),
+                             admitted=self.admission.waiting, max_waiting=self.config.max_waiting),
+            temperature_c=tel.temperature_c, power_w=tel.power_w,
+            kv_cache_usage=round(used_blocks / blocks, 4) if blocks else 0.0,
+            memory=MemoryState(used_bytes=tel.memory_used_bytes, total_bytes=tel.memory_total_bytes,
+                               budget_bytes=self.registry.memory_budget_bytes,
+                               resident_bytes=sum(m.bytes for m in resident),
+                               process_rss_bytes=tel.process_rss_bytes),
+            accelerator=AcceleratorState(device=tel.device, utilization=tel.utilization),
+            uptime_s=round(time.time() - self.started_at, 1))
+
+
+class StreamRate:
+    """Step listener: decode tokens per second as one stream sees them (1 / decode-step time), a moving
+    average — the rate the gateway's latency estimate divides max_tokens by."""
+
+    def __init__(self, m: ResidentModel):
+        self.m = m
+
+    def __call__(self, engine, step_seconds: float, deltas) -> None:
+        if step_seconds > 0 and engine.last_batch_size and engine.last_step_tokens == engine.last_batch_size:
+            rate = 1.0 / step_seconds
+            old = self.m.stream_decode_tokens_per_s
+            self.m.stream_decode_tokens_per_s = rate if not old else 0.8 * old + 0.2 * rate

@@ -1,0 +1,71 @@
+"""Running the node: under gunicorn (one worker: it owns the device; gthread for concurrent streams),
+with JSON logs and libgomp's defaults for the kernel threads (docs/performance.md says why)."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from flask import Flask
+from prometheus_client import disable_created_metrics
+
+from engine.node.app import create_app
+from engine.node.config import NodeConfig
+from engine.protocol import JsonFormatter
+
+OPENMP_SPINCOUNT = "30000"      # libgomp's default kept a core spinning, taken from the gateway, after each burst
+OPENMP_PROC_BIND = "close"      # an unbound kernel thread moved to a busy core stalls the whole parallel region
+
+
+def configure_logging(level: str = "info") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    logger = logging.getLogger("engine")
+    logger.handlers = [handler]
+    logger.setLevel(level.upper())
+    logger.propagate = False
+
+
+def _worker_exit(server, worker) -> None:
+    app = getattr(worker, "wsgi", None)
+    node = app.extensions.get("zen_node") if isinstance(app, Flask) else None
+    if node is not None:
+        node.close()
+
+
+def serve(config: NodeConfig) -> None:
+    """Run the node under gunicorn: one worker (it owns the device), gthread for concurrent streams."""
+    from gunicorn.app.base import BaseApplication
+
+    class NodeApplication(BaseApplication):
+        def load_config(self):
+            host = f"[{config.host}]" if ":" in config.host else config.host
+            settings = {
+                "bind": f"{host}:{config.port}", "workers": 1, "worker_class": "gthread",
+                "threads": config.threads, "timeout": 120, "graceful_timeout": 10, "keepalive": 5,
+                "accesslog": None, "errorlog": "-", "loglevel": config.log_level, "preload_app": False,
+                "worker_exit": _worker_exit, "proc_name": f"zen-node-{config.port}",
+                "control_socket_disable": True,   # one node per port; no shared control socket
+            }
+            for key, value in settings.items():
+                self.cfg.set(key, value)
+
+        def load(self):   # in the worker: threads, the device and the models belong to it
+            configure_logging(config.log_level)
+            disable_created_metrics()
+            return create_app(config)
+
+    openmp_defaults(os.environ)   # before the worker loads libgomp, which reads them once
+    NodeApplication().run()
+
+
+def openmp_defaults(environ) -> None:
+    """libgomp's settings for the node's kernel threads, where the operator chose none. Threads are
+    bound only when numba starts one per CPU the node may use: with fewer (several nodes sharing a
+    host), libgomp would bind every node's threads to the same first CPUs."""
+    if "GOMP_SPINCOUNT" not in environ and "OMP_WAIT_POLICY" not in environ:
+        environ["GOMP_SPINCOUNT"] = OPENMP_SPINCOUNT
+    cpus = len(os.sched_getaffinity(0))
+    if (not any(k in environ for k in ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY"))
+            and environ.get("NUMBA_NUM_THREADS", str(cpus)).strip() == str(cpus)):
+        environ["OMP_PROC_BIND"] = OPENMP_PROC_BIND

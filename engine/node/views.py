@@ -1,0 +1,120 @@
+"""The node's HTTP endpoints (a Blueprint): health, metrics, state, models, load/unload, generate."""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from flask import Blueprint, Response, current_app, g, jsonify, request
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from engine.node.generation import SSEBody, collect, model_not_found, unavailable
+from engine.node.node import Node
+from engine.node.registry import ModelBusy, ModelNotFound, ModelUnavailable
+from engine.protocol import APIError, GenerateRequest, bad_value, optional_str
+from models.inspect import check_quantization
+
+bp = Blueprint("node", __name__)
+
+
+def the_node() -> Node:
+    return current_app.extensions["zen_node"]
+
+
+def json_body() -> Any:
+    raw = request.get_data(cache=False)
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad_value(f"the request body is not valid JSON: {e}", None, "invalid_json") from None
+
+
+@bp.get("/health")
+def health():
+    n = the_node()
+    if n.healthy:
+        return jsonify({"status": "ok"})
+    status = "stopping" if n.closing else ("loading" if not n.ready.is_set() else "unhealthy")
+    resp = jsonify({"status": status})
+    resp.status_code = 503
+    resp.headers["Retry-After"] = "2"
+    return resp
+
+
+@bp.get("/metrics")
+def metrics():
+    return Response(the_node().metrics.render(), mimetype=CONTENT_TYPE_LATEST)
+
+
+@bp.get("/state")
+def state():
+    return jsonify(the_node().state().to_json())
+
+
+@bp.get("/v1/models")
+def models():
+    n = the_node()
+    resident = n.registry.resident()
+    data = []
+    for model_id in n.registry.available():
+        mine = [m for m in resident if m.id == model_id]
+        data.append({"id": model_id, "object": "model", "created": int(n.started_at), "owned_by": "zen-node",
+                     "resident": bool(mine), "quantizations": sorted(m.quantization for m in mine),
+                     "last_error": n.registry.last_error.get(model_id)})
+    return jsonify({"object": "list", "data": data})
+
+
+def _model_body() -> tuple[str, str | None]:
+    body = json_body()
+    if not isinstance(body, dict):
+        raise bad_value("the request body must be a JSON object", None, "invalid_json")
+    model = optional_str(body, "model")
+    if not model:
+        raise bad_value("model is required", "model", "missing_required_parameter")
+    try:
+        quant = check_quantization(optional_str(body, "quantization") or None)
+    except ValueError as e:
+        raise bad_value(str(e), "quantization") from None
+    return model, quant
+
+
+@bp.post("/v1/models/load")
+def load_model():
+    n = the_node()
+    model, quant = _model_body()
+    try:
+        m = n.registry.load(model, quant, n.config.load_wait_s)
+    except ModelNotFound as e:
+        raise model_not_found(e) from None
+    except ModelUnavailable as e:
+        raise unavailable(str(e), e.code, e.retry_after) from None
+    return jsonify({"status": "loaded", "model": m.id, "quantization": m.quantization, "bytes": m.bytes,
+                    "load_time_s": round(m.load_time_s, 4)})
+
+
+@bp.post("/v1/models/unload")
+def unload_model():
+    n = the_node()
+    model, quant = _model_body()
+    try:
+        gone = n.registry.unload(model, quant)
+    except ModelNotFound as e:
+        raise model_not_found(e) from None
+    except ModelBusy as e:
+        raise APIError(409, str(e), param="model", code="model_busy") from None
+    if not gone:
+        raise APIError(404, f"the model {model!r} is not resident", param="model", code="model_not_loaded")
+    return jsonify({"status": "unloaded", "unloaded": [{"id": m.id, "quantization": m.quantization}
+                                                       for m in gone]})
+
+
+@bp.post("/v1/generate")
+def generate():
+    received = time.monotonic()
+    call = GenerateRequest.from_json(json_body(), check_quantization)
+    g.request_id = call.request_id
+    gen = the_node().submit(call, received, request.environ.get("gunicorn.socket"))
+    if call.stream:
+        return Response(SSEBody(gen), mimetype="text/event-stream",
+                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return collect(gen)

@@ -1,0 +1,454 @@
+"""The gateway <-> node wire protocol, defined once and imported by both sides (docs/node-protocol.md).
+
+Light on purpose (the standard library only): the gateway imports it in every worker. What lives
+here: the header names, the latency class, the error shape, the POST /v1/generate payload, the
+GET /state body, the JSON log formatter, and how a WSGI handler tells that its client went away.
+"""
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import math
+import select
+import socket
+import uuid
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+if TYPE_CHECKING:
+    from engine.sampling import SamplingParams
+
+SECRET_HEADER = "X-Node-Secret"       # every node endpoint but /health and /metrics needs it
+REQUEST_ID_HEADER = "X-Request-Id"
+
+
+# ------------------------------------------------------------------------------------ latency class
+
+class LatencyClass(enum.IntEnum):
+    """τ: lower value = served first. Built from its rank (0..2) or its label ("realtime", ...)."""
+    REALTIME = 0
+    STANDARD = 1
+    BATCH = 2
+
+    @classmethod
+    def _missing_(cls, value):
+        if isinstance(value, str) and value.strip().upper() in cls.__members__:
+            return cls[value.strip().upper()]
+        return None
+
+    @classmethod
+    def parse(cls, value) -> "LatencyClass":
+        """The class named by `value` (case-insensitive); ValueError if none is."""
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls[str(value).strip().upper()]
+        except KeyError:
+            raise ValueError(f"must be one of {', '.join(c.label for c in cls)}") from None
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+    @property
+    def rank(self) -> int:
+        """0 for the most urgent class."""
+        return int(self)
+
+
+# ------------------------------------------------------------------------------------------- errors
+
+# OpenAI's error types by HTTP status (what the table does not name: by 4xx/5xx).
+_TYPE_BY_STATUS = {429: "rate_limit_exceeded"}
+
+
+def error_type_for(status: int) -> str:
+    return _TYPE_BY_STATUS.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+
+def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    """The OpenAI error object."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class APIError(Exception):
+    """An error to answer in OpenAI's shape with `status` and extra `headers` (such as Retry-After)."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or error_type_for(status)
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict:
+        return error_body(self.message, type=self.type, param=self.param, code=self.code)
+
+
+def sse_error_event(message: str, *, type: str = "server_error", code: str | None = None) -> str:
+    """The gateway's server-sent event carrying an error, as sent to a client after a stream started."""
+    return "data: " + json.dumps(error_body(message, type=type, code=code)) + "\n\n"
+
+
+def stream_error_event(message: str, type: str, code: str) -> dict:
+    """The node's error event, which ends a /v1/generate stream."""
+    return {"type": "error", "error": {"message": message, "type": type, "code": code}}
+
+
+class ClientGone(Exception):
+    """The client of a request closed its connection; the work done for it is abandoned."""
+
+
+def client_gone(sock) -> bool:
+    """Whether the client's socket (gunicorn's, of a WSGI request) has reached EOF. The client sends
+    nothing more while it waits for this response, so a readable socket with no bytes is a close."""
+    if sock is None:
+        return False
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        if not readable:
+            return False
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, InterruptedError):
+        return False
+    except (OSError, ValueError):
+        return True
+
+
+# --------------------------------------------------------------------------------------------- logs
+
+_STANDARD_LOG_ATTRS = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object a line; `extra` fields become keys (request_id, org, model, event, ...).
+    `context` adds the fields of the request being served (the gateway's request id and org)."""
+
+    def __init__(self, *args, context: Callable[[], dict] | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.context = context
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"ts": round(record.created, 6), "level": record.levelname.lower(), "logger": record.name,
+               "msg": record.getMessage()}
+        if self.context is not None:
+            out.update(self.context())
+        for key, value in vars(record).items():
+            if key not in _STANDARD_LOG_ATTRS and not key.startswith("_"):
+                out[key] = value
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+# ------------------------------------------------------------------------- POST /v1/generate payload
+
+def bad_value(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
+    """The node's 400 naming the parameter at fault."""
+    return APIError(400, message, param=param, code=code)
+
+
+def optional_str(body: Mapping, name: str, max_len: int = 256) -> str | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, str):
+        raise bad_value(f"{name} must be a string, got {type(v).__name__}", name)
+    if len(v) > max_len:
+        raise bad_value(f"{name} must be at most {max_len} characters", name)
+    return v
+
+
+# Sent only when set away from their defaults: the gateway never sets them.
+_SENT_WHEN_SET = frozenset({"best_of", "skip_special_tokens"})
+
+
+def sampling_to_json(params: "SamplingParams") -> dict:
+    # Shallow: asdict() deep-copies every field, a cost on each request's path for nothing.
+    return {f.name: getattr(params, f.name) for f in fields(params)
+            if f.name not in _SENT_WHEN_SET or getattr(params, f.name) != f.default}
+
+
+@dataclass
+class GenerateRequest:
+    """The body of POST /v1/generate: a request r = (m, x, θ, τ) as the gateway forwards it to a node.
+    x is exactly one of prompt, prompt_token_ids, messages."""
+    request_id: str
+    model: str
+    quantization: str | None
+    org: str
+    latency_class: LatencyClass
+    sampling: "SamplingParams"
+    stream: bool = False
+    queue_timeout_s: float | None = None
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"request_id": self.request_id, "model": self.model,
+                               "quantization": self.quantization, "org": self.org,
+                               "latency_class": self.latency_class.label}
+        if self.prompt is not None:
+            out["prompt"] = self.prompt
+        elif self.prompt_token_ids is not None:
+            out["prompt_token_ids"] = list(self.prompt_token_ids)
+        else:
+            out["messages"] = self.messages
+        out["sampling"] = sampling_to_json(self.sampling)
+        out["stream"] = self.stream
+        if self.queue_timeout_s is not None:
+            out["queue_timeout_s"] = self.queue_timeout_s
+        return out
+
+    @classmethod
+    def from_json(cls, body: Any, check_quantization: Callable[[str | None], str | None]) -> "GenerateRequest":
+        """Validate the JSON of POST /v1/generate (types and shapes; the model checks come later):
+        APIError (400) naming the parameter at fault. check_quantization raises ValueError."""
+        from engine.sampling import SamplingParamError, SamplingParams
+        if not isinstance(body, dict):
+            raise bad_value("the request body must be a JSON object", None, "invalid_json")
+        request_id = optional_str(body, "request_id") or "node-" + uuid.uuid4().hex
+        model = optional_str(body, "model")
+        if not model:
+            raise bad_value("model is required (a model id this node serves)", "model", "missing_required_parameter")
+        quantization = optional_str(body, "quantization") or None
+        try:
+            check_quantization(quantization)
+        except ValueError as e:
+            raise bad_value(str(e), "quantization") from None
+        org = optional_str(body, "org") or ""
+        given = body.get("latency_class") or "standard"
+        try:
+            latency_class = LatencyClass.parse(given)
+        except ValueError as e:
+            raise bad_value(f"latency_class {e}; got {given!r}", "latency_class") from None
+        inputs = _inputs(body)
+        sampling = body.get("sampling")
+        if sampling is None:
+            sampling = {}
+        if not isinstance(sampling, dict):
+            raise bad_value(f"sampling must be an object, got {type(sampling).__name__}", "sampling")
+        unknown = sorted(set(sampling) - set(SamplingParams.__dataclass_fields__))
+        if unknown:
+            raise bad_value(f"unknown sampling parameter(s): {', '.join(unknown)}", unknown[0], "unknown_parameter")
+        try:
+            params = SamplingParams(**sampling)
+        except SamplingParamError as e:
+            raise bad_value(str(e), e.param) from None
+        except (TypeError, ValueError) as e:
+            raise bad_value(f"invalid sampling parameters: {e}", "sampling") from None
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise bad_value(f"stream must be a boolean, got {type(stream).__name__}", "stream")
+        qt = body.get("queue_timeout_s")
+        if qt is not None and (isinstance(qt, bool) or not isinstance(qt, (int, float)) or not math.isfinite(qt)
+                               or qt <= 0):
+            raise bad_value("queue_timeout_s must be a positive number of seconds", "queue_timeout_s")
+        return cls(request_id, model, quantization, org, latency_class, params, stream,
+                   None if qt is None else float(qt), **inputs)
+
+
+def _inputs(body: Mapping) -> dict:
+    """x: exactly one of prompt, prompt_token_ids, messages, checked for its type."""
+    given = [k for k in ("prompt", "prompt_token_ids", "messages") if body.get(k) is not None]
+    if len(given) != 1:
+        raise bad_value("give exactly one of prompt, prompt_token_ids, messages"
+                        + (f" (got {', '.join(given)})" if given else ""), "prompt", "missing_required_parameter"
+                        if not given else "invalid_value")
+    if "prompt" in given:
+        if not isinstance(body["prompt"], str):
+            raise bad_value(f"prompt must be a string, got {type(body['prompt']).__name__}", "prompt")
+        return {"prompt": body["prompt"]}
+    if "prompt_token_ids" in given:
+        ids = body["prompt_token_ids"]
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise bad_value("prompt_token_ids must be a list of integers", "prompt_token_ids")
+        return {"prompt_token_ids": ids}
+    if not isinstance(body["messages"], list):
+        raise bad_value("messages must be a list of {role, content} objects", "messages")
+    return {"messages": body["messages"]}
+
+
+# ------------------------------------------------------------------------------------- GET /state
+
+def _num(value: Any, default: float = 0.0) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return default
+    return float(value)
+
+
+def _count(value: Any) -> int:
+    return max(0, int(_num(value)))
+
+
+def _opt_num(value: Any) -> float | None:
+    return _num(value) if value is not None else None
+
+
+def _fraction(value: Any) -> float:
+    return min(1.0, max(0.0, _num(value)))
+
+
+@dataclass(frozen=True)
+class ModelState:
+    """A model resident on a node, with its measured rates (0: not measured yet)."""
+    id: str
+    quantization: str
+    version: str = ""
+    bytes: int = 0
+    load_time_s: float | None = None
+    prefill_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0         # per sequence, as one stream sees it
+    batch_decode_tokens_per_s: float = 0.0   # the whole batch's
+    running: int = 0
+    waiting: int = 0                         # in the engine loop, not running yet
+    admitted: int = 0                        # without a first token yet, running or not
+    kv_cache_usage: float = 0.0
+    kv_cache_blocks: int = 0
+    utilization: float = 0.0
+    max_model_len: int = 0
+    formats: dict | list | None = None
+    idle_s: float = 0.0
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.id, self.quantization)
+
+    @classmethod
+    def from_json(cls, m: Mapping) -> "ModelState":
+        load = m.get("load_time_s")
+        return cls(
+            id=m["id"], quantization=str(m.get("quantization") or ""), version=str(m.get("version") or ""),
+            bytes=int(_num(m.get("bytes"))), load_time_s=_num(load) if load is not None else None,
+            prefill_tokens_per_s=max(0.0, _num(m.get("prefill_tokens_per_s"))),
+            decode_tokens_per_s=max(0.0, _num(m.get("decode_tokens_per_s"))),
+            batch_decode_tokens_per_s=max(0.0, _num(m.get("batch_decode_tokens_per_s"))),
+            running=int(_num(m.get("running"))), waiting=int(_num(m.get("waiting"))),
+            admitted=_count(m.get("admitted")), kv_cache_usage=_fraction(m.get("kv_cache_usage")),
+            kv_cache_blocks=_count(m.get("kv_cache_blocks")), utilization=_fraction(m.get("utilization")),
+            max_model_len=_count(m.get("max_model_len")), formats=m.get("formats"), idle_s=_num(m.get("idle_s")))
+
+
+@dataclass(frozen=True)
+class QueueState:
+    """running and waiting do not overlap (a sequence in its prefill runs); admitted, what max_waiting
+    bounds, counts the sequences without a first token, running or not."""
+    waiting: int = 0
+    running: int = 0
+    admitted: int = 0
+    max_waiting: int = 0
+
+    @classmethod
+    def from_json(cls, q: Mapping) -> "QueueState":
+        return cls(waiting=_count(q.get("waiting")), running=_count(q.get("running")),
+                   admitted=_count(q.get("admitted", q.get("waiting"))), max_waiting=_count(q.get("max_waiting")))
+
+
+@dataclass(frozen=True)
+class MemoryState:
+    used_bytes: int | None = None
+    total_bytes: int | None = None
+    budget_bytes: int = 0                    # weights + KV cache of the resident models may use
+    resident_bytes: int = 0
+    process_rss_bytes: int | None = None
+
+    @classmethod
+    def from_json(cls, m: Mapping) -> "MemoryState":
+        def opt(v):
+            return int(_num(v)) if v is not None else None
+        return cls(used_bytes=opt(m.get("used_bytes")), total_bytes=opt(m.get("total_bytes")),
+                   budget_bytes=_count(m.get("budget_bytes")), resident_bytes=_count(m.get("resident_bytes")),
+                   process_rss_bytes=opt(m.get("process_rss_bytes")))
+
+
+@dataclass(frozen=True)
+class AcceleratorState:
+    device: str = ""
+    utilization: float | None = None
+
+    @classmethod
+    def from_json(cls, a: Mapping) -> "AcceleratorState":
+        return cls(device=str(a.get("device") or ""), utilization=_opt_num(a.get("utilization")))
+
+
+@dataclass(frozen=True)
+class NodeState:
+    """σ_g: the body of GET /state. The node writes it with to_json; the router reads it with
+    from_json, which tolerates missing optional fields and junk values."""
+    node_id: str
+    healthy: bool
+    models: tuple[ModelState, ...] = ()
+    available_models: tuple[str, ...] = ()
+    utilization: float = 0.0
+    queue: QueueState = field(default_factory=QueueState)
+    temperature_c: float | None = None
+    power_w: float | None = None
+    kv_cache_usage: float = 0.0
+    ready: bool = False
+    loading: tuple[tuple[str, str], ...] = ()          # (model id, quantization) of loads in progress
+    memory: MemoryState = field(default_factory=MemoryState)
+    accelerator: AcceleratorState = field(default_factory=AcceleratorState)
+    uptime_s: float = 0.0
+
+    @property
+    def waiting(self) -> int:
+        return self.queue.waiting
+
+    @property
+    def running(self) -> int:
+        return self.queue.running
+
+    @property
+    def admitted(self) -> int:
+        return self.queue.admitted
+
+    @property
+    def max_waiting(self) -> int:
+        return self.queue.max_waiting
+
+    @property
+    def queue_full(self) -> bool:
+        return self.max_waiting > 0 and self.admitted >= self.max_waiting
+
+    def resident(self, key: tuple[str, str]) -> ModelState | None:
+        return next((m for m in self.models if m.key == key), None)
+
+    def can_load(self, model_id: str) -> bool:
+        """Whether the node can serve the model at all (resident or loadable)."""
+        return (not self.available_models or model_id in self.available_models
+                or any(m.id == model_id for m in self.models))
+
+    def to_json(self) -> dict:
+        return {
+            "node_id": self.node_id, "healthy": self.healthy, "ready": self.ready,
+            "models": [vars(m).copy() for m in self.models],
+            "loading": [{"id": i, "quantization": q} for i, q in self.loading],
+            "available_models": list(self.available_models), "utilization": self.utilization,
+            "queue": vars(self.queue).copy(), "temperature_c": self.temperature_c, "power_w": self.power_w,
+            "kv_cache_usage": self.kv_cache_usage, "memory": vars(self.memory).copy(),
+            "accelerator": vars(self.accelerator).copy(), "uptime_s": self.uptime_s,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "NodeState":
+        if not isinstance(data, Mapping):
+            raise ValueError("state is not an object")
+        models = tuple(ModelState.from_json(m) for m in data.get("models") or []
+                       if isinstance(m, Mapping) and isinstance(m.get("id"), str))
+        loading = tuple((x["id"], str(x.get("quantization") or "")) for x in data.get("loading") or []
+                        if isinstance(x, Mapping) and isinstance(x.get("id"), str))
+
+        def part(name: str) -> Mapping:
+            value = data.get(name)
+            return value if isinstance(value, Mapping) else {}
+        return cls(
+            node_id=str(data.get("node_id") or ""), healthy=data.get("healthy") is True, models=models,
+            available_models=tuple(a for a in data.get("available_models") or [] if isinstance(a, str)),
+            utilization=_fraction(data.get("utilization")), queue=QueueState.from_json(part("queue")),
+            temperature_c=_opt_num(data.get("temperature_c")), power_w=_opt_num(data.get("power_w")),
+            kv_cache_usage=_fraction(data.get("kv_cache_usage")), ready=data.get("ready") is True, loading=loading,
+            memory=MemoryState.from_json(part("memory")), accelerator=AcceleratorState.from_json(part("accelerator")),
+            uptime_s=_num(data.get("uptime_s")))

@@ -1,0 +1,113 @@
+"""What a model file says before it is loaded (tensor shapes and formats, no weights), and which
+quantization a model is served in: the one place that decides it."""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+
+
+from models.quant import (BLOCK_FORMATS, FLOAT_FORMATS, FORMATS, UnsupportedFormat, bytes_per_weight,
+                          format_of_ggml)
+
+# A model stored in mixed formats is named by its most compact one (a Q4_1 GGUF keeps its embedding in q8_0).
+FORMAT_ORDER = ("q4_0", "q4_1", "q8_0", "bf16", "f16", "f32")
+assert set(FORMAT_ORDER) == set(BLOCK_FORMATS + FLOAT_FORMATS)
+
+
+def check_quantization(quantization: str | None) -> str | None:
+    """`quantization` if it names a format weights can be served in (None: keep the stored formats)."""
+    if quantization is not None and quantization not in FORMATS:
+        raise UnsupportedFormat(f"quantization must be one of {', '.join(FORMATS)}; got {quantization!r}")
+    return quantization
+
+
+def resolve_quantization(requested: str | None, stored_format: str) -> tuple[str, str | None]:
+    """(the label a model is served under, the format its weights are converted to or None to keep
+    the file's): a request without a quantization, or for the file's own, keeps the stored weights."""
+    label = check_quantization(requested) or stored_format
+    return label, None if label == stored_format else label
+
+
+@dataclass
+class ModelFileInfo:
+    """What the file says before loading: its dominant stored format and its weight counts."""
+    stored_format: str
+    matrix_weights: int          # elements of 2-D tensors (re-encoded by a quantization)
+    vector_bytes: int            # 1-D tensors (norms) stay float32
+    stored_bytes: int            # tensor bytes as stored
+    version: str                 # a content fingerprint, the same on every node with the same file
+
+    def weight_bytes(self, convert_to: str | None) -> int:
+        if convert_to is None:
+            return self.stored_bytes
+        return int(self.matrix_weights * bytes_per_weight(convert_to)) + self.vector_bytes
+
+
+def inspect_model(path: str) -> ModelFileInfo:
+    """Read tensor shapes and types only (no weights) from a GGUF file or a safetensors directory."""
+    from models.loader import locate_model
+    kind, p = locate_model(path)
+    if kind == "gguf":
+        files = [p]
+        counts, matrix, vector_bytes, stored = _gguf_counts(p)
+    else:
+        files = sorted(os.path.join(p, f) for f in os.listdir(p) if f.endswith(".safetensors"))
+        counts, matrix, vector_bytes, stored = _safetensors_counts(files)
+    stored_format = min(counts, key=FORMAT_ORDER.index) if counts else "f32"
+    return ModelFileInfo(stored_format, matrix, vector_bytes, stored, _fingerprint(files))
+
+
+def _gguf_counts(path: str) -> tuple[dict[str, int], int, int, int]:
+    """(weights per format of the matrices, matrix weights, vector bytes as float32, stored bytes)."""
+    from models.gguf_file import open_gguf
+    counts: dict[str, int] = {}
+    matrix, vector_bytes, stored = 0, 0, 0
+    for t in open_gguf(path).tensors:
+        n = int(t.n_elements)
+        stored += int(t.n_bytes)
+        if len(t.shape) >= 2 and int(min(t.shape)) > 1:
+            matrix += n
+            try:
+                fmt = format_of_ggml(t.tensor_type)
+                counts[fmt] = counts.get(fmt, 0) + n
+            except ValueError:
+                pass
+        else:
+            vector_bytes += 4 * n
+    return counts, matrix, vector_bytes, stored
+
+
+def _safetensors_counts(files: list[str]) -> tuple[dict[str, int], int, int, int]:
+    from models.safetensors_file import _FLOAT_DTYPES, _read_header
+    counts: dict[str, int] = {}
+    matrix, vector_bytes, stored = 0, 0, 0
+    for f in files:
+        for name, entry in _read_header(f).items():
+            if name.startswith("__") or not isinstance(entry, dict):
+                continue   # __metadata__, and the data offset _read_header adds
+            shape, fmt = entry["shape"], _FLOAT_DTYPES.get(entry["dtype"], "f32")
+            n = 1
+            for s in shape:
+                n *= int(s)
+            stored += int(n * bytes_per_weight(fmt))
+            if len(shape) >= 2:
+                matrix += n
+                counts[fmt] = counts.get(fmt, 0) + n
+            else:
+                vector_bytes += 4 * n
+    return counts, matrix, vector_bytes, stored
+
+
+def _fingerprint(files: list[str]) -> str:
+    """sha256 over the sizes and the first and last MiB of the files: cheap, and stable across copies."""
+    h = hashlib.sha256()
+    for f in files:
+        size = os.path.getsize(f)
+        h.update(str(size).encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(1 << 20))
+            if size > 2 << 20:
+                fh.seek(size - (1 << 20))
+                h.update(fh.read(1 << 20))
+    return h.hexdigest()[:12]
