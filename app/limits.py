@@ -27,6 +27,7 @@ import limits.storage
 import limits.strategies
 import redis
 from flask import Flask, Response, g, request
+from prometheus_client import Counter
 
 from app.config import GatewayConfig, LimitsConfig, TierConfig
 from app.errors import APIError
@@ -37,6 +38,10 @@ REQUESTS_KEY = "zen.requests"
 KEY_PREFIX, SCOPE = "zen", "requests"    # a window's key in the storage: LIMITER/zen/<org>/requests/...
 # What the storage raises when Redis does not answer (limits wraps its own; the bucket's script does not).
 STORAGE_ERRORS = (redis.RedisError, limits.errors.StorageError)
+# Unregistered: the gateway runs under gunicorn in Prometheus multiprocess mode, where every value is
+# written to PROMETHEUS_MULTIPROC_DIR and /metrics reads them all (deploy/prometheus/rules.yml alerts on it).
+STORAGE_FAILURES = Counter("zen_gateway_limits_storage_failures",
+                           "Calls to the rate-limit storage (Redis) that failed.", registry=None)
 B = TypeVar("B")
 T = TypeVar("T")
 
@@ -194,6 +199,7 @@ class StorageHealth:
             return None if self._down_since is None else time.monotonic() - self._down_since
 
     def failed(self, exc: BaseException) -> None:
+        STORAGE_FAILURES.inc()
         with self._lock:
             first = self._down_since is None
             self._down_since = time.monotonic()
