@@ -156,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"prometheus exited with {prometheus.proc.returncode}:\n{prometheus.log()[-2000:]}",
                   file=sys.stderr)
             return 1
+        except RuntimeError as exc:   # it did not start: its log says why
+            print(exc, file=sys.stderr)
+            return 1
         except KeyboardInterrupt:
             return 0
         finally:
