@@ -31,6 +31,7 @@ DASHBOARD_PATH = REPO_ROOT / "deploy" / "grafana" / "zen-inference.json"
 GATEWAY_JOB, NODE_JOB = "zen-gateway", "zen-node"
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
+ANNOUNCE_WAIT_S = 300.0
 
 
 def prometheus_binary(name: str = "prometheus") -> str:
@@ -85,7 +86,9 @@ class LocalPrometheus:
                 f"--storage.tsdb.path={self.directory / 'data'}",
                 f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"]
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            # Its own session: a terminal's Ctrl-C reaches whoever started it, which stops it (stop()).
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -117,10 +120,9 @@ class LocalPrometheus:
     def api(self, path: str, **params) -> object:
         """The `data` of a GET on Prometheus' HTTP API (/api/v1/<path>)."""
         r = requests.get(f"{self.url}/api/v1/{path}", params=params, timeout=10)
-        r.raise_for_status()
-        body = r.json()
-        if body.get("status") != "success":
-            raise RuntimeError(f"prometheus /api/v1/{path}: {body}")
+        body = r.json()   # errors too (a bad query: 400 with its reason)
+        if r.status_code != 200 or body.get("status") != "success":
+            raise RuntimeError(f"prometheus /api/v1/{path} {params}: {r.status_code} {body}")
         return body["data"]
 
     def series(self, metric: str) -> list[dict]:
@@ -134,6 +136,22 @@ class LocalPrometheus:
             job = target["labels"]["job"]
             up[job] = up.get(job, 0) + (target["health"] == "up")
         return up
+
+
+def announce_when_scraping(prometheus: LocalPrometheus) -> None:
+    """Print the URL once every target answers (below the stack's own start-up lines), or after
+    ANNOUNCE_WAIT_S."""
+    deadline = time.monotonic() + ANNOUNCE_WAIT_S
+    while time.monotonic() < deadline and prometheus.proc.poll() is None:
+        try:
+            up = prometheus.scrapes_done()
+            if up and all(up.values()):
+                break
+        except (requests.RequestException, RuntimeError):
+            pass
+        time.sleep(1)
+    print(f"\n  Prometheus: {prometheus.url}   (alerts: {prometheus.url}/alerts, rules from "
+          f"{RULES_PATH.relative_to(REPO_ROOT)}; up: {prometheus.url}/targets)\n", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,8 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         prometheus = LocalPrometheus(directory, args.port, config)
         try:
             prometheus.start()
-            print(f"\n  Prometheus: {prometheus.url}   (alerts: {prometheus.url}/alerts, rules from "
-                  f"{RULES_PATH.relative_to(REPO_ROOT)})\n", file=sys.stderr, flush=True)
+            announce_when_scraping(prometheus)
             prometheus.proc.wait()
             print(f"prometheus exited with {prometheus.proc.returncode}:\n{prometheus.log()[-2000:]}",
                   file=sys.stderr)

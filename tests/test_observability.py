@@ -33,6 +33,8 @@ PROMQL_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right
 OPTIONAL_NODE_SERIES = {"zen_node_accelerator_power_watts": "power_w",
                         "zen_node_accelerator_temperature_celsius": "temperature_c"}
 SCRAPE_INTERVAL = "1s"
+# What Grafana puts in place of the dashboard's variables (all values of a multi-value one).
+GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$model": ".*", "$latency_class": ".*", "$org": ".*"}
 
 
 def metric_names(expr: str) -> set[str]:
@@ -47,6 +49,12 @@ def metric_names(expr: str) -> set[str]:
         if not call and name not in PROMQL_KEYWORDS:
             names.add(name)
     return names
+
+
+def as_grafana_sends_it(expr: str) -> str:
+    for variable, value in GRAFANA_VARIABLES.items():
+        expr = expr.replace(variable, value)
+    return expr
 
 
 def dashboard() -> dict:
@@ -109,6 +117,7 @@ def test_the_dashboard_loads_and_every_panel_queries_the_datasource_variable():
         assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
         for target in panel["targets"]:
             assert target["expr"].strip() and metric_names(target["expr"]), (panel["title"], target)
+            assert "$" not in as_grafana_sends_it(target["expr"]), (panel["title"], target)
     assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
 
 
@@ -173,6 +182,8 @@ def test_prometheus_holds_every_series_the_dashboard_and_the_rules_use(serving_s
         excused = {name for name in missing if state.get(OPTIONAL_NODE_SERIES.get(name, ""), 0) is None}
         assert missing == excused, (f"Prometheus holds no series for {sorted(missing - excused)}; "
                                     f"it has {sorted(prometheus.api('label/__name__/values'))}")
+        for expr in dashboard_exprs():   # each query is valid PromQL once Grafana fills in its variables
+            prometheus.api("query", query=as_grafana_sends_it(expr))
         # The rules loaded, and none fires on a healthy stack.
         groups = prometheus.api("rules")["groups"]
         assert sum(len(g["rules"]) for g in groups) == len(rule_exprs())
