@@ -31,6 +31,7 @@ import limits.storage
 import limits.strategies
 import redis
 from flask import Flask, Response, g, request
+from prometheus_client import Counter
 
 from app.config import GatewayConfig, LimitsConfig, TierConfig
 from app.limit_store import EmbeddedStorage, EmbeddedTokenBuckets, LimitStore, open_limit_store
@@ -44,6 +45,10 @@ STORE_KEY = "zen.limit_store"
 KEY_PREFIX, SCOPE = "zen", "requests"    # a window's key in the storage: LIMITER/zen/<org>/requests/...
 # What a shared storage raises when it fails (limits wraps its own; the buckets do not).
 STORAGE_ERRORS = (redis.RedisError, sqlite3.Error, limits.errors.StorageError)
+# Unregistered: the gateway runs under gunicorn in Prometheus multiprocess mode, where every value is
+# written to PROMETHEUS_MULTIPROC_DIR and /metrics reads them all (deploy/prometheus/rules.yml alerts on it).
+STORAGE_FAILURES = Counter("zen_gateway_limits_storage_failures",
+                           "Calls to the shared rate-limit storage (Redis or embedded) that failed.", registry=None)
 B = TypeVar("B")
 T = TypeVar("T")
 
@@ -81,6 +86,7 @@ class StorageHealth:
             return None if self._down_since is None else time.monotonic() - self._down_since
 
     def failed(self, exc: BaseException) -> None:
+        STORAGE_FAILURES.inc()
         with self._lock:
             first = self._down_since is None
             self._down_since = time.monotonic()
