@@ -10,6 +10,7 @@ import requests
 from app.config import ConfigError, NodesConfig, RoutingConfig, load_config
 from app.discovery import NameNotFound, NodeDiscovery, address_url, resolve_addresses
 from app.devtoken import mint_token
+from app.node_client import NodeClient
 from app.router import NodePool
 from tests.node_fixtures import free_port, start_node, tiny_models  # noqa: F401 (fixtures)
 from tests.serving_fixtures import gateway_config, launch_gateway
@@ -99,6 +100,42 @@ def test_node_pool_adds_and_drops_nodes_as_the_answers_change():
         pool.close()
 
 
+class FakeConnection:
+    closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakeResponse(FakeConnection):
+    will_close = False
+
+    def isclosed(self) -> bool:
+        return True
+
+
+def test_node_client_connects_to_discovered_nodes_and_lets_go_of_dropped_ones():
+    clock, resolver = FakeClock(), ChangingResolver(["127.0.0.2"])
+    pool = NodePool(NodesConfig(urls=("dns+http://zen-node:8001",)), RoutingConfig(), clock=clock,
+                    resolver=resolver)
+    client = NodeClient(pool, pool_size=4)
+    try:
+        pool.refresh()
+        first = client._connections_of("http://127.0.0.2:8001")
+        assert (first.host, first.port) == ("127.0.0.2", 8001)
+        resolver.answer, clock.now = ["127.0.0.3"], clock.now + 10.0
+        pool.refresh()
+        client._connections_of("http://127.0.0.3:8001")
+        assert set(client._connections) == {"http://127.0.0.3:8001"}
+        # the stream that was in flight on the dropped node ends: its connection is closed, not kept
+        conn = FakeConnection()
+        client.release("http://127.0.0.2:8001", conn, FakeResponse())
+        assert conn.closed
+    finally:
+        pool.close()
+        client.close()
+
+
 def test_getaddrinfo_gives_every_address_of_localhost():
     port = free_port()
     expected = {info[4][0] for info in socket.getaddrinfo("localhost", port, type=socket.SOCK_STREAM)}
@@ -130,6 +167,7 @@ def test_gateway_routes_to_a_node_found_by_name(start_node, tiny_models, tmp_pat
     config = gateway_config({"nodes": {"dns_refresh_s": 0.5}})
     gateway = launch_gateway(config, node_urls=[f"dns+http://localhost:{port}"], log_dir=str(tmp_path),
                              wait_nodes=1)
+    ok = False
     try:
         token = mint_token(gateway.config, "loadco")
         r = requests.post(gateway.url + "/v1/completions", headers={"Authorization": f"Bearer {token}"},
@@ -137,5 +175,8 @@ def test_gateway_routes_to_a_node_found_by_name(start_node, tiny_models, tmp_pat
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] >= 1
         assert gateway.health()["nodes_up"] == 1
+        ok = True
     finally:
+        if not ok:
+            print("---- gateway log (tail)\n" + gateway.log()[-6000:])
         gateway.stop()
