@@ -218,14 +218,15 @@ class NodesConfig:
     connect_timeout_s: float = 2.0
     read_timeout_s: float = 600.0
     max_attempts: int = 3
+    dns_refresh_s: float = 10.0      # how often dns+http(s):// names are resolved again (app/discovery.py)
 
     def __post_init__(self) -> None:
         urls = tuple(u.strip().rstrip("/") for u in self.urls if u.strip())
         object.__setattr__(self, "urls", urls)
         for url in urls:
             parsed = urlparse(url)
-            _require(parsed.scheme in ("http", "https") and bool(parsed.netloc),
-                     f"nodes.urls: not an http(s) URL: {url!r}")
+            _require(parsed.scheme in ("http", "https", "dns+http", "dns+https") and bool(parsed.netloc),
+                     f"nodes.urls: not an http(s) or dns+http(s) URL: {url!r}")
         _require(len(set(urls)) == len(urls), "nodes.urls has duplicates")
         _require(self.poll_interval_s > 0, "nodes.poll_interval_s must be > 0")
         _require(self.state_ttl_s >= self.poll_interval_s,
@@ -233,6 +234,7 @@ class NodesConfig:
         _require(self.connect_timeout_s > 0 and self.read_timeout_s > 0,
                  "nodes.connect_timeout_s/read_timeout_s must be > 0")
         _require(self.max_attempts >= 1, "nodes.max_attempts must be >= 1")
+        _require(self.dns_refresh_s > 0, "nodes.dns_refresh_s must be > 0")
 
 
 @dataclass(frozen=True)

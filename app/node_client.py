@@ -297,9 +297,9 @@ class NodeClient:
     def __init__(self, pool: NodePool, pool_size: int = 32) -> None:
         self.pool = pool
         self.config = pool.config
-        self._connections = {url: NodeConnections(url, pool_size, self.config.connect_timeout_s,
-                                                  self.config.read_timeout_s)
-                             for url in self.config.urls}
+        self._pool_size = pool_size
+        self._connections = {url: self._new_connections(url) for url in pool.discovery.known()}
+        self._connections_lock = threading.Lock()
         self.on_failover: Callable[[str, str], None] | None = None   # (node, reason): the gateway's metric
 
     def post_generate(self, url: str, body: bytes, headers: dict, on_sent: Callable[[], None] | None = None
@@ -307,7 +307,7 @@ class NodeClient:
         """POST {url}/v1/generate: (the connection, its response with the body left unread).
         on_sent runs between the request's write and the wait for the node's answer. Hand both back
         with `release`."""
-        connections = self._connections[url]
+        connections = self._connections_of(url)
         conn, kept_alive = connections.take()
         while True:
             try:
@@ -327,9 +327,10 @@ class NodeClient:
                 reuse: bool = True) -> None:
         """Done with a request: its connection goes back for reuse when its response was read to the
         end, and is closed otherwise (the node then aborts what it was doing for it)."""
-        if reuse and resp.isclosed() and not resp.will_close:
+        connections = self._connections.get(url)     # None: a node discovery dropped meanwhile
+        if reuse and connections is not None and resp.isclosed() and not resp.will_close:
             resp.close()
-            self._connections[url].give_back(conn)
+            connections.give_back(conn)
             return
         try:
             resp.close()
@@ -337,8 +338,23 @@ class NodeClient:
             conn.close()
 
     def close(self) -> None:
-        for connections in self._connections.values():
+        for connections in list(self._connections.values()):
             connections.close()
+
+    def _new_connections(self, url: str) -> NodeConnections:
+        return NodeConnections(url, self._pool_size, self.config.connect_timeout_s, self.config.read_timeout_s)
+
+    def _connections_of(self, url: str) -> NodeConnections:
+        """The node's connections; a node found by discovery gets them on its first request, and the
+        idle connections of nodes discovery has dropped are closed then (their streams go on)."""
+        connections = self._connections.get(url)
+        if connections is not None:
+            return connections
+        with self._connections_lock:
+            current = {v.url for v in self.pool.snapshot()} | {url}
+            for gone in [u for u in self._connections if u not in current]:
+                self._connections.pop(gone).close()
+            return self._connections.setdefault(url, self._new_connections(url))
 
     def dispatch(self, req: InferenceRequest, on_sent: Callable[[NodeStream], None] | None = None) -> NodeStream:
         """The stream of `req` from the best node that accepts it; APIError when none does. on_sent(the

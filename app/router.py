@@ -28,6 +28,7 @@ import urllib3
 
 from app.catalog import ResolvedModel
 from app.config import NodesConfig, RoutingConfig
+from app.discovery import NodeDiscovery, Resolver, resolve_addresses, sync_views
 from engine.protocol import SECRET_HEADER, NodeState
 
 log = logging.getLogger("zen.gateway")
@@ -126,12 +127,14 @@ class NodePool:
     """The configured nodes' states, polled in the background; ranks nodes for a request."""
 
     def __init__(self, nodes: NodesConfig, routing: RoutingConfig,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 resolver: Resolver = resolve_addresses) -> None:
         self.config = nodes
         self.routing = routing
         self._clock = clock
         self._http = urllib3.PoolManager(num_pools=max(4, len(nodes.urls)), maxsize=2, retries=False)
-        self._views = {url: NodeView(url) for url in nodes.urls}
+        self.discovery = NodeDiscovery(nodes.urls, nodes.dns_refresh_s, resolver, clock)
+        self._views = {url: NodeView(url) for url in self.discovery.known()}
         self._lock = threading.Lock()
         self._refresh_lock = threading.Lock()
         self._stop = threading.Event()
@@ -153,7 +156,9 @@ class NodePool:
             self._set_down(url, f"{exc.__class__.__name__}: {str(exc)[:200]}")
             return
         with self._lock:
-            view = self._views[url]
+            view = self._views.get(url)
+            if view is None:          # dropped by discovery while it was polled
+                return
             if view.down:
                 log.info("node up", extra={"event": "node_up", "node": url,
                                            "node_id": state.node_id})
@@ -161,7 +166,9 @@ class NodePool:
 
     def _set_down(self, url: str, reason: str) -> None:
         with self._lock:
-            view = self._views[url]
+            view = self._views.get(url)
+            if view is None:          # dropped by discovery: nothing to mark
+                return
             was_down = view.down
             view.down, view.last_error = True, reason
         if not was_down:
@@ -172,12 +179,16 @@ class NodePool:
         self._set_down(url, reason)
 
     def refresh(self) -> None:
-        """Poll every node once, concurrently."""
+        """Poll every node once, concurrently (after asking discovery for the current node set)."""
+        if self.discovery.dynamic:
+            urls = self.discovery.urls()
+            with self._lock:
+                sync_views(self._views, urls, NodeView)
         if not self._views:
             return
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=min(16, len(self._views)),
-                                                thread_name_prefix="zen-node-poll")
+            # 16 at most, not one per node: a discovered pool grows; threads start as polls need them
+            self._executor = ThreadPoolExecutor(max_workers=16, thread_name_prefix="zen-node-poll")
         list(self._executor.map(self._fetch, list(self._views)))
 
     def _poll_loop(self) -> None:

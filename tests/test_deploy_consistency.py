@@ -1,0 +1,242 @@
+"""deploy/k8s/ against the code: ports, probe paths, environment variables, scrape paths, and shutdown
+grace periods are the ones the gateway and the node actually use."""
+from __future__ import annotations
+
+import ast
+import tomllib
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+
+from app import close_app, create_app
+from app.config import load_config
+from engine.node.config import ModelSpec, NodeConfig
+from engine.node.app import create_app as create_node_app
+from tests.k8s_manifests import (REPO_ROOT, container, cpu_node_statefulset, find, pod_spec,
+                                 resources)
+
+GATEWAY = ("Deployment", "zen-gateway", "gateway")
+NODE = ("StatefulSet", "zen-node", "node")
+ROLES = {"gateway": GATEWAY, "node": NODE}
+# Environment variables read by a library, not by the project's code.
+LIBRARY_ENV = {"NUMBA_NUM_THREADS", "NUMBA_CACHE_DIR", "PROMETHEUS_MULTIPROC_DIR"}
+PROBES = ("startupProbe", "livenessProbe", "readinessProbe")
+
+
+@pytest.fixture(scope="module")
+def routes() -> dict[str, set[str]]:
+    """The URL rules of the gateway's and the node's Flask apps."""
+    gateway = create_app()
+    node = create_node_app(NodeConfig(models=[ModelSpec("model.gguf", "model")]), start=False)
+    try:
+        return {"gateway": {r.rule for r in gateway.url_map.iter_rules()},
+                "node": {r.rule for r in node.url_map.iter_rules()}}
+    finally:
+        close_app(gateway)
+        node.extensions["zen_node"].close()
+
+
+def _workload(role: str) -> dict:
+    kind, name, _ = ROLES[role]
+    return find(kind, name)
+
+
+def _main_container(role: str) -> dict:
+    return container(_workload(role), ROLES[role][2])
+
+
+def _option(command: list[str], flag: str) -> str:
+    return command[command.index(flag) + 1]
+
+
+def _env(c: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in c.get("env", [])}
+
+
+def _gateway_toml() -> dict:
+    return tomllib.loads(find("ConfigMap", "zen-gateway-config")["data"]["gateway.toml"])
+
+
+def _shipped_toml() -> dict:
+    with open(REPO_ROOT / "config" / "default.toml", "rb") as fh:
+        return tomllib.load(fh)
+
+
+def _container_port(c: dict, name: str = "http") -> int:
+    return next(p["containerPort"] for p in c["ports"] if p["name"] == name)
+
+
+# -- ports ---------------------------------------------------------------------------------------
+
+def test_gateway_port_is_the_configured_server_port():
+    port = _container_port(_main_container("gateway"))
+    assert port == _gateway_toml()["server"]["port"] == _shipped_toml()["server"]["port"] == 8000
+    service = find("Service", "zen-gateway")
+    assert [p["targetPort"] for p in service["spec"]["ports"]] == ["http"]
+
+
+def test_node_port_is_the_one_the_gateway_dials_and_the_service_publishes():
+    node = _main_container("node")
+    port = _container_port(node)
+    assert int(_option(node["command"], "--port")) == port == 8001
+    assert urlparse(_shipped_toml()["nodes"]["urls"][0]).port == port
+    dns_url = urlparse(_gateway_toml()["nodes"]["urls"][0])
+    assert dns_url.scheme == "dns+http" and dns_url.port == port
+    service = find("Service", "zen-node")
+    assert dns_url.hostname == f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc.cluster.local"
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is False
+    assert [(p["port"], p["targetPort"]) for p in service["spec"]["ports"]] == [(port, "http")]
+    assert find("StatefulSet", "zen-node")["spec"]["serviceName"] == service["metadata"]["name"]
+
+
+def test_redis_service_is_the_one_the_gateway_config_names():
+    url = urlparse(_gateway_toml()["limits"]["storage_url"])
+    service = find("Service", "zen-redis")
+    assert (url.hostname, url.port) == (service["metadata"]["name"], service["spec"]["ports"][0]["port"])
+    redis = container(find("Deployment", "zen-redis"), "redis")
+    assert _container_port(redis, "redis") == url.port
+
+
+def test_services_select_the_pods_of_their_workload():
+    for service_name, (kind, name, _) in {"zen-gateway": GATEWAY, "zen-node": NODE,
+                                          "zen-redis": ("Deployment", "zen-redis", "redis")}.items():
+        selector = find("Service", service_name)["spec"]["selector"]
+        labels = find(kind, name)["spec"]["template"]["metadata"]["labels"]
+        assert selector.items() <= labels.items(), service_name
+
+
+# -- probes and scraping -------------------------------------------------------------------------
+
+def _probe_paths() -> list[tuple[str, str, str]]:
+    out = []
+    for role in ROLES:
+        for probe in PROBES:
+            spec = _main_container(role).get(probe)
+            if spec is not None:
+                out.append((role, probe, spec["httpGet"]["path"]))
+    return out
+
+
+def test_probes_are_health_for_liveness_and_ready_for_readiness():
+    paths = {(role, probe): path for role, probe, path in _probe_paths()}
+    for role in ROLES:
+        assert paths[(role, "livenessProbe")] == "/health"
+        assert paths[(role, "readinessProbe")] == "/ready"
+
+
+@pytest.mark.parametrize("role,probe,path", _probe_paths())
+def test_probe_path_is_a_route_of_the_app(routes, role, probe, path):
+    assert path in routes[role], f"{role} {probe}: {path} is not a route of the {role} app"
+
+
+def test_monitors_name_a_service_port_and_a_path(routes):
+    monitors = [doc for _, doc in resources() if doc["kind"] in ("ServiceMonitor", "PodMonitor")]
+    assert {m["metadata"]["name"] for m in monitors} == {"zen-gateway", "zen-node"}
+    for monitor in monitors:
+        role = monitor["metadata"]["name"].removeprefix("zen-")
+        service = find("Service", monitor["metadata"]["name"])
+        assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+        for endpoint in monitor["spec"]["endpoints"]:
+            assert endpoint["path"] == "/metrics" and "/metrics" in routes[role]
+            assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
+
+
+def test_gateway_is_scraped_with_the_metrics_token_from_the_secret():
+    monitor = find("ServiceMonitor", "zen-gateway")
+    auth = monitor["spec"]["endpoints"][0]["authorization"]
+    assert auth["type"] == "Bearer"
+    assert auth["credentials"] == {"name": "zen-secrets", "key": "METRICS_TOKEN"}
+    gateway_env = _env(_main_container("gateway"))
+    assert gateway_env["METRICS_TOKEN"]["valueFrom"]["secretKeyRef"] == auth["credentials"]
+
+
+# -- environment ---------------------------------------------------------------------------------
+
+def _env_names_read(paths: list[Path]) -> set[str]:
+    """String constants the code looks up in an environment: env.get("X"), os.environ["X"], and the
+    default of a `--...-env` option (the name of a variable the command line reads)."""
+    names: set[str] = set()
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("get", "pop", "setdefault") and node.args
+                    and "env" in ast.unparse(node.func.value).lower()):
+                key = node.args[0]
+            elif isinstance(node, ast.Subscript) and "env" in ast.unparse(node.value).lower():
+                key = node.slice
+            elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+                  and str(node.args[0].value).endswith("-env")):
+                key = next((k.value for k in node.keywords if k.arg == "default"), None)
+            else:
+                continue
+            if isinstance(key, ast.Constant) and isinstance(key.value, str):
+                names.add(key.value)
+    return names
+
+
+def _code_of(role: str) -> list[Path]:
+    if role == "gateway":
+        return sorted((REPO_ROOT / "app").rglob("*.py")) + [REPO_ROOT / "config" / "gunicorn.conf.py"]
+    return sorted((REPO_ROOT / "engine").rglob("*.py"))
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_every_environment_variable_set_is_read_by_the_code(role):
+    read = _env_names_read(_code_of(role))
+    workloads = [_workload(role)] + ([cpu_node_statefulset()] if role == "node" else [])
+    for workload in workloads:
+        c = container(workload, ROLES[role][2])
+        expanded = {arg[2:-1] for arg in c["command"] if arg.startswith("$(")}   # Kubernetes fills these in
+        unread = set(_env(c)) - read - LIBRARY_ENV - expanded
+        assert not unread, f"{role}: set but never read: {sorted(unread)}"
+
+
+def test_secrets_reach_the_gateway_and_the_node_from_the_secret():
+    secret_keys = set(find("Secret", "zen-secrets")["stringData"])
+    for role, wanted in (("gateway", secret_keys), ("node", {"NODE_SECRET"})):
+        env = _env(_main_container(role))
+        for name in wanted:
+            assert env[name]["valueFrom"]["secretKeyRef"] == {"name": "zen-secrets", "key": name}
+    gateway_env = _env(_main_container("gateway"))
+    mount = next(m for m in _main_container("gateway")["volumeMounts"] if m["name"] == "config")
+    assert gateway_env["ZEN_CONFIG"]["value"] == f"{mount['mountPath']}/gateway.toml"
+    config_volume = next(v for v in pod_spec(_workload("gateway"))["volumes"] if v["name"] == "config")
+    assert config_volume["configMap"]["name"] == "zen-gateway-config"
+
+
+def test_manifest_config_builds_a_gateway_config_from_the_deployments_env(tmp_path):
+    path = tmp_path / "gateway.toml"
+    path.write_text(find("ConfigMap", "zen-gateway-config")["data"]["gateway.toml"])
+    env = {name: f"{name}-from-the-secret-0123456789abcdef" for name in _env(_main_container("gateway"))
+           if name != "ZEN_CONFIG"}
+    cfg = load_config(path, env=env)
+    assert (cfg.auth.hs256_secret, cfg.nodes.secret, cfg.server.metrics_token) == (
+        env["JWT_SECRET"], env["NODE_SECRET"], env["METRICS_TOKEN"])
+
+
+# -- shutdown ------------------------------------------------------------------------------------
+
+def _gunicorn_graceful_timeout() -> int:
+    """graceful_timeout as config/gunicorn.conf.py sets it (read, not run: running it loads the config)."""
+    tree = ast.parse((REPO_ROOT / "config" / "gunicorn.conf.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == ["graceful_timeout"]:
+            return ast.literal_eval(node.value)
+    raise AssertionError("config/gunicorn.conf.py sets no graceful_timeout")
+
+
+def _pre_stop_s(c: dict) -> int:
+    command = c["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "sleep"
+    return int(command[1])
+
+
+def test_grace_periods_cover_the_pre_stop_wait_and_the_drain():
+    gateway, node = _main_container("gateway"), _main_container("node")
+    drains = {"gateway": _gunicorn_graceful_timeout(), "node": int(_env(node)["NODE_DRAIN_GRACE_S"]["value"])}
+    assert drains == {"gateway": 30, "node": 30}
+    for role, c in (("gateway", gateway), ("node", node)):
+        grace = pod_spec(_workload(role))["terminationGracePeriodSeconds"]
+        assert grace >= _pre_stop_s(c) + drains[role], role
+        assert grace <= _pre_stop_s(c) + drains[role] + 15, f"{role}: a stuck pod would linger"

@@ -1,0 +1,96 @@
+"""deploy/k8s/: every manifest valid against the Kubernetes schemas (kubernetes-validate), the
+kustomizations complete, the Secret's placeholders not the development values, the gateway's TOML
+loadable, and the cpu/ overlay a valid StatefulSet without a GPU."""
+from __future__ import annotations
+
+import tomllib
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from app.config import DEVELOPMENT_SECRETS, ConfigError, load_config
+from tests.k8s_manifests import (BASE_DIR, K8S_DIR, container, cpu_node_statefulset, documents, find,
+                                 manifest_files, pod_spec, resources)
+
+# The oldest Kubernetes the manifests are meant for (autoscaling/v2, policy/v1 PDB, startupProbe) and the
+# newest kubernetes-validate knows.
+KUBERNETES_VERSIONS = ("1.27.0", kubernetes_validate.utils.latest_version())
+# Custom resources: not in the Kubernetes schemas, so checked here by their own rules.
+CUSTOM_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/v1", "PodMonitor")}
+SECRET_KEYS = {s.env for s in DEVELOPMENT_SECRETS}
+
+
+def _resource_id(item) -> str:
+    path, doc = item
+    return f"{path.relative_to(K8S_DIR)}:{doc['kind']}/{doc['metadata']['name']}"
+
+
+RESOURCES = list(resources())
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+@pytest.mark.parametrize("item", RESOURCES, ids=[_resource_id(i) for i in RESOURCES])
+def test_every_manifest_is_valid_against_the_kubernetes_schemas(item, version):
+    path, doc = item
+    if (doc["apiVersion"], doc["kind"]) in CUSTOM_KINDS:
+        print(f"{_resource_id(item)}: a custom resource, not in the Kubernetes schemas; checked by "
+              f"test_monitors_name_a_service_port_and_a_path")
+        return
+    kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_cpu_overlay_gives_a_valid_node_statefulset_without_a_gpu():
+    statefulset = cpu_node_statefulset()
+    for version in KUBERNETES_VERSIONS:
+        kubernetes_validate.validate(statefulset, version, strict=True)
+    node = container(statefulset, "node")
+    command = node["command"]
+    assert command[command.index("--backend") + 1] == "cpu"
+    assert "nvidia.com/gpu" not in yaml.safe_dump(statefulset)
+    assert all(c["image"].endswith(":cpu") for c in [node, *pod_spec(statefulset)["initContainers"]])
+    threads = {e["name"]: e.get("value") for e in node["env"]}["NUMBA_NUM_THREADS"]
+    assert threads == node["resources"]["limits"]["cpu"]
+
+
+def test_kustomizations_name_every_manifest_but_the_secret():
+    listed = documents(BASE_DIR / "kustomization.yaml")[0]["resources"]
+    on_disk = {p.name for p in BASE_DIR.glob("*.yaml")} - {"kustomization.yaml", "secret.yaml"}
+    assert sorted(listed) == sorted(on_disk)
+    assert documents(K8S_DIR / "kustomization.yaml")[0]["resources"] == ["base"]
+    assert documents(K8S_DIR / "cpu" / "kustomization.yaml")[0]["resources"] == ["../base"]
+    assert {p.parent.name for p in manifest_files()} == {"k8s", "base", "cpu"}
+
+
+def test_secret_has_the_three_secrets_with_placeholders_that_are_not_the_development_values():
+    secret = find("Secret", "zen-secrets")
+    assert set(secret["stringData"]) == SECRET_KEYS
+    development = {s.env: s.value for s in DEVELOPMENT_SECRETS}
+    for key, value in secret["stringData"].items():
+        assert value and value != development[key], key
+
+
+def _gateway_toml() -> str:
+    return find("ConfigMap", "zen-gateway-config")["data"]["gateway.toml"]
+
+
+def test_gateway_config_loads_with_the_secrets_and_refuses_to_start_without_them(tmp_path):
+    path = tmp_path / "gateway.toml"
+    path.write_text(_gateway_toml())
+    secrets = {key: f"{key.lower()}-a-real-secret-of-at-least-32-bytes" for key in SECRET_KEYS}
+    cfg = load_config(path, env=secrets)
+    assert cfg.server.host == "0.0.0.0"
+    assert cfg.limits.storage_url == "redis://zen-redis:6379/0"
+    assert cfg.nodes.urls == ("dns+http://zen-node.zen.svc.cluster.local:8001",)
+    assert cfg.development_secrets_in_use() == []
+    with pytest.raises(ConfigError):
+        load_config(path, env={})
+
+
+def test_gateway_config_keeps_every_section_of_the_shipped_default():
+    with open(K8S_DIR.parents[1] / "config" / "default.toml", "rb") as fh:
+        shipped = tomllib.load(fh)
+    mine = tomllib.loads(_gateway_toml())
+    assert set(mine) == set(shipped)
+    for section in ("tiers", "orgs", "models", "routing"):
+        assert mine[section] == shipped[section], section

@@ -1,0 +1,182 @@
+"""Node discovery by DNS (app/discovery.py): dns+http:// names become one node per address, nodes
+come and go as the answers change, and a gateway routes to a node it found by name."""
+from __future__ import annotations
+
+import socket
+
+import pytest
+import requests
+
+from app.config import ConfigError, NodesConfig, RoutingConfig, load_config
+from app.discovery import NameNotFound, NodeDiscovery, address_url, resolve_addresses
+from app.devtoken import mint_token
+from app.node_client import NodeClient
+from app.router import NodePool
+from tests.node_fixtures import free_port, start_node, tiny_models  # noqa: F401 (fixtures)
+from tests.serving_fixtures import gateway_config, launch_gateway
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class ChangingResolver:
+    """A resolver stub whose answer the test changes; records what it was asked."""
+
+    def __init__(self, answer) -> None:
+        self.answer = answer
+        self.asked: list[tuple[str, int]] = []
+
+    def __call__(self, host: str, port: int):
+        self.asked.append((host, port))
+        if isinstance(self.answer, BaseException):
+            raise self.answer
+        return list(self.answer)
+
+
+def test_a_name_becomes_one_node_per_address_ipv4_and_ipv6():
+    resolver = ChangingResolver(["10.0.0.5", "fd00::7"])
+    found = NodeDiscovery(["dns+http://zen-node.zen.svc.cluster.local:8001"], 10.0, resolver)
+    assert found.urls() == ["http://10.0.0.5:8001", "http://[fd00::7]:8001"]
+    assert resolver.asked == [("zen-node.zen.svc.cluster.local", 8001)]
+
+
+def test_names_are_resolved_again_only_after_dns_refresh_s():
+    clock, resolver = FakeClock(), ChangingResolver(["10.0.0.1"])
+    found = NodeDiscovery(["dns+http://nodes:8001"], 10.0, resolver, clock)
+    assert found.urls() == ["http://10.0.0.1:8001"]
+    resolver.answer = ["10.0.0.1", "10.0.0.2"]
+    clock.now += 9.9
+    assert found.urls() == ["http://10.0.0.1:8001"]
+    clock.now += 0.1
+    assert found.urls() == ["http://10.0.0.1:8001", "http://10.0.0.2:8001"]
+    assert len(resolver.asked) == 2
+
+
+def test_plain_urls_are_kept_as_they_are_beside_names():
+    resolver = ChangingResolver(["10.0.0.3"])
+    found = NodeDiscovery(["http://127.0.0.1:8001", "dns+https://nodes:9443"], 10.0, resolver)
+    assert found.known() == ["http://127.0.0.1:8001"]           # nothing resolved yet
+    assert found.urls() == ["http://127.0.0.1:8001", "https://10.0.0.3:9443"]
+    assert not NodeDiscovery(["http://127.0.0.1:8001"], 10.0, resolver).dynamic
+
+
+def test_a_name_that_is_gone_stands_for_no_node_and_a_dns_failure_keeps_the_last_answer():
+    clock, resolver = FakeClock(), ChangingResolver(["10.0.0.1", "10.0.0.2"])
+    found = NodeDiscovery(["dns+http://nodes:8001"], 1.0, resolver, clock)
+    assert len(found.urls()) == 2
+    resolver.answer, clock.now = OSError("temporary failure in name resolution"), clock.now + 1
+    assert found.urls() == ["http://10.0.0.1:8001", "http://10.0.0.2:8001"]
+    resolver.answer, clock.now = NameNotFound("nodes: Name or service not known"), clock.now + 1
+    assert found.urls() == []
+
+
+def test_node_pool_adds_and_drops_nodes_as_the_answers_change():
+    port = free_port()     # nothing listens there: every poll is refused at once
+    clock, resolver = FakeClock(), ChangingResolver(["127.0.0.2", "127.0.0.3"])
+    nodes = NodesConfig(urls=(f"dns+http://zen-node:{port}",), dns_refresh_s=5.0, connect_timeout_s=0.5)
+    pool = NodePool(nodes, RoutingConfig(), clock=clock, resolver=resolver)
+    try:
+        assert pool.snapshot() == []
+        pool.refresh()
+        assert [v.url for v in pool.snapshot()] == [f"http://127.0.0.2:{port}", f"http://127.0.0.3:{port}"]
+        assert all(v.down and v.last_error for v in pool.snapshot())
+
+        resolver.answer, clock.now = ["127.0.0.3", "127.0.0.4"], clock.now + 5.0
+        pool.refresh()
+        assert [v.url for v in pool.snapshot()] == [f"http://127.0.0.3:{port}", f"http://127.0.0.4:{port}"]
+        # a request that ends on a dropped node (its stream was in flight) marks nothing
+        pool.mark_down(f"http://127.0.0.2:{port}", "ConnectionResetError")
+        assert f"http://127.0.0.2:{port}" not in [v.url for v in pool.snapshot()]
+
+        resolver.answer, clock.now = [], clock.now + 5.0
+        pool.refresh()
+        assert pool.snapshot() == []
+    finally:
+        pool.close()
+
+
+class FakeConnection:
+    closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakeResponse(FakeConnection):
+    will_close = False
+
+    def isclosed(self) -> bool:
+        return True
+
+
+def test_node_client_connects_to_discovered_nodes_and_lets_go_of_dropped_ones():
+    clock, resolver = FakeClock(), ChangingResolver(["127.0.0.2"])
+    pool = NodePool(NodesConfig(urls=("dns+http://zen-node:8001",)), RoutingConfig(), clock=clock,
+                    resolver=resolver)
+    client = NodeClient(pool, pool_size=4)
+    try:
+        pool.refresh()
+        first = client._connections_of("http://127.0.0.2:8001")
+        assert (first.host, first.port) == ("127.0.0.2", 8001)
+        resolver.answer, clock.now = ["127.0.0.3"], clock.now + 10.0
+        pool.refresh()
+        client._connections_of("http://127.0.0.3:8001")
+        assert set(client._connections) == {"http://127.0.0.3:8001"}
+        # the stream that was in flight on the dropped node ends: its connection is closed, not kept
+        conn = FakeConnection()
+        client.release("http://127.0.0.2:8001", conn, FakeResponse())
+        assert conn.closed
+    finally:
+        pool.close()
+        client.close()
+
+
+def test_getaddrinfo_gives_every_address_of_localhost():
+    port = free_port()
+    expected = {info[4][0] for info in socket.getaddrinfo("localhost", port, type=socket.SOCK_STREAM)}
+    found = NodeDiscovery([f"dns+http://localhost:{port}"], 10.0)
+    assert set(found.urls()) == {address_url("http", a, port) for a in expected}
+    assert f"http://127.0.0.1:{port}" in found.urls()
+
+
+def test_getaddrinfo_answers_ipv6_in_brackets_and_unknown_names_as_not_found():
+    assert NodeDiscovery(["dns+http://[::1]:8001"], 10.0).urls() == ["http://[::1]:8001"]
+    with pytest.raises(NameNotFound):
+        resolve_addresses("no-such-node.invalid", 8001)
+
+
+def test_config_accepts_dns_names_and_validates_the_refresh():
+    cfg = load_config(env={"ZEN_NODES": "dns+http://zen-node.zen.svc.cluster.local:8001"})
+    assert cfg.nodes.urls == ("dns+http://zen-node.zen.svc.cluster.local:8001",)
+    assert cfg.nodes.dns_refresh_s == 10.0
+    with pytest.raises(ConfigError, match="dns_refresh_s"):
+        NodesConfig(urls=("dns+http://nodes:8001",), dns_refresh_s=0)
+    with pytest.raises(ConfigError, match="nodes.urls"):
+        NodesConfig(urls=("dns+ftp://nodes:8001",))
+
+
+@pytest.mark.slow
+def test_gateway_routes_to_a_node_found_by_name(start_node, tiny_models, tmp_path):
+    node_url = start_node([tiny_models["a"] + "=tiny-a"], secret="serving-tests-node-secret")
+    port = node_url.rsplit(":", 1)[1]
+    config = gateway_config({"nodes": {"dns_refresh_s": 0.5}})
+    gateway = launch_gateway(config, node_urls=[f"dns+http://localhost:{port}"], log_dir=str(tmp_path),
+                             wait_nodes=1)
+    ok = False
+    try:
+        token = mint_token(gateway.config, "loadco")
+        r = requests.post(gateway.url + "/v1/completions", headers={"Authorization": f"Bearer {token}"},
+                          json={"model": "zen-tiny", "prompt": "hello", "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] >= 1
+        assert gateway.health()["nodes_up"] == 1
+        ok = True
+    finally:
+        if not ok:
+            print("---- gateway log (tail)\n" + gateway.log()[-6000:])
+        gateway.stop()
