@@ -120,9 +120,10 @@ def attention_check(be, report, rng, h, hkv, dh, split, seqs) -> None:
 
 
 def sampling_check(be, report, rng, vocab: int = 49152, nrows: int = 32) -> None:
+    from engine.backends import get_backend
     from engine.backends.contract import RowSpec, SamplingBatch, SamplingParams
-    from engine.backends.cpu_sampler import sample as cpu_sample
 
+    cpu = get_backend("cpu")   # the reference, through the same contract as the backend under test
     p = SamplingParams
     prompt = rng.integers(0, vocab, 40).tolist()
     outs = rng.integers(0, vocab, 12).tolist()
@@ -136,7 +137,7 @@ def sampling_check(be, report, rng, vocab: int = 49152, nrows: int = 32) -> None
                     eos_token_ids=[2]) for i, sp in enumerate(specs)]
     logits = (3.0 * rng.standard_normal((len(rows), vocab))).astype(np.float32)
     batch = SamplingBatch.build(rows)
-    want = cpu_sample(logits, batch)
+    want = cpu.sample(cpu.upload(logits), batch)
     got = be.sample(be.upload(logits), batch)
     same = got.token_ids == want.token_ids
     report.check("sample: token ids equal to the cpu sampler", bool(same.all()),
@@ -152,7 +153,7 @@ def sampling_check(be, report, rng, vocab: int = 49152, nrows: int = 32) -> None
 
 def model_check(weights, tokenizer, be, report: Report, greedy_tokens: int = 24) -> None:
     """cpu vs cuda backend: logits of a prompt, then greedy decoding, one sequence."""
-    from engine.backends.cpu import CpuBackend
+    from engine.backends import get_backend
     from engine.backends.contract import RowSpec, SamplingBatch, SamplingParams
     from models.llama import LlamaModel
 
@@ -168,7 +169,7 @@ def model_check(weights, tokenizer, be, report: Report, greedy_tokens: int = 24)
         ids = np.random.default_rng(7).integers(3, cfg.vocab_size, min(24, cfg.max_position // 4)).astype(np.int32)
     n = len(ids)
     layout = BatchLayout(1, n + greedy_tokens + 1)
-    models = {"cpu": LlamaModel(weights, CpuBackend()), "cuda": LlamaModel(weights, be)}
+    models = {"cpu": LlamaModel(weights, get_backend("cpu")), "cuda": LlamaModel(weights, be)}
     greedy = SamplingBatch.build([RowSpec(params=SamplingParams(temperature=0.0), seed=0, step=0)])
     seqs, first_logits = {}, {}
     for name, model in models.items():
