@@ -18,7 +18,7 @@ from models.quant import QuantTensor
 from models.rope import rope_tables
 
 # From this many input rows on, a matrix would be dequantized and multiplied by numpy's BLAS instead of
-# the tiled kernels: off, as the tiled kernels were faster at every size measured (docs/notes-backends.md).
+# the tiled kernels: off, as the tiled kernels were faster at every size measured (docs/performance.md, "No BLAS path").
 # CpuLinear.blas_min_rows turns it on per matrix.
 BLAS_MIN_ROWS = 1 << 62
 
@@ -159,7 +159,7 @@ class CpuBackend:
         the default where the CPU has AVX-512 VNNI) or exactly in float32 (False).
         int8_passes: 2 (default) rounds each activation block twice (~16 bits: logits match the float
         path to ~1e-5); 1 is llama.cpp's single int8 rounding, faster for batches and prefill but
-        measurably less exact (docs/notes-backends.md)."""
+        measurably less exact (docs/performance.md, "Explicit SIMD")."""
         if int8_passes not in (1, 2):
             raise ValueError(f"int8_passes must be 1 or 2, got {int8_passes!r}")
         self.int8 = INT8_DEFAULT if int8_activations is None else bool(int8_activations)
