@@ -18,7 +18,8 @@ from models.quant import QuantTensor
 from models.rope import rope_tables
 
 # From this many input rows on, a matrix would be dequantized and multiplied by numpy's BLAS instead of
-# the tiled kernels: off, as the tiled kernels were faster at every size measured (docs/performance.md, "No BLAS path").
+# the tiled kernels: off, as the tiled kernels were faster at every size measured (docs/performance.md,
+# "No BLAS path").
 # CpuLinear.blas_min_rows turns it on per matrix.
 BLAS_MIN_ROWS = 1 << 62
 

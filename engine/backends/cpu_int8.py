@@ -4,7 +4,8 @@ Each 32-block of a row of x is rounded to int8 (scale xd = max|x| / 127), as lla
 then does 64 multiply-adds, exactly in int32, and a block is scaled once: d * xd * sum(q * xq) + m *
 (block sum of x). By default (passes = 2) the rounding error is rounded again into a second int8 plane at
 scale xd / 256, and the dot runs over both planes (256 * sum0 + sum1 in int32): x to ~16 bits for twice
-the dot work, as one plane loses too much over a model's layers (docs/performance.md, "Explicit SIMD, int8 activations in two planes").
+the dot work, as one plane loses too much over a model's layers (docs/performance.md, "Explicit SIMD,
+int8 activations in two planes").
 
 Hot code here takes raw addresses (addr(array), an integer) rather than arrays: numba reference-counts
 arrays handed to inlined helpers, which left NRT_incref calls (and every vector register spilled around
