@@ -40,8 +40,8 @@ import requests
 
 from app.config import load_config
 from app.devtoken import mint_token
+from scripts.local_processes import RedisProcess, free_port
 from tests.node_fixtures import NodeProcess, launch_node, node_state, tiny_models  # noqa: F401
-from tests.test_gateway_support import free_port, start_redis
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 JWT_SECRET = "serving-tests-jwt-secret-0123456789abcdef"
@@ -178,34 +178,6 @@ def _kill_group(proc: subprocess.Popen, sig: int) -> None:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-# ------------------------------------------------------------------------------------------ redis
-
-class RedisProcess:
-    """redis-server on a fixed loopback port; stop() and start() again on the same port."""
-
-    def __init__(self, port: int | None = None):
-        self.port = port or free_port()
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> "RedisProcess":
-        self.proc = start_redis(self.port)
-        return self
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self.proc = None
 
 
 # ---------------------------------------------------------------------------------------- gateway
