@@ -12,7 +12,9 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import requests
@@ -26,6 +28,19 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def stop_all(stops: Iterable[Callable[[], None]], what: str) -> None:
+    """Call every stop in turn, also after one raised; the errors are printed, never raised (what is
+    stopped next must still be)."""
+    errors = []
+    for stop in stops:
+        try:
+            stop()
+        except Exception as exc:  # noqa: BLE001 - keep stopping the others
+            errors.append(repr(exc))
+    if errors:
+        print(f"errors while stopping {what}:", errors, file=sys.stderr)
 
 
 class Service:

@@ -40,7 +40,7 @@ import requests
 
 from app.config import load_config
 from app.devtoken import mint_token
-from scripts.local_processes import RedisProcess, free_port
+from scripts.local_processes import RedisProcess, free_port, stop_all
 from tests.node_fixtures import NodeProcess, launch_node, node_state, tiny_models  # noqa: F401
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -310,15 +310,8 @@ class ServingStack:
     def stop(self) -> None:
         """Stop everything: the nodes first (a gateway thread waiting on a node's answer would hold the
         gateway's exit), then the gateway, then Redis. Never raises: each stop is attempted."""
-        errors = []
-        for stop in [n.stop for n in reversed(self.nodes)] + ([self.gateway.stop] if self.gateway else []) + \
-                ([self.redis.stop] if self.redis else []):
-            try:
-                stop()
-            except Exception as exc:  # noqa: BLE001 - keep stopping the others
-                errors.append(repr(exc))
-        if errors:
-            print("errors while stopping the serving stack:", errors, file=sys.stderr)
+        stop_all([n.stop for n in reversed(self.nodes)] + ([self.gateway.stop] if self.gateway else []) +
+                 ([self.redis.stop] if self.redis else []), "the serving stack")
 
 
 def start_stack(log_dir: str, *, nodes: list[list[str]] = (), node_options: dict | None = None,
