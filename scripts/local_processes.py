@@ -43,6 +43,17 @@ def stop_all(stops: Iterable[Callable[[], None]], what: str) -> None:
         print(f"errors while stopping {what}:", errors, file=sys.stderr)
 
 
+def terminate(proc: subprocess.Popen, timeout_s: float) -> None:
+    """SIGTERM to a running process, SIGKILL if it is still there after timeout_s."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
 class Service:
     """A server process (its own process group, its output in `log_path`)."""
 
@@ -135,11 +146,6 @@ class RedisProcess:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(REDIS_STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        if self.proc is not None:
+            terminate(self.proc, REDIS_STOP_TIMEOUT_S)
         self.proc = None
