@@ -27,7 +27,7 @@ from pathlib import Path
 from scripts.local_processes import RedisProcess, Service, free_port, stop_all, wait_http
 
 DEV_NODE_SECRET = "zen-development-node-secret"
-NODE_START_TIMEOUT_S = 300.0          # the default model's load and first compilation, three at once
+NODE_START_TIMEOUT_S = 300.0          # a model load, and on a fresh checkout numba compiling every kernel
 GATEWAY_START_TIMEOUT_S = 120.0
 # Variables of the launcher's own environment that would make the replicas share what must be theirs.
 PER_PROCESS_ENV = ("PROMETHEUS_MULTIPROC_DIR", "ZEN_LIMITS_DIR", "PORT", "ZEN_NODES", "REDIS_URL")
