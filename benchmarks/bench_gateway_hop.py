@@ -38,9 +38,9 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.local_stack import Service, free_port, wait_http  # noqa: E402
 from benchmarks.serving_report import log, machine_info  # noqa: E402
 from benchmarks.serving_stats import dist  # noqa: E402
+from scripts.local_processes import Service, free_port, wait_http  # noqa: E402
 
 MODEL_ID, QUANTIZATION, ALIAS = "SmolLM2-135M-Instruct", "q4_1", "zen-small"
 

@@ -3,68 +3,13 @@ beside the results; stopped after the run."""
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-from benchmarks.http_client import httpx
 from benchmarks.serving_report import log
+from scripts.local_processes import Service, free_port, wait_http
 
-ROOT = Path(__file__).resolve().parents[1]
 DEV_NODE_SECRET = "zen-development-node-secret"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Service:
-    """A server process started by --start (its own process group, log in bench-results/)."""
-
-    def __init__(self, name: str, argv: list[str], env: dict, log_path: Path):
-        self.name, self.log_path = name, log_path
-        self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(30)
-            except (subprocess.TimeoutExpired, ProcessLookupError):
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.proc.wait(10)
-        self._log.close()
-
-    def tail(self, n: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
-
-
-def wait_http(url: str, service: Service, timeout: float, ok=lambda r: r.status_code == 200) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if service.proc.poll() is not None:
-            raise SystemExit(f"error: the {service.name} exited with {service.proc.returncode}:\n{service.tail()}")
-        try:
-            r = httpx.get(url, timeout=2.0)
-            if ok(r):
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise SystemExit(f"error: the {service.name} did not become ready in {timeout:.0f} s:\n{service.tail()}")
 
 
 def start_stack(args, out_dir: Path) -> tuple[list[Service], str, str, str]:

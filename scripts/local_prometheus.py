@@ -24,6 +24,8 @@ from pathlib import Path
 import requests
 import yaml
 
+from scripts.local_processes import terminate
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG_PATH = REPO_ROOT / "deploy" / "prometheus" / "prometheus.yml"
 RULES_PATH = REPO_ROOT / "deploy" / "prometheus" / "rules.yml"
@@ -109,13 +111,8 @@ class LocalPrometheus:
             return ""
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        if self.proc is not None:
+            terminate(self.proc, STOP_TIMEOUT_S)
 
     def api(self, path: str, **params) -> object:
         """The `data` of a GET on Prometheus' HTTP API (/api/v1/<path>)."""

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,17 +28,12 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.protocol import SECRET_HEADER
+from scripts.local_processes import free_port
 from tests.tiny_model import make_tiny_tokenizer, make_tiny_weights, write_tiny_gguf
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 15.0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_tiny_model(directory, name: str, seed: int, **shape) -> str:

@@ -40,8 +40,8 @@ import requests
 
 from app.config import load_config
 from app.devtoken import mint_token
+from scripts.local_processes import RedisProcess, free_port, stop_all
 from tests.node_fixtures import NodeProcess, launch_node, node_state, tiny_models  # noqa: F401
-from tests.test_gateway_support import free_port, start_redis
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 JWT_SECRET = "serving-tests-jwt-secret-0123456789abcdef"
@@ -180,34 +180,6 @@ def _kill_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-# ------------------------------------------------------------------------------------------ redis
-
-class RedisProcess:
-    """redis-server on a fixed loopback port; stop() and start() again on the same port."""
-
-    def __init__(self, port: int | None = None):
-        self.port = port or free_port()
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> "RedisProcess":
-        self.proc = start_redis(self.port)
-        return self
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self.proc = None
-
-
 # ---------------------------------------------------------------------------------------- gateway
 
 class GatewayProcess:
@@ -338,15 +310,8 @@ class ServingStack:
     def stop(self) -> None:
         """Stop everything: the nodes first (a gateway thread waiting on a node's answer would hold the
         gateway's exit), then the gateway, then Redis. Never raises: each stop is attempted."""
-        errors = []
-        for stop in [n.stop for n in reversed(self.nodes)] + ([self.gateway.stop] if self.gateway else []) + \
-                ([self.redis.stop] if self.redis else []):
-            try:
-                stop()
-            except Exception as exc:  # noqa: BLE001 - keep stopping the others
-                errors.append(repr(exc))
-        if errors:
-            print("errors while stopping the serving stack:", errors, file=sys.stderr)
+        stop_all([n.stop for n in reversed(self.nodes)] + ([self.gateway.stop] if self.gateway else []) +
+                 ([self.redis.stop] if self.redis else []), "the serving stack")
 
 
 def start_stack(log_dir: str, *, nodes: list[list[str]] = (), node_options: dict | None = None,

@@ -15,7 +15,6 @@ import json
 import socket
 import threading
 import time
-from contextlib import closing
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -24,6 +23,7 @@ import pytest
 from app import close_app, create_app
 from app.config import load_config
 from app.devtoken import mint_token
+from scripts.local_processes import free_port, start_redis
 
 NODE_SECRET = "test-node-secret"
 JWT_SECRET = "test-jwt-secret-0123456789abcdef-0123456789"
@@ -34,12 +34,6 @@ TOKENS = [(19556, "Hello"), (28, ","), (905, " world"), (17, "!"), (2683, " How"
           (359, " are"), (346, " you"), (47, "?"), (378, " I"), (5248, " am"),
           (253, " a"), (1345, " small"), (2365, " model"), (30, ".")]
 EOS_AFTER = len(TOKENS)
-
-
-def free_port() -> int:
-    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class StandInNode:
@@ -368,33 +362,6 @@ def auth(gateway):
 
 
 # -- Redis ----------------------------------------------------------------------------------------
-
-def start_redis(port: int):
-    """A real redis-server on loopback (no persistence); returns the process."""
-    import shutil
-    import subprocess
-
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.fail("redis-server is not installed (apt-get install redis-server; .ci/run does it)")
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--daemonize", "no", "--loglevel", "warning"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    import redis as redis_lib
-    client = redis_lib.Redis(port=port, socket_connect_timeout=0.2)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            client.ping()
-            break
-        except redis_lib.RedisError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                raise RuntimeError("redis-server did not start")
-            time.sleep(0.05)
-    client.close()
-    return proc
-
 
 @pytest.fixture
 def redis_url():
