@@ -12,9 +12,9 @@ from pathlib import Path
 
 from benchmarks.http_client import httpx
 from benchmarks.serving_report import log
+from engine.protocol import DEV_NODE_SECRET
 
 ROOT = Path(__file__).resolve().parents[1]
-DEV_NODE_SECRET = "zen-development-node-secret"
 
 
 def free_port() -> int:

@@ -45,7 +45,7 @@ def _serve(args) -> int:
     try:
         config = NodeConfig(
             models=[ModelSpec.parse(m) for m in args.models], host=args.host, port=args.port,
-            node_id=args.node_id, secret=NodeConfig.secret_from_env(args.secret_env),
+            node_id=args.node_id, secret=NodeConfig.secret_from_env(args.secret_env, host=args.host),
             memory_budget_bytes=parse_bytes(args.memory_budget) if args.memory_budget else None,
             kv_cache_bytes=parse_bytes(args.kv_cache_bytes), max_waiting=args.max_waiting, backend=args.backend,
             block_size=args.block_size, max_num_seqs=args.max_num_seqs,
