@@ -67,7 +67,6 @@ class NodeConfig:
     preload: list[str] | None = None           # ids loaded at start; None: the listed models, in order, while they fit
     load_wait_s: float = 120.0                 # how long a request waits for a cold load before a 503
     threads: int = 32                          # concurrent HTTP requests (streams) of the single worker
-    max_org_labels: int = 100                  # distinct org label values in metrics; the rest are "other"
     log_level: str = "info"
 
     def __post_init__(self):
@@ -81,8 +80,7 @@ class NodeConfig:
             unknown = [p for p in self.preload if p not in ids]
             if unknown:
                 raise ValueError(f"--preload names models not in --models: {', '.join(unknown)}")
-        for name in ("kv_cache_bytes", "max_waiting", "max_num_seqs", "max_num_batched_tokens", "threads",
-                     "max_org_labels"):
+        for name in ("kv_cache_bytes", "max_waiting", "max_num_seqs", "max_num_batched_tokens", "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.memory_budget_bytes is not None and self.memory_budget_bytes < 1:
