@@ -50,7 +50,8 @@ def _serve(args) -> int:
             kv_cache_bytes=parse_bytes(args.kv_cache_bytes), max_waiting=args.max_waiting, backend=args.backend,
             block_size=args.block_size, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-            preload=args.preload, load_wait_s=args.load_wait, threads=args.threads, log_level=args.log_level)
+            preload=args.preload, load_wait_s=args.load_wait, threads=args.threads,
+            log_level=args.log_level)
         for spec in config.models:
             if not os.path.exists(spec.path):
                 raise ValueError(f"model not found: {spec.path}")
