@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import ipaddress
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -17,7 +16,7 @@ from pathlib import Path
 from typing import Any, Mapping, NamedTuple
 from urllib.parse import urlparse
 
-from engine.protocol import LatencyClass
+from engine.protocol import DEV_NODE_SECRET, LatencyClass, is_loopback_host
 from models.formats import FORMATS
 
 
@@ -41,7 +40,7 @@ class DevelopmentSecret(NamedTuple):
 # The secrets config/default.toml ships: public, so a gateway refuses them off loopback.
 DEVELOPMENT_SECRETS = (
     DevelopmentSecret("auth.hs256_secret", "JWT_SECRET", "zen-development-secret-do-not-use-in-production"),
-    DevelopmentSecret("nodes.secret", "NODE_SECRET", "zen-development-node-secret"),
+    DevelopmentSecret("nodes.secret", "NODE_SECRET", DEV_NODE_SECRET),
     DevelopmentSecret("server.metrics_token", "METRICS_TOKEN", "zen-development-metrics-token"),
 )
 
@@ -49,17 +48,6 @@ DEVELOPMENT_SECRETS = (
 def _require(cond: bool, message: str) -> None:
     if not cond:
         raise ConfigError(message)
-
-
-def is_loopback_host(host: str | None) -> bool:
-    """Whether `host` (a name or an IP address, IPv6 with or without brackets) is this machine only."""
-    name = (host or "").strip().strip("[]").rstrip(".").lower()
-    if name == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False
 
 
 @dataclass(frozen=True)

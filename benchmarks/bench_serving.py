@@ -64,10 +64,11 @@ sys.path.insert(0, str(ROOT))  # run as a script: benchmarks/ is a package of th
 
 from benchmarks.gateway_overhead import measure_overhead  # noqa: E402
 from benchmarks.http_client import httpx  # noqa: E402
-from benchmarks.local_stack import DEV_NODE_SECRET, Service, start_stack, stop_stack  # noqa: E402
+from benchmarks.local_stack import Service, start_stack, stop_stack  # noqa: E402
 from benchmarks.serving_report import log, machine_info, print_level, targets, write_plot  # noqa: E402
 from benchmarks.serving_stats import summarize  # noqa: E402
 from benchmarks.serving_workload import OpenAIDriver, PromptOrder, load_prompts, run_concurrency, run_poisson  # noqa: E402,E501
+from engine.protocol import DEV_NODE_SECRET  # noqa: E402
 
 DEFAULT_PROMPTS = ROOT / "benchmarks" / "prompts.jsonl"
 DEFAULT_MODEL_PATH = ROOT / "models" / "weights" / "SmolLM2-135M-Instruct.Q4_1.gguf"

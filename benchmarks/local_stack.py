@@ -7,9 +7,8 @@ import sys
 from pathlib import Path
 
 from benchmarks.serving_report import log
+from engine.protocol import DEV_NODE_SECRET
 from scripts.local_processes import Service, free_port, wait_http
-
-DEV_NODE_SECRET = "zen-development-node-secret"
 
 
 def start_stack(args, out_dir: Path) -> tuple[list[Service], str, str, str]:

@@ -45,13 +45,13 @@ def _serve(args) -> int:
     try:
         config = NodeConfig(
             models=[ModelSpec.parse(m) for m in args.models], host=args.host, port=args.port,
-            node_id=args.node_id, secret=NodeConfig.secret_from_env(args.secret_env),
+            node_id=args.node_id, secret=NodeConfig.secret_from_env(args.secret_env, host=args.host),
             memory_budget_bytes=parse_bytes(args.memory_budget) if args.memory_budget else None,
             kv_cache_bytes=parse_bytes(args.kv_cache_bytes), max_waiting=args.max_waiting, backend=args.backend,
             block_size=args.block_size, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
             preload=args.preload, load_wait_s=args.load_wait, threads=args.threads,
-            max_org_labels=args.max_org_labels, log_level=args.log_level)
+            log_level=args.log_level)
         for spec in config.models:
             if not os.path.exists(spec.path):
                 raise ValueError(f"model not found: {spec.path}")
@@ -102,7 +102,6 @@ def main(argv=None) -> int:
     s.add_argument("--block-size", type=int, default=16)
     s.add_argument("--load-wait", type=float, default=120.0, metavar="SECONDS",
                    help="how long a request waits for a cold load before a 503")
-    s.add_argument("--max-org-labels", type=int, default=100)
     s.add_argument("--log-level", default="info")
     args, rest = ap.parse_known_args(argv)
     if args.command == "serve":

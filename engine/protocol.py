@@ -1,12 +1,14 @@
 """The gateway <-> node wire protocol, defined once and imported by both sides (docs/node-protocol.md).
 
 Light on purpose (the standard library only): the gateway imports it in every worker. What lives
-here: the header names, the latency class, the error shape, the POST /v1/generate payload, the
-GET /state body, the JSON log formatter, and how a WSGI handler tells that its client went away.
+here: the header names, the shipped development node secret and the loopback test that confines it,
+the latency class, the error shape, the POST /v1/generate payload, the GET /state body, the JSON log
+formatter, and how a WSGI handler tells that its client went away.
 """
 from __future__ import annotations
 
 import enum
+import ipaddress
 import json
 import logging
 import math
@@ -21,6 +23,23 @@ if TYPE_CHECKING:
 
 SECRET_HEADER = "X-Node-Secret"       # every node endpoint but /health and /metrics needs it
 REQUEST_ID_HEADER = "X-Request-Id"
+
+
+# -------------------------------------------------------------------------- development node secret
+
+# config/default.toml ships it ([nodes] secret), so it is public: nodes and gateways take it on loopback only.
+DEV_NODE_SECRET = "zen-development-node-secret"
+
+
+def is_loopback_host(host: str | None) -> bool:
+    """Whether `host` (a name or an IP address, IPv6 with or without brackets) is this machine only."""
+    name = (host or "").strip().strip("[]").rstrip(".").lower()
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
 
 
 # ------------------------------------------------------------------------------------ latency class

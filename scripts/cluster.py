@@ -24,9 +24,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.protocol import DEV_NODE_SECRET
 from scripts.local_processes import RedisProcess, Service, free_port, stop_all, wait_http
-
-DEV_NODE_SECRET = "zen-development-node-secret"
 NODE_START_TIMEOUT_S = 300.0          # a model load, and on a fresh checkout numba compiling every kernel
 GATEWAY_START_TIMEOUT_S = 120.0
 # Variables of the launcher's own environment that would make the replicas share what must be theirs.

@@ -75,11 +75,11 @@ def launch_node(models: list[str], secret: str, *, memory_budget: int | str | No
                 kv_cache_bytes: int | str = "4MiB", max_waiting: int | None = None,
                 max_num_seqs: int | None = None, load_wait: float | None = None,
                 preload: list[str] | None = None, threads: int = 8, extra_args: tuple = (),
-                log_dir: str | None = None, env: dict | None = None) -> NodeProcess:
-    """Start `python -m engine serve` on a free loopback port and wait for /health 200.
-    models: "PATH" or "PATH=ID" strings."""
+                log_dir: str | None = None, env: dict | None = None, host: str = "127.0.0.1") -> NodeProcess:
+    """Start `python -m engine serve` on a free port of `host` and wait for /health 200 on loopback.
+    models: "PATH" or "PATH=ID" strings; an empty `secret` is NODE_SECRET unset, as the node reads it."""
     port = free_port()
-    args = [sys.executable, "-m", "engine", "serve", "--host", "127.0.0.1", "--port", str(port),
+    args = [sys.executable, "-m", "engine", "serve", "--host", host, "--port", str(port),
             "--models", *models, "--backend", "cpu", "--kv-cache-bytes", str(kv_cache_bytes),
             "--threads", str(threads), "--log-level", "info"]
     if memory_budget is not None:

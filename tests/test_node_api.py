@@ -8,6 +8,7 @@ import os
 import psutil
 import pytest
 import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.node_fixtures import (SECRET_HEADER, assert_openai_error, generate, launch_node, metric, node_state,
                                  scrape, sse_events, tiny_models, wait_for)  # noqa: F401 (tiny_models: fixture)
@@ -124,7 +125,7 @@ def test_metrics_present_and_moving(node):
     names = {n for n, _ in before}
     missing = [n for n in METRIC_NAMES if not any(s == n or s.startswith(n + "_") for s in names)]
     assert not missing, missing
-    labels = {"model": "tiny-b", "latency_class": "batch", "org": "metrics-org"}
+    labels = {"model": "tiny-b", "latency_class": "batch"}
     prompt = [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
     for _ in range(2):   # the second one hits the prefix cache
         r = post(node, {"model": "tiny-b", "org": "metrics-org", "latency_class": "batch",
@@ -151,6 +152,23 @@ def test_metrics_present_and_moving(node):
     buckets = [float(dict(ls)["le"]) for n, ls in after if n == "zen_node_e2e_request_latency_seconds_bucket"
                and dict(ls)["le"] != "+Inf"]
     assert max(buckets) >= 480
+
+
+def test_open_metrics_carry_no_org(node):
+    """/metrics needs no secret, so it names no organization: per-org figures are the gateway's, behind its token."""
+    served = metric(scrape(node), "zen_node_request_success_total")
+    for org in ("org-alpha-31", "org-bravo-47"):
+        for stream in (False, True):
+            r = post(node, {"model": "tiny-a", "org": org, "prompt": "hello", "stream": stream,
+                            "sampling": {"max_tokens": 3}}, stream=stream)
+            assert r.status_code == 200, r.text
+            r.content   # read to the end: the sequence is counted once its response is closed
+    wait_for(lambda: metric(scrape(node), "zen_node_request_success_total") == served + 4, what="the 4 counted")
+    r = requests.get(node + "/metrics", timeout=10)
+    assert r.status_code == 200 and "zen_node_request_success_total" in r.text
+    assert "org-alpha-31" not in r.text and "org-bravo-47" not in r.text
+    labels = {name for fam in text_string_to_metric_families(r.text) for s in fam.samples for name in s.labels}
+    assert "org" not in labels and {"model", "latency_class", "finished_reason"} <= labels
 
 
 def test_secret_required(node):
@@ -247,7 +265,7 @@ def test_disconnect_aborts_running_stream(node):
     wait_for(lambda: (lambda s: s["queue"]["running"] == 0 and s["kv_cache_usage"] == 0.0)(state(node)),
              what="running 0 and the KV cache empty after the disconnect")
     after = scrape(node)
-    labels = {"model": "tiny-a", "org": "leaver"}
+    labels = {"model": "tiny-a"}
     assert metric(after, "zen_node_request_success_total", finished_reason="abort", **labels) \
         - metric(before, "zen_node_request_success_total", finished_reason="abort", **labels) == 1
     assert metric(after, "zen_node_generation_tokens_total", **labels) < 4000
@@ -255,15 +273,17 @@ def test_disconnect_aborts_running_stream(node):
 
 
 def test_disconnect_aborts_non_streaming_request(node):
+    before = scrape(node)
     with pytest.raises(requests.exceptions.ReadTimeout):
         requests.post(node + "/v1/generate", headers=AUTH, timeout=(5, 0.3),
                       json={"model": "tiny-a", "org": "impatient", "prompt_token_ids": [9],
                             "sampling": {"max_tokens": 4000, "ignore_eos": True}})
     wait_for(lambda: (lambda s: s["queue"]["running"] == 0 and s["kv_cache_usage"] == 0.0)(state(node)),
              what="the abandoned request aborted")
-    m = scrape(node)
-    assert metric(m, "zen_node_request_success_total", finished_reason="abort", org="impatient") == 1
-    assert metric(m, "zen_node_generation_tokens_total", org="impatient") < 4000
+    after = scrape(node)
+    assert metric(after, "zen_node_request_success_total", finished_reason="abort") \
+        - metric(before, "zen_node_request_success_total", finished_reason="abort") == 1
+    assert metric(after, "zen_node_generation_tokens_total") - metric(before, "zen_node_generation_tokens_total") < 4000
 
 
 def test_openmp_defaults_leave_the_operators_choice():

@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import engine.node.telemetry as telemetry
-from engine.node.metrics import FinishedSequence, ModelSnapshot, NodeMetrics, NodeSnapshot, OrgLabels
+from engine.node.metrics import FinishedSequence, ModelSnapshot, NodeMetrics, NodeSnapshot
 from engine.node.telemetry import Telemetry, TelemetrySample
 
 Temp = namedtuple("Temp", "label current high critical")
@@ -91,11 +91,6 @@ def test_host_sensors_and_rapl(monkeypatch, tmp_path):
     assert t.sample().power_w == pytest.approx(15.0)
 
 
-def test_org_labels_are_bounded():
-    label = OrgLabels(2)
-    assert [label(o) for o in ("a", "b", "c", "a", "d", "")] == ["a", "b", "other", "a", "other", "other"]
-
-
 def _samples(m: NodeMetrics) -> dict:
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for fam in text_string_to_metric_families(m.render().decode()) for s in fam.samples}
@@ -105,12 +100,12 @@ def test_metrics_registries_are_per_app_and_absent_values_are_not_exported():
     accel = TelemetrySample("cpu", 10, 100, 0.5, None, None, 5)
     snap = NodeSnapshot([ModelSnapshot("m", "q8_0", 2, 1, 0.25, 100, 40, 1000, 0.5, 0.3)], accel, 5000, 1, 8,
                         {("m", "q8_0"): 0.5})
-    a, b = NodeMetrics(max_orgs=1, snapshot=lambda: snap), NodeMetrics()
-    a.observe_finished(FinishedSequence("m", "realtime", "org1", "stop", 0.0, 0.5, 1.0, [1.0, 1.5, 2.5], 2.5))
-    a.observe_finished(FinishedSequence("m", "realtime", "org2", "abort", 0.0, None, None, [], 3.0))
-    a.count_tokens("m", "realtime", "org1", 7, 3)
+    a, b = NodeMetrics(snapshot=lambda: snap), NodeMetrics()
+    a.observe_finished(FinishedSequence("m", "realtime", "stop", 0.0, 0.5, 1.0, [1.0, 1.5, 2.5], 2.5))
+    a.observe_finished(FinishedSequence("m", "batch", "abort", 0.0, None, None, [], 3.0))
+    a.count_tokens("m", "realtime", 7, 3)
     s = _samples(a)
-    lab = (("latency_class", "realtime"), ("model", "m"), ("org", "org1"))
+    lab = (("latency_class", "realtime"), ("model", "m"))
     assert s[("zen_node_time_to_first_token_seconds_sum", lab)] == 1.0
     assert s[("zen_node_request_queue_time_seconds_sum", lab)] == 0.5
     assert s[("zen_node_request_prefill_time_seconds_sum", lab)] == 0.5
@@ -118,8 +113,8 @@ def test_metrics_registries_are_per_app_and_absent_values_are_not_exported():
     assert s[("zen_node_inter_token_latency_seconds_count", lab)] == 2
     assert s[("zen_node_e2e_request_latency_seconds_sum", lab)] == 2.5
     assert s[("zen_node_prompt_tokens_total", lab)] == 7 and s[("zen_node_generation_tokens_total", lab)] == 3
-    other = (("finished_reason", "abort"), ("latency_class", "realtime"), ("model", "m"), ("org", "other"))
-    assert s[("zen_node_request_success_total", other)] == 1
+    aborted = (("finished_reason", "abort"), ("latency_class", "batch"), ("model", "m"))
+    assert s[("zen_node_request_success_total", aborted)] == 1
     ml = (("model", "m"), ("quantization", "q8_0"))
     assert s[("zen_node_num_requests_running", ml)] == 2 and s[("zen_node_num_requests_waiting", ml)] == 1
     assert s[("zen_node_kv_cache_usage_perc", ml)] == 0.25 and s[("zen_node_prefix_cache_hit_rate", ml)] == 0.4

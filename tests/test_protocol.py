@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from engine.protocol import (APIError, GenerateRequest, LatencyClass, ModelState, NodeState, QueueState,
-                             error_type_for)
+                             error_type_for, is_loopback_host)
 from engine.sampling import SamplingParams
 from models.inspect import check_quantization
 
@@ -17,6 +17,14 @@ def test_the_protocol_module_is_light():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("host,loopback", [
+    ("127.0.0.1", True), ("127.8.9.10", True), ("localhost", True), ("LocalHost.", True), ("::1", True),
+    ("[::1]", True), (" 127.0.0.1 ", True), ("0.0.0.0", False), ("::", False), ("", False), (None, False),
+    ("10.0.0.7", False), ("192.168.1.2", False), ("node-1.example.com", False), ("localhost.example.com", False)])
+def test_is_loopback_host(host, loopback):
+    assert is_loopback_host(host) is loopback
 
 
 def test_latency_class_by_rank_or_label():

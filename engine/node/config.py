@@ -9,11 +9,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.config import EngineConfig
+from engine.protocol import DEV_NODE_SECRET, is_loopback_host
 from engine.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, SchedulerConfig
 
 log = logging.getLogger("engine.node")
 
-DEV_NODE_SECRET = "zen-development-node-secret"   # the gateway's shipped default ([nodes] secret)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
 
 
@@ -55,7 +55,7 @@ class NodeConfig:
     host: str = "127.0.0.1"
     port: int = 8100
     node_id: str = ""                          # defaults to host:port
-    secret: str = DEV_NODE_SECRET              # compared with the X-Node-Secret header
+    secret: str = DEV_NODE_SECRET              # compared with X-Node-Secret; the default only on loopback
     memory_budget_bytes: int | None = None     # weights + KV of resident models; None: from the device
     kv_cache_bytes: int = 256 << 20            # KV cache of each resident model
     max_waiting: int = 256                     # sequences accepted but not yet producing tokens
@@ -67,7 +67,6 @@ class NodeConfig:
     preload: list[str] | None = None           # ids loaded at start; None: the listed models, in order, while they fit
     load_wait_s: float = 120.0                 # how long a request waits for a cold load before a 503
     threads: int = 32                          # concurrent HTTP requests (streams) of the single worker
-    max_org_labels: int = 100                  # distinct org label values in metrics; the rest are "other"
     log_level: str = "info"
 
     def __post_init__(self):
@@ -81,14 +80,19 @@ class NodeConfig:
             unknown = [p for p in self.preload if p not in ids]
             if unknown:
                 raise ValueError(f"--preload names models not in --models: {', '.join(unknown)}")
-        for name in ("kv_cache_bytes", "max_waiting", "max_num_seqs", "max_num_batched_tokens", "threads",
-                     "max_org_labels"):
+        for name in ("kv_cache_bytes", "max_waiting", "max_num_seqs", "max_num_batched_tokens", "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.memory_budget_bytes is not None and self.memory_budget_bytes < 1:
             raise ValueError("memory_budget_bytes must be positive")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if not self.secret:
+            raise ValueError("the node secret must not be empty")
+        if self.secret == DEV_NODE_SECRET and not is_loopback_host(self.host):
+            raise ValueError(f"--host {self.host!r} is not a loopback address, and the node would accept the "
+                             f"public development node secret: set NODE_SECRET to a secret of your own (the "
+                             f"gateway's NODE_SECRET must match), or serve on 127.0.0.1")
         if not self.node_id:
             host = socket.gethostname() if self.host in ("0.0.0.0", "::", "") else self.host
             self.node_id = f"{host}:{self.port}"
@@ -102,9 +106,13 @@ class NodeConfig:
                                       max_num_batched_tokens=self.max_num_batched_tokens))
 
     @staticmethod
-    def secret_from_env(name: str = "NODE_SECRET") -> str:
+    def secret_from_env(name: str = "NODE_SECRET", *, host: str) -> str:
+        """The secret in the environment variable `name`; unset, the development one, on a loopback `host` only."""
         value = os.environ.get(name, "")
-        if not value:
-            log.warning("%s is not set: using the development node secret; set it in production", name)
-            return DEV_NODE_SECRET
-        return value
+        if value:
+            return value
+        if not is_loopback_host(host):
+            raise ValueError(f"{name} is not set, and --host {host!r} is not a loopback address: set {name} to "
+                             f"a secret of your own (the gateway's NODE_SECRET must match), or serve on 127.0.0.1")
+        log.warning("%s is not set: using the development node secret; set it in production", name)
+        return DEV_NODE_SECRET

@@ -166,11 +166,11 @@ class Generation:
             for c in self.choices:
                 t = c.times
                 metrics.observe_finished(FinishedSequence(
-                    model, cls, self.call.org, c.finish_reason or "abort", self.req.arrival_time,
+                    model, cls, c.finish_reason or "abort", self.req.arrival_time,
                     t.first_scheduled if t else None, t.first_token if t else None,
                     list(t.token_times) if t else [], (t.finished if t and t.finished else now)))
             usage = self.usage()
-            metrics.count_tokens(model, cls, self.call.org, usage["prompt_tokens"], usage["completion_tokens"])
+            metrics.count_tokens(model, cls, usage["prompt_tokens"], usage["completion_tokens"])
             log.info("generation", extra={
                 "event": "generation", "request_id": self.req.request_id, "org": self.call.org, "model": model,
                 "quantization": self.m.quantization, "latency_class": cls, "outcome": outcome,

@@ -1,7 +1,7 @@
 """Node metrics for Prometheus, under the `zen_node_` prefix and named as vLLM names its own.
 
-Request histograms and token counters carry the labels model, latency_class and org (org values are
-bounded: the first `max_orgs` distinct orgs keep their name, later ones are counted as "other").
+Request histograms and token counters carry the labels model and latency_class, and never an org: a
+node's /metrics is open, and per-org figures are the gateway's, behind its metrics token.
 Per-step figures (batch size, prefix-cache queries and hits) come from the engine loops' step
 listeners. Gauges of the current state (queue, KV cache, resident models, accelerator) are read
 when /metrics is scraped, from a snapshot function the node provides, so they are never stale.
@@ -9,7 +9,6 @@ Every app has its own CollectorRegistry (not the global default), so tests can b
 """
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -17,8 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import GaugeMetricFamily
 
 PREFIX = "zen_node_"
-REQUEST_LABELS = ("model", "latency_class", "org")
-OTHER_ORG = "other"
+REQUEST_LABELS = ("model", "latency_class")
 
 # Latency buckets (seconds): vLLM's, extended so each family reaches past 480 s.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -28,27 +26,6 @@ ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
 REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-
-
-class OrgLabels:
-    """Bounded org label values: the first `limit` distinct orgs, then "other"."""
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self._seen: set[str] = set()
-        self._lock = threading.Lock()
-
-    def __call__(self, org: str) -> str:
-        org = org or "none"
-        if org in self._seen:
-            return org
-        with self._lock:
-            if org in self._seen:
-                return org
-            if len(self._seen) < self.limit:
-                self._seen.add(org)
-                return org
-        return OTHER_ORG
 
 
 @dataclass
@@ -81,7 +58,6 @@ class FinishedSequence:
     """What the node learned about one finished sequence (times are time.monotonic())."""
     model: str
     latency_class: str
-    org: str
     finish_reason: str
     arrival: float
     first_scheduled: float | None
@@ -91,9 +67,8 @@ class FinishedSequence:
 
 
 class NodeMetrics:
-    def __init__(self, max_orgs: int = 100, snapshot: Callable[[], NodeSnapshot] | None = None):
+    def __init__(self, snapshot: Callable[[], NodeSnapshot] | None = None):
         self.registry = CollectorRegistry()
-        self.org_label = OrgLabels(max_orgs)
         self.snapshot = snapshot or NodeSnapshot
         r, p = self.registry, PREFIX
 
@@ -138,7 +113,7 @@ class NodeMetrics:
 
     # ---- requests
     def observe_finished(self, s: FinishedSequence) -> None:
-        labels = (s.model, s.latency_class, self.org_label(s.org))
+        labels = (s.model, s.latency_class)
         self.request_success.labels(*labels, s.finish_reason).inc()
         self.e2e_request_latency.labels(*labels).observe(max(0.0, s.finished - s.arrival))
         if s.first_scheduled is not None:
@@ -153,8 +128,8 @@ class NodeMetrics:
             for a, b in zip(s.token_times, s.token_times[1:]):
                 itl.observe(max(0.0, b - a))
 
-    def count_tokens(self, model: str, latency_class: str, org: str, prompt: int, generated: int) -> None:
-        labels = (model, latency_class, self.org_label(org))
+    def count_tokens(self, model: str, latency_class: str, prompt: int, generated: int) -> None:
+        labels = (model, latency_class)
         if prompt:
             self.prompt_tokens.labels(*labels).inc(prompt)
         if generated:

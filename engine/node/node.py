@@ -26,7 +26,7 @@ class Node:
         self.config = config
         self.telemetry = telemetry or Telemetry()
         self.admission = Admission(config.max_waiting)
-        self.metrics = NodeMetrics(config.max_org_labels, self.snapshot)
+        self.metrics = NodeMetrics(self.snapshot)
         budget = config.memory_budget_bytes or self._default_budget()
         self.registry = ModelRegistry(config.models, budget, config.engine_config,
                                       on_loaded=self._on_loaded, on_evicted=self._on_evicted)
