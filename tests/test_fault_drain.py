@@ -113,6 +113,8 @@ def test_node_sigterm_drains_its_streams_and_the_gateway_moves_on(stack, tiny_mo
     node_a.proc.send_signal(signal.SIGTERM)
     term_at = time.monotonic()
 
+    # gunicorn's master passes the signal on to the worker: a request that reached A before is served.
+    wait_until(lambda: stack.node_state(0)["draining"], 5, "node A to say it drains")
     # New requests, sent while A drains, go to B (which loads tiny-a) and succeed.
     after: dict = {}
     for j in range(3):
