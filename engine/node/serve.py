@@ -1,5 +1,6 @@
 """Running the node: under gunicorn (one worker: it owns the device; gthread for concurrent streams),
-with JSON logs and libgomp's defaults for the kernel threads (docs/performance.md says why)."""
+with JSON logs, libgomp's defaults for the kernel threads (docs/performance.md says why), and a drain on
+SIGTERM before gunicorn stops the worker (docs/node-protocol.md, Shutdown)."""
 from __future__ import annotations
 
 import logging
