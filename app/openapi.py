@@ -16,6 +16,9 @@ from engine.protocol import LatencyClass
 bp = Blueprint("openapi", __name__)
 
 _NULLABLE_STRING = {"type": "string", "nullable": True}
+_PROBE = {"type": "object", "required": ["status"],
+          "properties": {"status": {"type": "string"}, "reason": {"type": "string"},
+                         "nodes_up": {"type": "integer"}, "nodes": {"type": "integer"}}}
 
 
 def _number_schema(f: params.NumberField, max_n: int) -> dict:
@@ -149,11 +152,12 @@ def build_openapi(max_n: int) -> dict:
                     "503": _error("Rate-limit storage down (fail-closed)."),
                 }}},
             "/health": {"get": {"summary": "Gateway liveness", "responses": {
-                "200": {"description": "Alive", "content": {"application/json": {"schema": {
-                    "type": "object", "required": ["status"],
-                    "properties": {"status": {"type": "string"},
-                                   "nodes_up": {"type": "integer"},
-                                   "nodes": {"type": "integer"}}}}}}}}},
+                "200": {"description": "Alive", "content": {"application/json": {"schema": _PROBE}}}}}},
+            "/ready": {"get": {"summary": "Gateway readiness: an engine node is ready and the gateway is not "
+                                          "draining", "responses": {
+                "200": {"description": "Ready", "content": {"application/json": {"schema": _PROBE}}},
+                "503": {"description": "Not ready (no ready node, or draining); Retry-After says when to ask "
+                                       "again", "content": {"application/json": {"schema": _PROBE}}}}}},
         },
         "components": {
             "securitySchemes": {"bearerAuth": {"type": "http", "scheme": "bearer",

@@ -8,8 +8,8 @@ A request r for model m goes to
     g* = argmin_g  α·L̂(r,g) + β·U_g + γ·1[m ∉ M_g]·C_load
 
 where L̂ estimates queue wait + prefill + decode from the node's queue and its measured
-rates, and C_load is the model's measured (or configured) cold-load time. Unhealthy, stale,
-down, too hot, and nodes that cannot load m at all are skipped; nodes whose queue is full
+rates, and C_load is the model's measured (or configured) cold-load time. Unhealthy, draining,
+not ready (still loading), stale, down, too hot, and nodes that cannot load m at all are skipped; nodes whose queue is full
 are tried last. The ranked list is what failover walks (app/node_client.py).
 """
 from __future__ import annotations
@@ -93,6 +93,10 @@ def skip_reason(state: NodeState | None, fresh: bool, down: bool, model: Resolve
         return "no fresh state"
     if not state.healthy:
         return "unhealthy"
+    if state.draining:
+        return "draining"
+    if not state.ready:
+        return "not ready"
     if state.temperature_c is not None and state.temperature_c > max_temperature_c:
         return "too hot"
     if not state.can_load(model.model):
@@ -240,6 +244,16 @@ class NodePool:
             now = self._clock()
             if not any(not v.down and self._fresh(v, now) for v in self.snapshot()):
                 self.refresh()
+
+    def count_ready(self, refresh: bool = True) -> int:
+        """Nodes that take traffic now in this worker's view; with refresh, polled now if none is fresh."""
+        if refresh:
+            self._ensure_fresh()
+        else:
+            self.start()
+        now = self._clock()
+        return sum(1 for v in self.snapshot()
+                   if not v.down and self._fresh(v, now) and v.state is not None and v.state.takes_traffic)
 
     def learned(self) -> tuple[dict, dict]:
         """Measured (prefill, decode) rates and load times per model, over all nodes."""

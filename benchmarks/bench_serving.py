@@ -305,14 +305,14 @@ def main(argv: list[str] | None = None) -> int:
             node_url = (args.node_url or (nodes[0] if nodes else "http://127.0.0.1:8001")).rstrip("/")
             node_secret = args.node_secret or os.environ.get("NODE_SECRET") or DEV_NODE_SECRET
             try:
-                httpx.get(base_url + "/health", timeout=5.0).raise_for_status()
+                httpx.get(base_url + "/ready", timeout=5.0).raise_for_status()
             except httpx.HTTPError as exc:
                 log(f"error: no gateway at {base_url} ({exc.__class__.__name__}); start one (make serve) or "
                     f"run with --start")
                 return 2
             if not args.no_overhead:
                 try:
-                    httpx.get(node_url + "/health", timeout=5.0).raise_for_status()
+                    httpx.get(node_url + "/ready", timeout=5.0).raise_for_status()
                 except httpx.HTTPError:
                     log(f"note: no engine node at {node_url}: the overhead measurement is skipped "
                         f"(--node-url, --node-secret)")

@@ -33,7 +33,7 @@ def start_stack(args, out_dir: Path) -> tuple[list[Service], str, str, str]:
                        env, out_dir / "node.log")
         services.append(node)
         log(f"starting engine node on {node_url} ({model_path.name}) ...")
-        wait_http(node_url + "/health", node, 300)
+        wait_http(node_url + "/ready", node, 300)
         gw_env = {**env, "PORT": str(gw_port), "ZEN_NODES": node_url,
                   "GATEWAY_THREADS": str(args.gateway_threads)}
         if args.gateway_workers:
@@ -41,7 +41,7 @@ def start_stack(args, out_dir: Path) -> tuple[list[Service], str, str, str]:
         gateway = Service("gateway", [sys.executable, "-m", "app", "serve"], gw_env, out_dir / "gateway.log")
         services.append(gateway)
         log(f"starting gateway on {gw_url} ...")
-        wait_http(gw_url + "/health", gateway, 120, ok=lambda r: r.status_code == 200 and r.json().get("nodes_up", 0) >= 1)
+        wait_http(gw_url + "/ready", gateway, 120)
         return services, gw_url, node_url, secret
     except BaseException:
         for s in reversed(services):

@@ -12,6 +12,7 @@ overridden with GATEWAY_WORKERS / GATEWAY_THREADS.
 """
 import os
 import shutil
+import signal
 import sys
 import tempfile
 
@@ -30,7 +31,7 @@ workers = int(os.environ.get("GATEWAY_WORKERS", _cfg.server.workers))
 threads = int(os.environ.get("GATEWAY_THREADS", _cfg.server.threads))
 worker_class = "gthread"
 timeout = 120            # heartbeat of the worker process, not a limit on stream length
-graceful_timeout = 30
+graceful_timeout = 30    # on SIGTERM a worker stops accepting and open streams get this long to finish
 keepalive = 5
 accesslog = None         # the app logs each request as JSON
 
@@ -78,6 +79,17 @@ def on_starting(server):
         path = os.path.join(_metrics_dir, name)
         if os.path.isfile(path) and name.endswith(".db"):
             os.remove(path)
+
+
+def post_worker_init(worker):
+    """On SIGTERM, /ready answers 503 on the connections the worker still serves while it drains."""
+    from app.health import draining
+    stop = signal.getsignal(signal.SIGTERM)
+
+    def on_term(signum, frame):
+        draining(worker.wsgi).set()
+        stop(signum, frame)
+    signal.signal(signal.SIGTERM, on_term)
 
 
 def child_exit(server, worker):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -51,7 +52,7 @@ def _serve(args) -> int:
             block_size=args.block_size, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
             preload=args.preload, load_wait_s=args.load_wait, threads=args.threads,
-            log_level=args.log_level)
+            log_level=args.log_level, drain_grace_s=args.drain_grace_s)
         for spec in config.models:
             if not os.path.exists(spec.path):
                 raise ValueError(f"model not found: {spec.path}")
@@ -102,6 +103,9 @@ def main(argv=None) -> int:
     s.add_argument("--block-size", type=int, default=16)
     s.add_argument("--load-wait", type=float, default=120.0, metavar="SECONDS",
                    help="how long a request waits for a cold load before a 503")
+    s.add_argument("--drain-grace-s", type=float, default=os.environ.get("NODE_DRAIN_GRACE_S", "30"),
+                   metavar="SECONDS", help="on SIGTERM: how long streams in flight may finish before they are "
+                                           "ended (default 30, or NODE_DRAIN_GRACE_S)")
     s.add_argument("--log-level", default="info")
     args, rest = ap.parse_known_args(argv)
     if args.command == "serve":

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 if TYPE_CHECKING:
     from engine.sampling import SamplingParams
 
-SECRET_HEADER = "X-Node-Secret"       # every node endpoint but /health and /metrics needs it
+SECRET_HEADER = "X-Node-Secret"       # every node endpoint but /health, /ready and /metrics needs it
 REQUEST_ID_HEADER = "X-Request-Id"
 
 
@@ -398,7 +398,7 @@ class NodeState:
     """σ_g: the body of GET /state. The node writes it with to_json; the router reads it with
     from_json, which tolerates missing optional fields and junk values."""
     node_id: str
-    healthy: bool
+    healthy: bool                                      # alive: serving, no engine loop failed
     models: tuple[ModelState, ...] = ()
     available_models: tuple[str, ...] = ()
     utilization: float = 0.0
@@ -406,7 +406,8 @@ class NodeState:
     temperature_c: float | None = None
     power_w: float | None = None
     kv_cache_usage: float = 0.0
-    ready: bool = False
+    ready: bool = False                                # takes traffic: start-up models in, not draining
+    draining: bool = False                             # shutting down: finishes what it has, takes nothing new
     loading: tuple[tuple[str, str], ...] = ()          # (model id, quantization) of loads in progress
     memory: MemoryState = field(default_factory=MemoryState)
     accelerator: AcceleratorState = field(default_factory=AcceleratorState)
@@ -432,6 +433,10 @@ class NodeState:
     def queue_full(self) -> bool:
         return self.max_waiting > 0 and self.admitted >= self.max_waiting
 
+    @property
+    def takes_traffic(self) -> bool:
+        return self.healthy and self.ready and not self.draining
+
     def resident(self, key: tuple[str, str]) -> ModelState | None:
         return next((m for m in self.models if m.key == key), None)
 
@@ -443,7 +448,7 @@ class NodeState:
     def to_json(self) -> dict:
         return {
             "node_id": self.node_id, "healthy": self.healthy, "ready": self.ready,
-            "models": [vars(m).copy() for m in self.models],
+            "draining": self.draining, "models": [vars(m).copy() for m in self.models],
             "loading": [{"id": i, "quantization": q} for i, q in self.loading],
             "available_models": list(self.available_models), "utilization": self.utilization,
             "queue": vars(self.queue).copy(), "temperature_c": self.temperature_c, "power_w": self.power_w,
@@ -468,6 +473,7 @@ class NodeState:
             available_models=tuple(a for a in data.get("available_models") or [] if isinstance(a, str)),
             utilization=_fraction(data.get("utilization")), queue=QueueState.from_json(part("queue")),
             temperature_c=_opt_num(data.get("temperature_c")), power_w=_opt_num(data.get("power_w")),
-            kv_cache_usage=_fraction(data.get("kv_cache_usage")), ready=data.get("ready") is True, loading=loading,
+            kv_cache_usage=_fraction(data.get("kv_cache_usage")), ready=data.get("ready") is True,
+            draining=data.get("draining") is True, loading=loading,
             memory=MemoryState.from_json(part("memory")), accelerator=AcceleratorState.from_json(part("accelerator")),
             uptime_s=_num(data.get("uptime_s")))

@@ -71,9 +71,9 @@ def launch_nodes(cluster: Cluster, model: str, ports: list[int], env: dict, node
         cluster.nodes.append(Service(f"engine node {i}", argv, env, cluster.directory / f"node-{i}.log"))
         cluster.node_urls.append(f"http://127.0.0.1:{port}")
         if i == 1:   # it fills numba's on-disk cache of compiled kernels, which the others then load
-            wait_http(cluster.node_urls[0] + "/health", cluster.nodes[0], NODE_START_TIMEOUT_S)
+            wait_http(cluster.node_urls[0] + "/ready", cluster.nodes[0], NODE_START_TIMEOUT_S)
     for node, url in zip(cluster.nodes[1:], cluster.node_urls[1:]):
-        wait_http(url + "/health", node, NODE_START_TIMEOUT_S)
+        wait_http(url + "/ready", node, NODE_START_TIMEOUT_S)
 
 
 def launch_gateways(cluster: Cluster, ports: list[int], env: dict) -> None:

@@ -15,7 +15,7 @@ node=$!
 trap 'kill $node 2>/dev/null; wait $node 2>/dev/null' EXIT INT TERM
 
 for _ in $(seq 1 240); do
-    if curl -fs "http://127.0.0.1:$NODE_PORT/health" >/dev/null 2>&1; then break; fi
+    if curl -fs "http://127.0.0.1:$NODE_PORT/ready" >/dev/null 2>&1; then break; fi
     kill -0 $node 2>/dev/null || { echo "the engine node failed to start" >&2; exit 1; }
     sleep 0.5
 done

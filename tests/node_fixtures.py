@@ -3,7 +3,7 @@
     from tests.node_fixtures import start_node, tiny_models   # noqa: F401  (pytest fixtures)
 
     def test_something(start_node, tiny_models):
-        url = start_node([tiny_models["a"]], secret="s")            # waits for /health 200
+        url = start_node([tiny_models["a"]], secret="s")            # waits for /ready 200
         requests.post(url + "/v1/generate", json={...}, headers={"X-Node-Secret": "s"})
 
 `start_node(models, secret, **options)` returns the node's base URL and stops the node when the test
@@ -76,7 +76,7 @@ def launch_node(models: list[str], secret: str, *, memory_budget: int | str | No
                 max_num_seqs: int | None = None, load_wait: float | None = None,
                 preload: list[str] | None = None, threads: int = 8, extra_args: tuple = (),
                 log_dir: str | None = None, env: dict | None = None, host: str = "127.0.0.1") -> NodeProcess:
-    """Start `python -m engine serve` on a free port of `host` and wait for /health 200 on loopback.
+    """Start `python -m engine serve` on a free port of `host` and wait for /ready 200 on loopback.
     models: "PATH" or "PATH=ID" strings; an empty `secret` is NODE_SECRET unset, as the node reads it."""
     port = free_port()
     args = [sys.executable, "-m", "engine", "serve", "--host", host, "--port", str(port),
@@ -107,13 +107,13 @@ def launch_node(models: list[str], secret: str, *, memory_budget: int | str | No
         if proc.poll() is not None:
             raise RuntimeError(f"the node exited with {proc.returncode}:\n{node.log()[-4000:]}")
         try:
-            if requests.get(node.url + "/health", timeout=1).status_code == 200:
+            if requests.get(node.url + "/ready", timeout=1).status_code == 200:
                 return node
         except requests.RequestException:
             pass
         time.sleep(0.1)
     node.stop()
-    raise RuntimeError(f"the node did not become healthy in {START_TIMEOUT_S:.0f} s:\n{node.log()[-4000:]}")
+    raise RuntimeError(f"the node did not become ready in {START_TIMEOUT_S:.0f} s:\n{node.log()[-4000:]}")
 
 
 @pytest.fixture

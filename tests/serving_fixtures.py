@@ -231,7 +231,7 @@ def launch_gateway(config: dict, *, node_urls: list[str], redis_url: str | None 
                    threads: int = 16, log_dir: str | None = None, wait_nodes: int | None = None,
                    node_secret: str = NODE_SECRET, jwt_secret: str = JWT_SECRET) -> GatewayProcess:
     """Start the gateway under gunicorn on a free loopback port with `config` (a full config dict,
-    see TEST_CONFIG) and wait for /health (and for `wait_nodes` nodes up, default all)."""
+    see TEST_CONFIG) and wait for /ready (and for `wait_nodes` nodes ready, default all)."""
     directory = Path(log_dir or tempfile.mkdtemp(prefix="zen-gateway-"))
     port = free_port()
     config_path = directory / f"gateway-{port}.toml"
@@ -260,10 +260,10 @@ def launch_gateway(config: dict, *, node_urls: list[str], redis_url: str | None 
         if proc.poll() is not None:
             raise RuntimeError(f"the gateway exited with {proc.returncode}:\n{gw.log()[-4000:]}")
         try:
-            r = requests.get(gw.url + "/health", timeout=2)
+            r = requests.get(gw.url + "/ready", timeout=2)
             # Each worker has its own node view: ask a few times so that more than one worker answered.
-            if r.status_code == 200 and r.json().get("nodes_up", 0) >= want_nodes:
-                if all(requests.get(gw.url + "/health", timeout=2).json().get("nodes_up", 0) >= want_nodes
+            if r.json().get("nodes_up", 0) >= want_nodes:
+                if all(requests.get(gw.url + "/ready", timeout=2).json().get("nodes_up", 0) >= want_nodes
                        for _ in range(2 * workers)):
                     return gw
         except (requests.RequestException, ValueError):

@@ -19,12 +19,12 @@ WEIGHTS = RoutingConfig(alpha=1.0, beta=1.0, gamma=1.0, default_prefill_tokens_p
 
 def state(*, resident=True, waiting=0, running=0, max_waiting=64, utilization=0.1,
           healthy=True, temperature=None, prefill=1000.0, decode=50.0, available=(MODEL_ID,),
-          quant="q4_1", admitted=None):
+          quant="q4_1", admitted=None, ready=True, draining=False):
     models = [{"id": MODEL_ID, "version": "v1", "quantization": quant, "bytes": 100,
                "load_time_s": 0.5, "prefill_tokens_per_s": prefill, "decode_tokens_per_s": decode,
                "running": running, "waiting": waiting}] if resident else []
     return NodeState.from_json({
-        "node_id": "n", "healthy": healthy, "models": models, "available_models": list(available),
+        "node_id": "n", "healthy": healthy, "ready": ready, "draining": draining, "models": models, "available_models": list(available),
         "utilization": utilization,
         "queue": {"waiting": waiting, "running": running, "max_waiting": max_waiting,
                   **({} if admitted is None else {"admitted": admitted})},
@@ -120,6 +120,8 @@ def test_full_queues_go_last():
 @pytest.mark.parametrize("kwargs, fresh, down, reason", [
     ({}, True, False, None),
     ({"healthy": False}, True, False, "unhealthy"),
+    ({"draining": True, "ready": False}, True, False, "draining"),
+    ({"ready": False}, True, False, "not ready"),
     ({"temperature": 91.0}, True, False, "too hot"),
     ({"temperature": 84.0}, True, False, None),
     ({}, False, False, "no fresh state"),

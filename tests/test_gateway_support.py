@@ -89,7 +89,7 @@ class StandInNode:
 
     def state_body(self) -> dict:
         body = {
-            "node_id": self.node_id, "healthy": True,
+            "node_id": self.node_id, "healthy": True, "ready": True,
             "models": [{"id": m, "version": "test", "quantization": q, "bytes": 1000,
                         "load_time_s": 0.5, "prefill_tokens_per_s": 1000.0,
                         "decode_tokens_per_s": 50.0, "running": 0, "waiting": 0}
@@ -182,7 +182,7 @@ class StandInNode:
             def do_GET(self):
                 if self._gone():
                     return
-                if self.path == "/health":
+                if self.path in ("/health", "/ready"):
                     return self._json(200, {"status": "ok"})
                 if not self._authorized():
                     return

@@ -220,18 +220,21 @@ def test_cpu_models_are_stepped_by_one_thread(tiny_models):
     assert not [t for t in threading.enumerate() if t.name == "engine-cpu"]
 
 
-def test_health_503_until_startup_models_load(tiny_models):
+def test_alive_but_not_ready_until_startup_models_load(tiny_models):
     from engine.node.app import create_app
     app = create_app(NodeConfig(models=[ModelSpec(tiny_models["a"], "tiny-a")], backend="cpu",
                                 kv_cache_bytes=1 << 20), start=False)
     node = app.extensions["zen_node"]
     client = app.test_client()
     try:
-        r = client.get("/health")
-        assert r.status_code == 503 and r.json == {"status": "loading"} and r.headers["Retry-After"]
-        assert client.get("/state", headers={"X-Node-Secret": node.config.secret}).json["healthy"] is False
+        assert client.get("/health").status_code == 200            # alive while it loads
+        r = client.get("/ready")
+        assert r.status_code == 503 and r.json["status"] == "loading" and r.json["reason"] and r.headers["Retry-After"]
+        s = client.get("/state", headers={"X-Node-Secret": node.config.secret}).json
+        assert s["healthy"] is True and s["ready"] is False and s["draining"] is False
         node.start()
         assert node.ready.wait(30)
+        assert client.get("/ready").json == {"status": "ready"}
         assert client.get("/health").status_code == 200
     finally:
         node.close()

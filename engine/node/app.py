@@ -17,7 +17,7 @@ from engine.protocol import REQUEST_ID_HEADER, SECRET_HEADER, APIError
 
 log = logging.getLogger("engine.node")
 
-OPEN_PATHS = ("/health", "/metrics")       # everything else needs X-Node-Secret
+OPEN_PATHS = ("/health", "/ready", "/metrics")   # everything else needs X-Node-Secret
 MAX_BODY_BYTES = 16 << 20
 GIL_SWITCH_INTERVAL_S = 0.0005             # a busy thread must not hold up the engine step's GIL hand-backs
 

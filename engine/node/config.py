@@ -14,6 +14,7 @@ from engine.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, SchedulerConfig
 
 log = logging.getLogger("engine.node")
 
+DEFAULT_DRAIN_GRACE_S = 30.0
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
 
 
@@ -67,6 +68,7 @@ class NodeConfig:
     preload: list[str] | None = None           # ids loaded at start; None: the listed models, in order, while they fit
     load_wait_s: float = 120.0                 # how long a request waits for a cold load before a 503
     threads: int = 32                          # concurrent HTTP requests (streams) of the single worker
+    drain_grace_s: float = DEFAULT_DRAIN_GRACE_S   # on SIGTERM: how long generations in flight may finish
     log_level: str = "info"
 
     def __post_init__(self):
@@ -83,6 +85,8 @@ class NodeConfig:
         for name in ("kv_cache_bytes", "max_waiting", "max_num_seqs", "max_num_batched_tokens", "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if not self.drain_grace_s >= 0:
+            raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
         if self.memory_budget_bytes is not None and self.memory_budget_bytes < 1:
             raise ValueError("memory_budget_bytes must be positive")
         if not 0 < self.port < 65536:

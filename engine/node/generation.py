@@ -18,6 +18,7 @@ from flask import Response, jsonify
 
 from engine.engine import RequestError
 from engine.node.admission import Ticket
+from engine.node.drain import RETRY_AFTER_S, NodeShutdown
 from engine.node.metrics import FinishedSequence
 from engine.node.registry import ResidentModel
 from engine.protocol import (APIError, ClientGone, GenerateRequest, bad_value, client_gone,
@@ -100,6 +101,8 @@ class Generation:
                     raise ClientGone()
                 if self.node.closing or self.m.loop.failed is not None:
                     raise RuntimeError("the engine stopped serving this model")
+                if self.node.drain.expired:
+                    raise NodeShutdown("the node shut down before this generation finished")
             if d is None:
                 if heartbeat_s is not None and now - last >= heartbeat_s:
                     last = now
@@ -178,6 +181,7 @@ class Generation:
                 **usage, **self.timings()})
         finally:
             self.node.registry.release(self.m)
+            self.node.drain.leave()
 
 
 class SSEBody:
@@ -234,6 +238,9 @@ class SSEBody:
                                "usage": gen.usage(), "timings": gen.timings()})
         except ClientGone:
             outcome = "client_closed"
+        except NodeShutdown as e:
+            outcome = "node_shutdown"
+            yield self._event(stream_error_event(str(e), "server_error", "node_shutdown"))
         except RequestError as e:
             outcome = "error"
             yield self._event(stream_error_event(str(e), "invalid_request_error", e.code or "invalid_value"))
@@ -264,6 +271,9 @@ def collect(gen: Generation) -> Response:
     except ClientGone:
         outcome = "client_closed"
         return Response(status=499)
+    except NodeShutdown as e:
+        outcome = "node_shutdown"
+        raise unavailable(str(e), "node_shutdown", RETRY_AFTER_S) from None
     except RequestError as e:
         raise request_error(e) from None
     except RuntimeError as e:   # the model's loop failed, or the node is stopping

@@ -9,6 +9,7 @@ import time
 from engine.engine import RequestError
 from engine.node.admission import Admission
 from engine.node.config import NodeConfig
+from engine.node.drain import RETRY_AFTER_S, Drain
 from engine.node.generation import Generation, model_not_found, request_error, tokenize, unavailable
 from engine.node.metrics import ModelSnapshot, NodeMetrics, NodeSnapshot
 from engine.node.registry import ModelNotFound, ModelRegistry, ModelUnavailable, ResidentModel
@@ -30,7 +31,8 @@ class Node:
         budget = config.memory_budget_bytes or self._default_budget()
         self.registry = ModelRegistry(config.models, budget, config.engine_config,
                                       on_loaded=self._on_loaded, on_evicted=self._on_evicted)
-        self.ready = threading.Event()
+        self.ready = threading.Event()      # set once the start-up models are in
+        self.drain = Drain()
         self.closing = False
         self.started_at = time.time()
 
@@ -49,7 +51,7 @@ class Node:
         self.metrics.model_evicted(m.id, m.quantization)
 
     def start(self) -> None:
-        """Load the start-up models in the background; /health answers 503 until they are in."""
+        """Load the start-up models in the background; /ready answers 503 until they are in."""
         def run():
             try:
                 self.registry.preload(self.config.preload)
@@ -66,12 +68,44 @@ class Node:
 
     @property
     def healthy(self) -> bool:
-        return self.ready.is_set() and not self.closing and all(
-            m.loop.failed is None for m in self.registry.resident())
+        """Alive: serving, and no engine loop has failed (loading and draining nodes are alive)."""
+        return self.liveness() is None
+
+    def liveness(self) -> str | None:
+        """Why the node is not alive (None: it is)."""
+        if self.closing:
+            return "stopping"
+        if any(m.loop.failed is not None for m in self.registry.resident()):
+            return "unhealthy"
+        return None
+
+    def readiness(self) -> str | None:
+        """Why the node should take no traffic now (None: it should): not alive, loading, draining."""
+        if self.drain.draining:
+            return "draining"
+        if not self.ready.is_set():
+            return "loading"
+        return self.liveness()
+
+    def drain_gracefully(self) -> None:
+        """Stop admitting, let the generations in flight finish within the grace period, end the rest
+        (blocking; the caller then lets the process exit)."""
+        self.drain.run(self.config.drain_grace_s)
 
     def submit(self, call: GenerateRequest, received: float, sock) -> Generation:
         """Find the model (loading it if needed), admit the request, and hand it to the model's loop;
-        `sock` is the client's socket, watched so that a client that leaves cancels its request."""
+        `sock` is the client's socket, watched so that a client that leaves cancels its request.
+        The generation counts as in flight for the drain until it closes."""
+        if not self.drain.enter():
+            raise unavailable("the node is shutting down; send the request to another node", "node_draining",
+                              RETRY_AFTER_S)
+        try:
+            return self._submit(call, received, sock)
+        except BaseException:
+            self.drain.leave()
+            raise
+
+    def _submit(self, call: GenerateRequest, received: float, sock) -> Generation:
         try:
             self.registry.spec(call.model)
         except ModelNotFound as e:
@@ -136,7 +170,8 @@ class Node:
                 utilization=round(loop.utilization(), 4), max_model_len=e.max_model_len,
                 formats=e.formats, idle_s=round(time.monotonic() - m.last_used, 1)))
         return NodeState(
-            node_id=self.config.node_id, healthy=self.healthy, ready=self.ready.is_set(), models=tuple(models),
+            node_id=self.config.node_id, healthy=self.healthy, ready=self.readiness() is None,
+            draining=self.drain.draining, models=tuple(models),
             loading=tuple(self.registry.loading()), available_models=tuple(self.registry.available()),
             utilization=round(max((m.loop.utilization() for m in resident), default=0.0), 4),
             queue=QueueState(waiting=sum(x.waiting for x in models), running=sum(x.running for x in models),

@@ -1,10 +1,14 @@
 """Running the node: under gunicorn (one worker: it owns the device; gthread for concurrent streams),
-with JSON logs and libgomp's defaults for the kernel threads (docs/performance.md says why)."""
+with JSON logs, libgomp's defaults for the kernel threads (docs/performance.md says why), and a drain on
+SIGTERM before gunicorn stops the worker (docs/node-protocol.md, Shutdown)."""
 from __future__ import annotations
 
 import logging
+import math
 import os
+import signal
 import sys
+import threading
 
 from flask import Flask
 from prometheus_client import disable_created_metrics
@@ -15,6 +19,7 @@ from engine.protocol import JsonFormatter
 
 OPENMP_SPINCOUNT = "30000"      # libgomp's default kept a core spinning, taken from the gateway, after each burst
 OPENMP_PROC_BIND = "close"      # an unbound kernel thread moved to a busy core stalls the whole parallel region
+DRAIN_MARGIN_S = 15             # gunicorn's graceful_timeout beyond the drain: ending streams, closing the engine
 
 
 def configure_logging(level: str = "info") -> None:
@@ -26,11 +31,36 @@ def configure_logging(level: str = "info") -> None:
     logger.propagate = False
 
 
-def _worker_exit(server, worker) -> None:
+def _worker_node(worker):
     app = getattr(worker, "wsgi", None)
-    node = app.extensions.get("zen_node") if isinstance(app, Flask) else None
+    return app.extensions.get("zen_node") if isinstance(app, Flask) else None
+
+
+def _worker_exit(server, worker) -> None:
+    node = _worker_node(worker)
     if node is not None:
         node.close()
+
+
+def _post_worker_init(worker) -> None:
+    """SIGTERM drains the node before gunicorn's own handler stops the worker: meanwhile the worker keeps
+    its listener, so /state and /ready say "draining" (the router learns it) and new generations get 503."""
+    node = _worker_node(worker)
+    stop = signal.getsignal(signal.SIGTERM)
+    if node is None or not callable(stop):
+        return
+
+    began = threading.Event()
+
+    def drain_then_stop(signum):
+        node.drain_gracefully()
+        stop(signum, None)
+
+    def on_term(signum, frame):
+        if not began.is_set():   # a second SIGTERM changes nothing: the drain has its deadline
+            began.set()
+            threading.Thread(target=drain_then_stop, args=(signum,), name="drain", daemon=True).start()
+    signal.signal(signal.SIGTERM, on_term)
 
 
 def serve(config: NodeConfig) -> None:
@@ -42,7 +72,8 @@ def serve(config: NodeConfig) -> None:
             host = f"[{config.host}]" if ":" in config.host else config.host
             settings = {
                 "bind": f"{host}:{config.port}", "workers": 1, "worker_class": "gthread",
-                "threads": config.threads, "timeout": 120, "graceful_timeout": 10, "keepalive": 5,
+                "threads": config.threads, "timeout": 120, "keepalive": 5,
+                "graceful_timeout": math.ceil(config.drain_grace_s) + DRAIN_MARGIN_S, "post_worker_init": _post_worker_init,
                 "accesslog": None, "errorlog": "-", "loglevel": config.log_level, "preload_app": False,
                 "worker_exit": _worker_exit, "proc_name": f"zen-node-{config.port}",
                 "control_socket_disable": True,   # one node per port; no shared control socket

@@ -1,4 +1,4 @@
-"""The node's HTTP endpoints (a Blueprint): health, metrics, state, models, load/unload, generate."""
+"""The node's HTTP endpoints (a Blueprint): health, ready, metrics, state, models, load/unload, generate."""
 from __future__ import annotations
 
 import json
@@ -29,16 +29,34 @@ def json_body() -> Any:
         raise bad_value(f"the request body is not valid JSON: {e}", None, "invalid_json") from None
 
 
+NOT_READY_REASONS = {
+    "loading": "the start-up models are still loading",
+    "draining": "the node is shutting down: it finishes what it has and takes nothing new",
+    "stopping": "the node is stopping",
+    "unhealthy": "an engine loop has failed",
+}
+PROBE_RETRY_AFTER_S = "2"
+
+
+def _not_ready(status: str) -> Response:
+    resp = jsonify({"status": status, "reason": NOT_READY_REASONS[status]})
+    resp.status_code = 503
+    resp.headers["Retry-After"] = PROBE_RETRY_AFTER_S
+    return resp
+
+
 @bp.get("/health")
 def health():
-    n = the_node()
-    if n.healthy:
-        return jsonify({"status": "ok"})
-    status = "stopping" if n.closing else ("loading" if not n.ready.is_set() else "unhealthy")
-    resp = jsonify({"status": status})
-    resp.status_code = 503
-    resp.headers["Retry-After"] = "2"
-    return resp
+    """Liveness: 200 while the node serves and no engine loop has failed (loading and draining too)."""
+    why = the_node().liveness()
+    return _not_ready(why) if why else jsonify({"status": "ok"})
+
+
+@bp.get("/ready")
+def ready():
+    """Readiness: 200 once the start-up models are in, while the node is alive and not draining."""
+    why = the_node().readiness()
+    return _not_ready(why) if why else jsonify({"status": "ready"})
 
 
 @bp.get("/metrics")
