@@ -51,7 +51,7 @@ def _serve(args) -> int:
             block_size=args.block_size, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
             preload=args.preload, load_wait_s=args.load_wait, threads=args.threads,
-            max_org_labels=args.max_org_labels, log_level=args.log_level)
+            max_org_labels=args.max_org_labels, log_level=args.log_level, otlp_endpoint=args.otlp_endpoint)
         for spec in config.models:
             if not os.path.exists(spec.path):
                 raise ValueError(f"model not found: {spec.path}")
@@ -104,6 +104,9 @@ def main(argv=None) -> int:
                    help="how long a request waits for a cold load before a 503")
     s.add_argument("--max-org-labels", type=int, default=100)
     s.add_argument("--log-level", default="info")
+    s.add_argument("--otlp-endpoint", default=None, metavar="URL",
+                   help="export traces over OTLP/HTTP to this collector (default: OTEL_EXPORTER_OTLP_[TRACES_]"
+                        "ENDPOINT; neither: no tracing)")
     args, rest = ap.parse_known_args(argv)
     if args.command == "serve":
         if rest:

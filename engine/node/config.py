@@ -69,6 +69,7 @@ class NodeConfig:
     threads: int = 32                          # concurrent HTTP requests (streams) of the single worker
     max_org_labels: int = 100                  # distinct org label values in metrics; the rest are "other"
     log_level: str = "info"
+    otlp_endpoint: str | None = None           # OTLP/HTTP trace collector; None: the OTEL_* variables, or off
 
     def __post_init__(self):
         if not self.models:
