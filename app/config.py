@@ -19,7 +19,6 @@ from typing import Any, Mapping, NamedTuple
 from urllib.parse import urlparse
 
 from engine.protocol import LatencyClass
-from engine.tracing import endpoint_from_env
 from models.formats import FORMATS
 
 
@@ -411,10 +410,12 @@ def _env_overrides(env: Mapping[str, str]) -> dict:
         over.setdefault("server", {})["metrics_token"] = env["METRICS_TOKEN"]
     if env.get("NODE_SECRET"):
         over.setdefault("nodes", {})["secret"] = env["NODE_SECRET"]
-    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
-        over.setdefault("tracing", {})["enabled"] = False
-    elif endpoint_from_env(env):
-        over.setdefault("tracing", {})["endpoint"] = endpoint_from_env(env)
+    if any(name.startswith("OTEL_") for name in env):   # tracing's module only where it may be on
+        from engine.tracing import endpoint_from_env, sdk_disabled
+        if sdk_disabled(env):
+            over.setdefault("tracing", {})["enabled"] = False
+        elif endpoint_from_env(env):
+            over.setdefault("tracing", {})["endpoint"] = endpoint_from_env(env)
     return over
 
 

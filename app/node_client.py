@@ -18,14 +18,16 @@ import socket
 import ssl
 import threading
 import time
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 from urllib.parse import urlsplit
 
 from app.inference import InferenceRequest
 from app.router import TRANSPORT_ERRORS, NodePool
 from app.tracing import end_node_span, start_node_span, traced_rank
-from engine.tracing import Tracing
 from engine.protocol import REQUEST_ID_HEADER, SECRET_HEADER, APIError, ClientGone
+
+if TYPE_CHECKING:
+    from engine.tracing import Tracing
 
 log = logging.getLogger("zen.gateway")
 

@@ -14,8 +14,12 @@ from typing import Any
 
 from flask import Flask, Response, g, request
 
+from typing import TYPE_CHECKING
+
 from app.config import GatewayConfig
-from engine.tracing import Tracing, extract_context
+
+if TYPE_CHECKING:
+    from engine.tracing import Tracing
 
 log = logging.getLogger("zen.gateway")
 
@@ -38,10 +42,11 @@ def init_tracing(app: Flask, config: GatewayConfig) -> Tracing | None:
     """Register the request's server span hooks when tracing is on; run right after the request id
     hook and before auth, so that auth's span falls inside the request's."""
     tc = config.tracing
-    tracing = Tracing(SERVICE_NAME, tc.endpoint, tc.sample_ratio) if tc.enabled and tc.endpoint else None
-    app.extensions[EXTENSION_KEY] = tracing
-    if tracing is None:
+    app.extensions[EXTENSION_KEY] = None
+    if not (tc.enabled and tc.endpoint):
         return None
+    from engine.tracing import Tracing
+    tracing = app.extensions[EXTENSION_KEY] = Tracing(SERVICE_NAME, tc.endpoint, tc.sample_ratio)
     log.info("tracing on", extra={"event": "tracing", "endpoint": tracing.endpoint,
                                   "sample_ratio": tc.sample_ratio})
 
@@ -69,6 +74,8 @@ def init_tracing(app: Flask, config: GatewayConfig) -> Tracing | None:
 def start_request_span(tracing: Tracing) -> RequestTrace:
     from opentelemetry import context
     from opentelemetry.trace import SpanKind, set_span_in_context
+
+    from engine.tracing import extract_context
     span = tracing.tracer.start_span(
         f"{request.method} {request.path}", context=extract_context(request.headers), kind=SpanKind.SERVER,
         attributes={"http.request.method": request.method, "url.path": request.path,
@@ -145,6 +152,7 @@ def start_node_span(tracing: Tracing, req, headers: dict):
     """The `node_request` span (a client span, open until the node's stream is closed), and its
     traceparent in `headers`: the node's spans are its children."""
     from opentelemetry.trace import SpanKind
+
     from engine.tracing import inject_context
     span = tracing.tracer.start_span("node_request", kind=SpanKind.CLIENT, attributes={
         "zen.model": req.model.alias, "zen.org": req.org, "zen.latency_class": req.latency_class.label,

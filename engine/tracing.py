@@ -3,7 +3,8 @@ service, W3C trace-context headers (traceparent, tracestate), and spans placed a
 monotonic timestamps.
 
 Tracing is on only where an OTLP endpoint is configured. Off, nothing here is built: callers hold
-None and test it, so no SDK, no tracer provider and no span exists on the request path. The SDK is
+None and test it, so no SDK, no tracer provider and no span exists on the request path (the gateway
+does not even import this module then). The SDK is
 imported only when a Tracing starts, in the process that first uses it (a gunicorn worker, never
 the master), so its BatchSpanProcessor's thread lives where the spans are made.
 """
@@ -29,10 +30,14 @@ def traces_url(endpoint: str) -> str:
     return base if base.endswith(TRACES_PATH) else base + TRACES_PATH
 
 
+def sdk_disabled(environ: Mapping[str, str]) -> bool:
+    return environ.get(DISABLED_ENV, "").strip().lower() == "true"
+
+
 def endpoint_from_env(environ: Mapping[str, str]) -> str | None:
     """The traces URL that the standard OTEL_* variables name; None when none does or the SDK is
     disabled there."""
-    if environ.get(DISABLED_ENV, "").strip().lower() == "true":
+    if sdk_disabled(environ):
         return None
     if environ.get(TRACES_ENDPOINT_ENV, "").strip():
         return environ[TRACES_ENDPOINT_ENV].strip()

@@ -3,6 +3,7 @@ request) to a real node's (its request, queueing, prefill, decode), all in one t
 as events; spans reach a real OTLP/HTTP receiver; and without an endpoint nothing is set up."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -205,3 +206,17 @@ def test_endpoint_from_the_environment_and_a_real_otlp_receiver(node):  # noqa: 
         receiver.shutdown()
         receiver.server_close()
     assert posts and all(p == "/v1/traces" and t == "application/x-protobuf" and n > 0 for p, t, n in posts)
+
+
+def test_a_gateway_without_tracing_imports_neither_the_sdk_tracer_nor_the_tracing_module():
+    """(redis-py imports parts of OpenTelemetry for its own metrics when they are installed: only the
+    SDK's tracing is looked for.)"""
+    import subprocess
+    import sys
+    code = ("import os, sys; os.environ['ZEN_NODES'] = 'http://127.0.0.1:9'; "
+            "from app import close_app, create_app; app = create_app(); close_app(app); "
+            "print(sorted(m for m in sys.modules if m == 'engine.tracing' or m.startswith('opentelemetry.sdk.trace')))")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
