@@ -9,13 +9,14 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+import requests
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from werkzeug.serving import make_server
 
 from app import close_app, create_app
 from app.config import load_config
 from engine.node.config import ModelSpec, NodeConfig
-from tests.node_fixtures import tiny_models  # noqa: F401 (fixture)
+from tests.node_fixtures import start_node, tiny_models  # noqa: F401 (fixtures)
 from tests.test_gateway_support import (NODE_SECRET, StandInNode, bearer, free_port, make_config,
                                         node, overrides_for_tests)  # noqa: F401 (node: fixture)
 
@@ -172,23 +173,44 @@ def test_without_an_endpoint_nothing_is_set_up(node, tiny_models):  # noqa: F811
         node_app.extensions["zen_node"].close()
 
 
+class OTLPReceiver:
+    """An OTLP/HTTP trace receiver on loopback: keeps each POST's path, content type and decoded spans."""
+
+    def __init__(self) -> None:
+        self.posts: list[tuple[str, str]] = []
+        self.spans: list[tuple[str, str, bytes, bytes]] = []   # (service, span name, trace id, parent id)
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                export = ExportTraceServiceRequest.FromString(body)
+                receiver.posts.append((self.path, self.headers.get("Content-Type")))
+                for resource_spans in export.resource_spans:
+                    service = next(a.value.string_value for a in resource_spans.resource.attributes
+                                   if a.key == "service.name")
+                    receiver.spans += [(service, span.name, span.trace_id, span.parent_span_id)
+                                       for scope in resource_spans.scope_spans for span in scope.spans]
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        threading.Thread(target=self._server.serve_forever, args=(0.05,), daemon=True).start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
 def test_endpoint_from_the_environment_and_a_real_otlp_receiver(node):  # noqa: F811
-    posts = []
-
-    class Receiver(BaseHTTPRequestHandler):
-        def log_message(self, *args):
-            pass
-
-        def do_POST(self):
-            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            posts.append((self.path, self.headers.get("Content-Type"), len(body)))
-            self.send_response(200)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-    receiver = ThreadingHTTPServer(("127.0.0.1", 0), Receiver)
-    threading.Thread(target=receiver.serve_forever, args=(0.05,), daemon=True).start()
-    base = f"http://127.0.0.1:{receiver.server_address[1]}"
+    receiver = OTLPReceiver()
+    base = receiver.url
     config = load_config(env={"OTEL_EXPORTER_OTLP_ENDPOINT": base}, overrides=overrides_for_tests([node.url]))
     assert config.tracing.endpoint == base + "/v1/traces"
     assert not load_config(env={"OTEL_EXPORTER_OTLP_ENDPOINT": base, "OTEL_SDK_DISABLED": "true"},
@@ -197,15 +219,40 @@ def test_endpoint_from_the_environment_and_a_real_otlp_receiver(node):  # noqa: 
     tracing = app.extensions["zen.tracing"]
     try:
         assert tracing._provider is None   # built in the process that serves, on its first request
-        r = app.test_client().post("/v1/completions", headers=bearer(config),
+        r = app.test_client().post("/v1/completions", headers={**bearer(config), "traceparent": TRACEPARENT},
                                    json={"model": "zen-small", "prompt": "hi", "max_tokens": 3})
         assert r.status_code == 200
         assert tracing._provider is not None
     finally:
         close_app(app)   # flushes the batch
-        receiver.shutdown()
-        receiver.server_close()
-    assert posts and all(p == "/v1/traces" and t == "application/x-protobuf" and n > 0 for p, t, n in posts)
+        receiver.stop()
+    assert receiver.posts and all(p == ("/v1/traces", "application/x-protobuf") for p in receiver.posts)
+    names = {name for service, name, trace_id, _ in receiver.spans
+             if service == "zen-gateway" and trace_id.hex() == TRACE_ID}
+    assert {"POST /v1/completions", "auth", "routing", "node_request"} <= names
+
+
+@pytest.mark.slow
+def test_a_node_under_gunicorn_exports_its_spans_to_the_otlp_flag(start_node, tiny_models):  # noqa: F811
+    """The node's --otlp-endpoint: its worker (not the gunicorn master) batches and sends the spans."""
+    receiver = OTLPReceiver()
+    try:
+        url = start_node([tiny_models["a"] + "=tiny-a"], NODE_SECRET,
+                         extra_args=("--otlp-endpoint", receiver.url))
+        parent_id = "00f067aa0ba902b7"
+        r = requests.post(url + "/v1/generate", timeout=60,
+                          headers={"X-Node-Secret": NODE_SECRET, "traceparent": f"00-{TRACE_ID}-{parent_id}-01"},
+                          json={"request_id": "acme/t1", "model": "tiny-a", "org": "acme", "prompt": "hi",
+                                "sampling": {"max_tokens": 3}})
+        assert r.status_code == 200, r.text
+        deadline = time.monotonic() + 20   # the batch processor sends every 5 s
+        while len(receiver.spans) < 4 and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        receiver.stop()
+    spans = {name: (service, trace_id.hex(), parent.hex()) for service, name, trace_id, parent in receiver.spans}
+    assert spans["POST /v1/generate"] == ("zen-node", TRACE_ID, parent_id)
+    assert {"queueing", "prefill", "decode"} <= set(spans)
 
 
 def test_a_gateway_without_tracing_imports_neither_the_sdk_tracer_nor_the_tracing_module():
