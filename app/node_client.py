@@ -170,7 +170,6 @@ class NodeStream:
         self._client.release(self.node, self._conn, self.response)
         self.response = None
 
-
     def end_span(self, error: BaseException | None = None) -> None:
         """End the node_request span (once), with the node that has the request and the nodes tried."""
         span, self.span = self.span, None
