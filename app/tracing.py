@@ -10,11 +10,9 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flask import Flask, Response, g, request
-
-from typing import TYPE_CHECKING
 
 from app.config import GatewayConfig
 
