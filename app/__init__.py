@@ -3,7 +3,7 @@
 `create_app(config=None)` builds it: defaults from config/default.toml (or ZEN_CONFIG),
 secrets from the environment, then test overrides (`config` may be a GatewayConfig or a
 dict merged over the file). Extensions are created bare and bound here, in the order
-their request hooks must run: request id → auth → rate limits → the views.
+their request hooks must run: request id → the request's span → auth → rate limits → the views.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from app.config import GatewayConfig, load_config
 
 
 def create_app(config: GatewayConfig | Mapping[str, Any] | None = None) -> Flask:
-    from app import api, auth, health, limits, metrics, openapi
+    from app import api, auth, health, limits, metrics, openapi, tracing
     from app.errors import register_error_handlers
     from app.logs import configure_logging, init_request_logging
     from app.node_client import NodeClient
@@ -32,13 +32,15 @@ def create_app(config: GatewayConfig | Mapping[str, Any] | None = None) -> Flask
 
     register_error_handlers(app)
     init_request_logging(app)           # 1. request id
-    auth.init_auth(app, cfg)            # 2. g.caller from the bearer token
-    limits.init_limits(app, cfg)        # 3. requests per minute, token bucket
+    tracer = tracing.init_tracing(app, cfg)   # 2. the request's span (when tracing is on)
+    auth.init_auth(app, cfg)            # 3. g.caller from the bearer token
+    limits.init_limits(app, cfg)        # 4. requests per minute, token bucket
     gateway_metrics = metrics.init_metrics(app, cfg)
 
     pool = NodePool(cfg.nodes, cfg.routing)
     client = NodeClient(pool, pool_size=max(8, cfg.server.threads * 2))
     client.on_failover = gateway_metrics.failover
+    client.tracing = tracer
     app.extensions["zen.nodes"] = client
 
     app.register_blueprint(api.bp)
@@ -58,10 +60,13 @@ def create_app(config: GatewayConfig | Mapping[str, Any] | None = None) -> Flask
 
 
 def close_app(app: Flask) -> None:
-    """Stop what create_app started (node poller, HTTP sessions, the embedded limits store)."""
+    """Stop what create_app started (node poller, HTTP sessions, the embedded limits store, the span
+    exporter)."""
     from app.limits import close_limits
+    from app.tracing import close_tracing
     client = app.extensions.get("zen.nodes")
     if client is not None:
         client.pool.close()
         client.close()
     close_limits(app)
+    close_tracing(app)

@@ -27,6 +27,7 @@ from app.node_client import PING, NodeClient, NodeStream, NodeStreamError, colle
 from app.priority import LATENCY_CLASS_HEADER, latency_class_for
 from app.responses import (CHAT, COMPLETIONS, SSE_DONE, ChunkWriter, chat_completion,
                            text_completion, usage_of)
+from app.tracing import request_span
 from engine.protocol import APIError, ClientGone, client_gone, sse_error_event
 
 log = logging.getLogger("zen.gateway")
@@ -149,7 +150,8 @@ def _generate(body: Mapping[str, Any], kind: str) -> Response:
     g.log_fields.update(model=req.model.alias, latency_class=req.latency_class.label,
                         stream=req.stream)
     try:
-        reservation = _tokens().reserve(req.org, g.caller.tier, req.token_cost())
+        with request_span("limits.tokens", **{"zen.org": req.org, "zen.tokens_reserved": req.token_cost()}):
+            reservation = _tokens().reserve(req.org, g.caller.tier, req.token_cost())
     except APIError as exc:
         if exc.status == 429:
             g.limited_by = "tokens"

@@ -27,6 +27,7 @@ from jwt import PyJWK, PyJWKSet
 from app.config import AuthConfig, GatewayConfig, TierConfig
 from app.errors import unauthorized
 from app.jwks import RemoteKeySet
+from app.tracing import request_span
 from engine.protocol import LatencyClass
 
 EXTENSION_KEY = "zen.auth"
@@ -236,11 +237,12 @@ def load_caller() -> None:
     if header is None:
         g.auth_error = "missing bearer token: send `Authorization: Bearer <token>`"
         return
-    try:
-        g.caller = current_app.extensions[EXTENSION_KEY].authenticate(header)
-        g.org = g.caller.org
-    except AuthError as exc:
-        g.auth_error = str(exc)
+    with request_span("auth"):
+        try:
+            g.caller = current_app.extensions[EXTENSION_KEY].authenticate(header)
+            g.org = g.caller.org
+        except AuthError as exc:
+            g.auth_error = str(exc)
 
 
 def login_required(view: Callable) -> Callable:

@@ -2,7 +2,8 @@
 
 Order of precedence (later wins): the shipped defaults in config/default.toml (or the file
 named by ZEN_CONFIG), environment variables for secrets and addresses (PORT, JWT_SECRET,
-REDIS_URL, ZEN_NODES, NODE_SECRET, METRICS_TOKEN), then test overrides (a nested dict). Everything is
+REDIS_URL, ZEN_NODES, NODE_SECRET, METRICS_TOKEN, OpenTelemetry's OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT
+and OTEL_SDK_DISABLED), then test overrides (a nested dict). Everything is
 validated in __post_init__, so a bad file fails at start-up, not on the first request.
 """
 from __future__ import annotations
@@ -240,6 +241,20 @@ class RoutingConfig:
 
 
 @dataclass(frozen=True)
+class TracingConfig:
+    enabled: bool = True        # false: no traces even where an endpoint is configured
+    endpoint: str = ""          # OTLP/HTTP collector (base URL or its /v1/traces URL); empty: tracing off
+    sample_ratio: float = 1.0   # share of traces started here that are kept (a client's sampled flag wins)
+
+    def __post_init__(self) -> None:
+        _require(0.0 <= self.sample_ratio <= 1.0, "tracing.sample_ratio must be in [0, 1]")
+        if self.endpoint:
+            url = urlparse(self.endpoint)
+            _require(url.scheme in ("http", "https") and bool(url.netloc),
+                     f"tracing.endpoint: not an http(s) URL: {self.endpoint!r}")
+
+
+@dataclass(frozen=True)
 class GatewayConfig:
     """Everything the gateway reads, validated as a whole."""
 
@@ -248,6 +263,7 @@ class GatewayConfig:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     nodes: NodesConfig = field(default_factory=NodesConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
     tiers: Mapping[str, TierConfig] = field(default_factory=dict)
     orgs: Mapping[str, OrgConfig] = field(default_factory=dict)
     models: Mapping[str, ModelConfig] = field(default_factory=dict)
@@ -304,7 +320,7 @@ def _section(cls: type, data: Mapping[str, Any], where: str) -> Any:
 
 
 def _build(data: Mapping[str, Any]) -> GatewayConfig:
-    top_known = {"server", "auth", "limits", "nodes", "routing", "tiers", "orgs", "models"}
+    top_known = {"server", "auth", "limits", "nodes", "routing", "tracing", "tiers", "orgs", "models"}
     unknown = set(data) - top_known
     _require(not unknown, f"unknown config sections: {sorted(unknown)}")
     limits = _section(LimitsConfig, data.get("limits", {}), "limits")
@@ -349,6 +365,7 @@ def _build(data: Mapping[str, Any]) -> GatewayConfig:
         limits=limits,
         nodes=_section(NodesConfig, data.get("nodes", {}), "nodes"),
         routing=_section(RoutingConfig, data.get("routing", {}), "routing"),
+        tracing=_section(TracingConfig, data.get("tracing", {}), "tracing"),
         tiers=tiers,
         orgs=orgs,
         models=models,
@@ -383,6 +400,12 @@ def _env_overrides(env: Mapping[str, str]) -> dict:
         over.setdefault("server", {})["metrics_token"] = env["METRICS_TOKEN"]
     if env.get("NODE_SECRET"):
         over.setdefault("nodes", {})["secret"] = env["NODE_SECRET"]
+    if any(name.startswith("OTEL_") for name in env):   # tracing's module only where it may be on
+        from engine.tracing import endpoint_from_env, sdk_disabled
+        if sdk_disabled(env):
+            over.setdefault("tracing", {})["enabled"] = False
+        elif endpoint_from_env(env):
+            over.setdefault("tracing", {})["endpoint"] = endpoint_from_env(env)
     return over
 
 

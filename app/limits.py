@@ -36,6 +36,7 @@ from prometheus_client import Counter
 from app.config import GatewayConfig, LimitsConfig, TierConfig
 from app.limit_store import EmbeddedStorage, EmbeddedTokenBuckets, LimitStore, open_limit_store
 from app.token_buckets import BucketResult, MemoryTokenBuckets, RedisTokenBuckets, TokenBuckets
+from app.tracing import request_span
 from engine.protocol import APIError
 
 log = logging.getLogger("zen.gateway")
@@ -362,7 +363,8 @@ def init_limits(app: Flask, config: GatewayConfig) -> None:
         caller = g.get("caller")
         if caller is not None and request.blueprint == "api":
             try:
-                g.request_window = requests.hit(caller.org, caller.tier)
+                with request_span("limits.requests", **{"zen.org": caller.org}):
+                    g.request_window = requests.hit(caller.org, caller.tier)
             except APIError as exc:
                 if exc.status == 429:
                     g.limited_by = "requests"

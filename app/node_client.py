@@ -18,12 +18,16 @@ import socket
 import ssl
 import threading
 import time
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 from urllib.parse import urlsplit
 
 from app.inference import InferenceRequest
 from app.router import TRANSPORT_ERRORS, NodePool
+from app.tracing import end_node_span, start_node_span, traced_rank
 from engine.protocol import REQUEST_ID_HEADER, SECRET_HEADER, APIError, ClientGone
+
+if TYPE_CHECKING:
+    from engine.tracing import Tracing
 
 log = logging.getLogger("zen.gateway")
 
@@ -51,6 +55,8 @@ class NodeStream:
         self._body = json.dumps(req.generate_request(stream=True).to_json()).encode()
         self._headers = {SECRET_HEADER: client.config.secret, REQUEST_ID_HEADER: req.node_request_id,
                          "Accept": "text/event-stream", "Content-Type": "application/json"}
+        # the node_request span while tracing is on: its traceparent goes to every node tried
+        self.span = None if client.tracing is None else start_node_span(client.tracing, req, self._headers)
         self._retry_after = 1
         self._last = "no node answered"
         self.node = ""
@@ -114,6 +120,9 @@ class NodeStream:
                            param=err.get("param"), code=err.get("code"))
 
     def _failover(self, url: str, reason: str) -> None:
+        if self.span is not None:
+            self.span.add_event("failover", {"zen.node": url, "zen.failover_reason": reason,
+                                             "zen.attempt": self.attempts})
         log.warning("node attempt failed; trying the next node", extra={
             "event": "failover", "node": url, "reason": reason, "request_id": self._req.request_id,
             "org": self._req.org})
@@ -148,6 +157,7 @@ class NodeStream:
         """Close the upstream stream. A finished one is read to its end first (a few bytes: the
         [DONE] line and the end of the chunked body), which gives its connection back to the pool
         for the next request; one closed early drops the connection, and the node aborts the sequence."""
+        self.end_span()
         if self.response is None:
             return
         try:
@@ -159,6 +169,12 @@ class NodeStream:
             pass   # not drained: closed below rather than reused
         self._client.release(self.node, self._conn, self.response)
         self.response = None
+
+    def end_span(self, error: BaseException | None = None) -> None:
+        """End the node_request span (once), with the node that has the request and the nodes tried."""
+        span, self.span = self.span, None
+        if span is not None:
+            end_node_span(span, self.node, self.attempts, error)
 
 
 # What may follow the done event: blank lines and [DONE], at once. A node that sends more, or
@@ -301,6 +317,7 @@ class NodeClient:
         self._connections = {url: self._new_connections(url) for url in pool.discovery.known()}
         self._connections_lock = threading.Lock()
         self.on_failover: Callable[[str, str], None] | None = None   # (node, reason): the gateway's metric
+        self.tracing: Tracing | None = None   # set by create_app when tracing is on
 
     def post_generate(self, url: str, body: bytes, headers: dict, on_sent: Callable[[], None] | None = None
                       ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
@@ -366,12 +383,19 @@ class NodeClient:
         JSON answer is collected from the stream (collect_result), so the gateway can watch its
         client the whole time and close the node's stream — which aborts the sequence — when nobody
         is left to read it."""
-        ranked = self.pool.rank(req.model, req.inputs.estimated_tokens(), req.params.max_tokens)
+        if self.tracing is None:
+            ranked = self.pool.rank(req.model, req.inputs.estimated_tokens(), req.params.max_tokens)
+        else:
+            ranked = traced_rank(self.tracing, self.pool, req)
         if not ranked:
             raise APIError(503, "No engine node is available to serve this request; retry shortly.",
                            code="no_node_available", headers={"Retry-After": "1"})
         stream = NodeStream(self, req, [score.url for score in ranked], on_sent)
-        stream.open_next()
+        try:
+            stream.open_next()
+        except BaseException as exc:
+            stream.end_span(exc)
+            raise
         return stream
 
 

@@ -52,7 +52,7 @@ def _serve(args) -> int:
             block_size=args.block_size, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
             preload=args.preload, load_wait_s=args.load_wait, threads=args.threads,
-            log_level=args.log_level, drain_grace_s=args.drain_grace_s)
+            log_level=args.log_level, drain_grace_s=args.drain_grace_s, otlp_endpoint=args.otlp_endpoint)
         for spec in config.models:
             if not os.path.exists(spec.path):
                 raise ValueError(f"model not found: {spec.path}")
@@ -107,6 +107,9 @@ def main(argv=None) -> int:
                    metavar="SECONDS", help="on SIGTERM: how long streams in flight may finish before they are "
                                            "ended (default 30, or NODE_DRAIN_GRACE_S)")
     s.add_argument("--log-level", default="info")
+    s.add_argument("--otlp-endpoint", default=None, metavar="URL",
+                   help="export traces over OTLP/HTTP to this collector (default: OTEL_EXPORTER_OTLP_[TRACES_]"
+                        "ENDPOINT; neither: no tracing)")
     args, rest = ap.parse_known_args(argv)
     if args.command == "serve":
         if rest:

@@ -12,6 +12,7 @@ from werkzeug.exceptions import HTTPException
 from engine.node.config import NodeConfig
 from engine.node.node import Node
 from engine.node.telemetry import Telemetry
+from engine.node.tracing import init_tracing
 from engine.node.views import bp, the_node
 from engine.protocol import REQUEST_ID_HEADER, SECRET_HEADER, APIError
 
@@ -36,6 +37,7 @@ def create_app(config: NodeConfig, telemetry: Telemetry | None = None, start: bo
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     node = Node(config, telemetry)
     app.extensions["zen_node"] = node
+    init_tracing(app, config.otlp_endpoint)
     register_error_handlers(app)
     app.before_request(_authenticate)
     app.register_blueprint(bp)

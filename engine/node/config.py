@@ -70,6 +70,7 @@ class NodeConfig:
     threads: int = 32                          # concurrent HTTP requests (streams) of the single worker
     drain_grace_s: float = DEFAULT_DRAIN_GRACE_S   # on SIGTERM: how long generations in flight may finish
     log_level: str = "info"
+    otlp_endpoint: str | None = None           # OTLP/HTTP trace collector; None: the OTEL_* variables, or off
 
     def __post_init__(self):
         if not self.models:

@@ -27,6 +27,7 @@ from engine.request import EngineRequest
 
 if TYPE_CHECKING:
     from engine.node.node import Node
+    from engine.node.tracing import GenerationTrace
 
 log = logging.getLogger("engine.node")
 
@@ -81,6 +82,7 @@ class Generation:
                         for i in range(call.sampling.n)]
         self._closed = False
         self._lock = threading.Lock()
+        self.trace: GenerationTrace | None = None   # set when tracing is on: its spans are made at close
 
     def deltas(self, heartbeat_s: float | None = None):
         """The request's deltas as they come; ClientGone when the client hangs up first (checked every
@@ -179,6 +181,8 @@ class Generation:
                 "quantization": self.m.quantization, "latency_class": cls, "outcome": outcome,
                 "stream": self.call.stream, "finish_reasons": [c.finish_reason or "abort" for c in self.choices],
                 **usage, **self.timings()})
+            if self.trace is not None:
+                self.trace.record(self, outcome)
         finally:
             self.node.registry.release(self.m)
             self.node.drain.leave()

@@ -11,6 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from engine.node.generation import SSEBody, collect, model_not_found, unavailable
 from engine.node.node import Node
 from engine.node.registry import ModelBusy, ModelNotFound, ModelUnavailable
+from engine.node.tracing import EXTENSION_KEY as TRACING_KEY, GenerationTrace
 from engine.protocol import APIError, GenerateRequest, bad_value, optional_str
 from models.inspect import check_quantization
 
@@ -132,6 +133,9 @@ def generate():
     call = GenerateRequest.from_json(json_body(), check_quantization)
     g.request_id = call.request_id
     gen = the_node().submit(call, received, request.environ.get("gunicorn.socket"))
+    tracing = current_app.extensions.get(TRACING_KEY)
+    if tracing is not None:
+        gen.trace = GenerationTrace(tracing, request.headers)
     if call.stream:
         return Response(SSEBody(gen), mimetype="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
