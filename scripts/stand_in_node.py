@@ -291,19 +291,28 @@ class StandInNode:
                         node.client_disconnects += 1
                     self.close_connection = True
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,), daemon=True,
-                                        name=f"standin-node-{self.port}")
-        self._thread.start()
+        self._server = serve_in_thread(Handler, self.port, name=f"standin-node-{self.port}")
         return self
 
     def stop(self) -> None:
         self.stopped = True
         if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+            stop_serving(self._server)
             self._server = None
+
+
+def serve_in_thread(handler: type[BaseHTTPRequestHandler], port: int = 0,
+                    name: str | None = None) -> ThreadingHTTPServer:
+    """A ThreadingHTTPServer on 127.0.0.1:`port` (0: a free one) serving `handler` from a daemon thread;
+    stop_serving() stops it."""
+    server = ThreadingHTTPServer(("127.0.0.1", port), handler)
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True, name=name).start()
+    return server
+
+
+def stop_serving(server: ThreadingHTTPServer) -> None:
+    server.shutdown()
+    server.server_close()
 
 
 # -- configuration and tokens -------------------------------------------------------------------
