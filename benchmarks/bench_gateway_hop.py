@@ -217,7 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--output", default=str(ROOT / "bench-results" / "gateway-hop.json"))
     args = ap.parse_args(argv)
-    result = run(args)
+    try:
+        result = run(args)
+    except RuntimeError as exc:   # the stand-in or the gateway exited or never became ready
+        log(f"error: {exc}")
+        return 1
     names = {"ttft": "time to first token", "before": "  before the node", "compute": "  at the node (compute)",
              "after": "  after the node (relay)", "rest": "  rest: at the node, not computing"}
     print(f"{'(medians; the difference per pair)':34s} {'direct':>9s} {'gateway':>9s} {'diff p50':>9s} "

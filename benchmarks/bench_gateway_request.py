@@ -1,7 +1,8 @@
 """One request's cost in the gateway process: Flask's test client posts chat completions against the
-stand-in node of the gateway tests (in this process, over loopback HTTP), and the median wall time of
-a request and the median CPU time of the requesting thread (the gateway's own work: the view runs in
-it; the stand-in's threads are not counted, so the figure holds on a busy machine) are printed. No gunicorn, no client socket: what is left is the gateway's own Python (auth,
+stand-in node of the gateway tests (scripts/stand_in_node.py, in this process, over loopback HTTP), and
+the median wall time of a request and the median CPU time of the requesting thread (the gateway's own
+work: the view runs in it; the stand-in's threads are not counted, so the figure holds on a busy
+machine) are printed. No gunicorn, no client socket: what is left is the gateway's own Python (auth,
 limits, validation, routing, forwarding, the answer) plus the stand-in's short reply.
 
     python benchmarks/bench_gateway_request.py [--requests 2000] [--stream] [--tracing off|memory]
@@ -22,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from app import close_app, create_app  # noqa: E402
-from tests.test_gateway_support import StandInNode, bearer, make_config  # noqa: E402
+from scripts.stand_in_node import StandInNode, bearer, make_config  # noqa: E402
 
 
 def measure(requests: int, stream: bool, tracing: str) -> dict:

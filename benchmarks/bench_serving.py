@@ -64,7 +64,7 @@ sys.path.insert(0, str(ROOT))  # run as a script: benchmarks/ is a package of th
 
 from benchmarks.gateway_overhead import measure_overhead  # noqa: E402
 from benchmarks.http_client import httpx  # noqa: E402
-from benchmarks.local_stack import Service, start_stack, stop_stack  # noqa: E402
+from benchmarks.local_stack import NODE_LOG, start_stack  # noqa: E402
 from benchmarks.serving_report import log, machine_info, print_level, targets, write_plot  # noqa: E402
 from benchmarks.serving_stats import summarize  # noqa: E402
 from benchmarks.serving_workload import OpenAIDriver, PromptOrder, load_prompts, run_concurrency, run_poisson  # noqa: E402,E501
@@ -225,7 +225,7 @@ async def run_overhead(args, base_url: str, token: str, node_url: str, node_secr
     """The gateway overhead at each of --overhead-concurrency, on the short prompts."""
     overhead: list[dict] = []
     # The node --start started logs each request at level info: then its own timings split the overhead.
-    node_log = (Path(args.output).parent / "node.log"
+    node_log = (Path(args.output).parent / NODE_LOG
                 if args.start and args.node_log_level.lower() in ("info", "debug") else None)
     over_prompts = [p for p in prompts if p["length"] == "short"]
     rng = random.Random(args.seed + 1000)
@@ -292,13 +292,13 @@ def main(argv: list[str] | None = None) -> int:
             log("error: the plot needs matplotlib (pip install -e '.[bench]' or pip install matplotlib); "
                 "or pass --no-plot")
             return 2
-    services: list[Service] = []
+    cluster = None
     env = dict(os.environ)
     load_before = os.getloadavg()
     wall0 = time.time()
     try:
         if args.start:
-            services, base_url, node_url, node_secret = start_stack(args, out_path.parent)
+            cluster, base_url, node_url, node_secret = start_stack(args, out_path.parent)
         else:
             base_url = (args.base_url or "http://127.0.0.1:8000").rstrip("/")
             nodes = [u for u in os.environ.get("ZEN_NODES", "").split(",") if u.strip()]
@@ -323,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
         result = asyncio.run(bench(args, base_url, token, node_url, node_secret))
         ru1 = resource.getrusage(resource.RUSAGE_SELF)
     finally:
-        stop_stack(services)
+        if cluster is not None:
+            cluster.stop()
     result["meta"] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),

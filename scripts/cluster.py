@@ -96,22 +96,24 @@ def launch_gateways(cluster: Cluster, ports: list[int], env: dict) -> None:
 
 
 def start_cluster(directory: str | Path, model: str, *, node_ports: list[int], gateway_ports: list[int],
-                  redis_port: int | None = None, threads_per_node: int | None = None,
-                  node_args: list[str] = (), env: dict | None = None) -> Cluster:
-    """Redis, len(node_ports) nodes of `model` ("PATH[=ID]") and len(gateway_ports) gateway replicas, logs
-    in `directory`; `env` is added to every process's environment. On failure whatever started is
-    stopped, then it raises."""
+                  redis: bool = True, redis_port: int | None = None, threads_per_node: int | None = None,
+                  node_args: list[str] = (), env: dict | None = None, gateway_env: dict | None = None) -> Cluster:
+    """Redis (unless `redis` is False: each gateway keeps its limits to itself), len(node_ports) nodes of
+    `model` ("PATH[=ID]") and len(gateway_ports) gateway replicas, logs in `directory`; `env` is added to
+    every process's environment, `gateway_env` to the gateways'. On failure whatever started is stopped,
+    then it raises (RuntimeError: a process exited or never became ready)."""
     cluster = Cluster(Path(directory))
     base = {k: v for k, v in os.environ.items() if k not in PER_PROCESS_ENV}
     base.update({"NODE_SECRET": os.environ.get("NODE_SECRET") or DEV_NODE_SECRET, "PYTHONUNBUFFERED": "1",
                  **(env or {})})
     threads = threads_per_node or node_threads(len(node_ports))
     try:
-        redis_dir = cluster.directory / "redis"
-        redis_dir.mkdir(exist_ok=True)
-        cluster.redis = RedisProcess(redis_port or free_port(), redis_dir).start()
+        if redis:
+            redis_dir = cluster.directory / "redis"
+            redis_dir.mkdir(exist_ok=True)
+            cluster.redis = RedisProcess(redis_port or free_port(), redis_dir).start()
         launch_nodes(cluster, model, node_ports, {**base, "NUMBA_NUM_THREADS": str(threads)}, list(node_args))
-        launch_gateways(cluster, gateway_ports, base)
+        launch_gateways(cluster, gateway_ports, {**base, **(gateway_env or {})})
         return cluster
     except BaseException:
         cluster.stop()
@@ -175,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.5)
         print(f"error: the {gone} exited; stopping the cluster (logs in {directory})", file=sys.stderr)
         return 1
-    except RuntimeError as exc:   # redis-server missing or not starting
+    except RuntimeError as exc:   # redis-server missing, or a process that exited or never became ready
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -55,19 +55,29 @@ def terminate(proc: subprocess.Popen, timeout_s: float) -> None:
 
 
 class Service:
-    """A server process (its own process group, its output in `log_path`)."""
+    """A server process (its own process group, its output in `log_path`). stop() sends `stop_signal` to
+    its process group (or to the process alone: `signal_group=False`), SIGKILL to the group after
+    `stop_timeout_s`. `env` None: this process's environment."""
 
-    def __init__(self, name: str, argv: list[str], env: dict, log_path: Path):
-        self.name, self.log_path = name, log_path
+    def __init__(self, name: str, argv: list[str], env: dict | None, log_path: Path, *,
+                 stop_signal: int = signal.SIGTERM, signal_group: bool = True, stop_timeout_s: float = 30.0):
+        self.name, self.log_path = name, Path(log_path)
+        self.stop_signal, self.signal_group, self.stop_timeout_s = stop_signal, signal_group, stop_timeout_s
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
 
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(30)
+                if self.signal_group:
+                    os.killpg(self.proc.pid, self.stop_signal)
+                else:
+                    self.proc.send_signal(self.stop_signal)
+                self.proc.wait(self.stop_timeout_s)
             except (subprocess.TimeoutExpired, ProcessLookupError):
                 try:
                     os.killpg(self.proc.pid, signal.SIGKILL)
@@ -76,26 +86,32 @@ class Service:
                 self.proc.wait(10)
         self._log.close()
 
-    def tail(self, n: int = 3000) -> str:
+    def log(self) -> str:
+        """Its output so far."""
         try:
-            return self.log_path.read_text(errors="replace")[-n:]
+            return self.log_path.read_text(errors="replace")
         except OSError:
             return ""
 
+    def tail(self, n: int = 4000) -> str:
+        return self.log()[-n:]
+
 
 def wait_http(url: str, service: Service, timeout: float, ok=lambda r: r.status_code == 200) -> None:
+    """Poll `url` until `ok(response)`; RuntimeError (with the log's tail) if the service exits first or
+    the timeout passes. The service is left running: whoever started it stops it."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if service.proc.poll() is not None:
-            raise SystemExit(f"error: the {service.name} exited with {service.proc.returncode}:\n{service.tail()}")
+            raise RuntimeError(f"the {service.name} exited with {service.proc.returncode}:\n{service.tail()}")
         try:
             r = requests.get(url, timeout=2.0)
             if ok(r):
                 return
         except requests.RequestException:
             pass
-        time.sleep(0.25)
-    raise SystemExit(f"error: the {service.name} did not become ready in {timeout:.0f} s:\n{service.tail()}")
+        time.sleep(0.1)
+    raise RuntimeError(f"the {service.name} did not become ready in {timeout:.0f} s:\n{service.tail()}")
 
 
 def start_redis(port: int, directory: str | Path | None = None):

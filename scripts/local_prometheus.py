@@ -24,7 +24,7 @@ from pathlib import Path
 import requests
 import yaml
 
-from scripts.local_processes import terminate
+from scripts.local_processes import Service, wait_http
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG_PATH = REPO_ROOT / "deploy" / "prometheus" / "prometheus.yml"
@@ -77,7 +77,11 @@ class LocalPrometheus:
         self.config = config
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = self.directory / "prometheus.log"
-        self.proc: subprocess.Popen | None = None
+        self.service: Service | None = None
+
+    @property
+    def proc(self) -> subprocess.Popen | None:
+        return self.service.proc if self.service is not None else None
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> "LocalPrometheus":
         """Start it and wait until it is ready (its rules loaded, scraping)."""
@@ -87,32 +91,20 @@ class LocalPrometheus:
         args = [prometheus_binary(), f"--config.file={config_file}",
                 f"--storage.tsdb.path={self.directory / 'data'}",
                 f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"]
-        with open(self.log_path, "wb") as log:
-            # Its own session: a terminal's Ctrl-C reaches whoever started it, which stops it (stop()).
-            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"prometheus exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
-            try:
-                if requests.get(self.url + "/-/ready", timeout=1).status_code == 200:
-                    return self
-            except requests.RequestException:
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"prometheus was not ready in {timeout_s:.0f} s:\n{self.log()[-4000:]}")
+        self.service = Service("prometheus", args, None, self.log_path, stop_timeout_s=STOP_TIMEOUT_S)
+        try:
+            wait_http(self.url + "/-/ready", self.service, timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
 
     def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
+        return self.service.log() if self.service is not None else ""
 
     def stop(self) -> None:
-        if self.proc is not None:
-            terminate(self.proc, STOP_TIMEOUT_S)
+        if self.service is not None:
+            self.service.stop()
 
     def api(self, path: str, **params) -> object:
         """The `data` of a GET on Prometheus' HTTP API (/api/v1/<path>)."""

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,7 +27,7 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.protocol import SECRET_HEADER
-from scripts.local_processes import free_port
+from scripts.local_processes import Service, free_port, wait_http
 from tests.tiny_model import make_tiny_tokenizer, make_tiny_weights, write_tiny_gguf
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -44,31 +43,15 @@ def make_tiny_model(directory, name: str, seed: int, **shape) -> str:
     return str(path)
 
 
-class NodeProcess:
-    """A running node: `url`, `log()` (its stderr so far), `stop()`."""
+class NodeProcess(Service):
+    """A running node: `url`, `log()` (its output so far), `alive()`, `stop()`: SIGINT to the gunicorn
+    master (a quick shutdown: it stops its worker, which stops its engine loops), then SIGKILL to the
+    process group it leads if it lingers."""
 
-    def __init__(self, proc: subprocess.Popen, url: str, log_path: str):
-        self.proc, self.url, self.log_path = proc, url, log_path
-
-    def log(self) -> str:
-        try:
-            return Path(self.log_path).read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def stop(self) -> None:
-        """SIGINT to the gunicorn master (a quick shutdown: it stops its worker, which stops its engine
-        loops), then SIGKILL to the process group it leads if it lingers."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
+    def __init__(self, argv: list[str], env: dict, log_path: str, url: str):
+        super().__init__("node", argv, env, Path(log_path), stop_signal=signal.SIGINT, signal_group=False,
+                         stop_timeout_s=STOP_TIMEOUT_S)
+        self.url = url
 
 
 def launch_node(models: list[str], secret: str, *, memory_budget: int | str | None = None,
@@ -98,22 +81,13 @@ def launch_node(models: list[str], secret: str, *, memory_budget: int | str | No
                     "PYTHONUNBUFFERED": "1"})
     run_env.update(env or {})
     log_path = os.path.join(log_dir or tempfile.mkdtemp(prefix="zen-node-"), f"node-{port}.log")
-    with open(log_path, "wb") as log_file:
-        proc = subprocess.Popen(args, cwd=REPO_ROOT, env=run_env, stdout=log_file, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-    node = NodeProcess(proc, f"http://127.0.0.1:{port}", log_path)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the node exited with {proc.returncode}:\n{node.log()[-4000:]}")
-        try:
-            if requests.get(node.url + "/ready", timeout=1).status_code == 200:
-                return node
-        except requests.RequestException:
-            pass
-        time.sleep(0.1)
-    node.stop()
-    raise RuntimeError(f"the node did not become ready in {START_TIMEOUT_S:.0f} s:\n{node.log()[-4000:]}")
+    node = NodeProcess(args, run_env, log_path, f"http://127.0.0.1:{port}")
+    try:
+        wait_http(node.url + "/ready", node, START_TIMEOUT_S)
+    except BaseException:
+        node.stop()
+        raise
+    return node
 
 
 @pytest.fixture

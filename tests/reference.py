@@ -80,6 +80,43 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
     return out
 
 
+def paged_kv_case(rng, seqs, h, hkv, dh, bs, spare_blocks=5) -> dict:
+    """A random step over a paged cache: sequences `seqs` ((first position, tokens) each), their K/V of
+    earlier positions already in randomly ordered blocks (plus `spare_blocks` unused), a random qkv."""
+    ctx = [start + n for start, n in seqs]
+    nblocks = sum(-(-c // bs) for c in ctx) + spare_blocks
+    perm = rng.permutation(nblocks).astype(np.int32)
+    tables = np.zeros((len(seqs), -(-max(ctx) // bs)), np.int32)
+    used = 0
+    for i, c in enumerate(ctx):
+        nb = -(-c // bs)
+        tables[i, :nb] = perm[used:used + nb]
+        used += nb
+    kc = rng.standard_normal((nblocks, bs, hkv, dh)).astype(np.float32)
+    vc = rng.standard_normal((nblocks, bs, hkv, dh)).astype(np.float32)
+    positions = np.concatenate([np.arange(start, start + n) for start, n in seqs]).astype(np.int32)
+    token_seq = np.concatenate([[i] * n for i, (_, n) in enumerate(seqs)]).astype(np.int32)
+    slot = tables[token_seq, positions // bs].astype(np.int64) * bs + positions % bs
+    qkv = rng.standard_normal((len(positions), (h + 2 * hkv) * dh)).astype(np.float32)
+    qsl = np.concatenate([[0], np.cumsum([n for _, n in seqs])]).astype(np.int32)
+    return dict(h=h, hkv=hkv, dh=dh, ctx=np.array(ctx), qsl=qsl, tables=tables, kc=kc, vc=vc,
+                positions=positions, token_seq=token_seq, slot=slot, qkv=qkv)
+
+
+def rope_store_kv(case, theta):
+    """RoPE of a paged_kv_case's q and k, and its caches after its K/V are written: (q, k, k cache,
+    v cache), float64."""
+    t, h, hkv, dh = len(case["positions"]), case["h"], case["hkv"], case["dh"]
+    qkv = case["qkv"]
+    q = rope(qkv[:, :h * dh].reshape(t, h, dh), case["positions"], theta)
+    k = rope(qkv[:, h * dh:(h + hkv) * dh].reshape(t, hkv, dh), case["positions"], theta)
+    v = qkv[:, (h + hkv) * dh:].reshape(t, hkv, dh)
+    kc, vc = case["kc"].astype(np.float64), case["vc"].astype(np.float64)
+    kc.reshape(-1, hkv, dh)[case["slot"]] = k
+    vc.reshape(-1, hkv, dh)[case["slot"]] = v
+    return q, k, kc, vc
+
+
 class _Dense:
     """A matrix dequantized to float64 once, with QuantTensor's dequantize() interface."""
 

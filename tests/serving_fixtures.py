@@ -26,7 +26,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,7 +39,7 @@ import requests
 
 from app.config import load_config
 from app.devtoken import mint_token
-from scripts.local_processes import RedisProcess, free_port, stop_all
+from scripts.local_processes import RedisProcess, Service, free_port, stop_all, wait_http
 from tests.node_fixtures import NodeProcess, launch_node, node_state, tiny_models  # noqa: F401
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -173,27 +172,18 @@ def node_worker_pid(node: NodeProcess) -> int:
     raise AssertionError(f"engine node {node.url} has no single worker: {worker_pids(node.proc.pid)}")
 
 
-def _kill_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 # ---------------------------------------------------------------------------------------- gateway
 
-class GatewayProcess:
-    """The gateway under gunicorn: `url`, `config` (the GatewayConfig it runs), `log()`, `stop()`."""
+class GatewayProcess(Service):
+    """The gateway under gunicorn: `url`, `config` (the GatewayConfig it runs), `log()`, `alive()`,
+    `stop()`: SIGINT (gunicorn's quick shutdown: the tests do not wait for requests in flight), then
+    SIGKILL to the process group if it lingers."""
 
-    def __init__(self, proc: subprocess.Popen, url: str, config_path: Path, log_path: Path, env: dict):
-        self.proc, self.url, self.config_path, self.log_path = proc, url, config_path, log_path
+    def __init__(self, argv: list[str], env: dict, log_path: Path, url: str, config_path: Path):
+        super().__init__("gateway", argv, env, log_path, stop_signal=signal.SIGINT, signal_group=False,
+                         stop_timeout_s=STOP_TIMEOUT_S)
+        self.url, self.config_path = url, config_path
         self.config = load_config(config_path, env=env)
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
 
     def log_events(self) -> list[dict]:
         """The JSON log lines written so far (other lines skipped)."""
@@ -209,22 +199,8 @@ class GatewayProcess:
     def worker_pids(self) -> list[int]:
         return worker_pids(self.proc.pid)
 
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
     def health(self) -> dict:
         return requests.get(self.url + "/health", timeout=5).json()
-
-    def stop(self) -> None:
-        """SIGINT (gunicorn's quick shutdown: the tests do not wait for requests in flight), then
-        SIGKILL to the process group if it lingers."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                _kill_group(self.proc, signal.SIGKILL)
-                self.proc.wait(5)
 
 
 def launch_gateway(config: dict, *, node_urls: list[str], redis_url: str | None = None, workers: int = 2,
@@ -248,29 +224,25 @@ def launch_gateway(config: dict, *, node_urls: list[str], redis_url: str | None 
         env["ZEN_NODES"] = ",".join(node_urls)
     if redis_url:
         env["REDIS_URL"] = redis_url
-    log_path = directory / f"gateway-{port}.log"
-    with open(log_path, "wb") as log_file:
-        proc = subprocess.Popen([sys.executable, "-m", "gunicorn", "-c", "config/gunicorn.conf.py", "wsgi:app"],
-                                cwd=REPO_ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-    gw = GatewayProcess(proc, f"http://127.0.0.1:{port}", config_path, log_path, env)
+    gw = GatewayProcess([sys.executable, "-m", "gunicorn", "-c", "config/gunicorn.conf.py", "wsgi:app"], env,
+                        directory / f"gateway-{port}.log", f"http://127.0.0.1:{port}", config_path)
     want_nodes = len(node_urls) if wait_nodes is None else wait_nodes
-    deadline = time.monotonic() + GATEWAY_START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the gateway exited with {proc.returncode}:\n{gw.log()[-4000:]}")
+
+    def every_worker_sees_the_nodes(r) -> bool:
+        # Each worker has its own node view: ask a few times so that more than one worker answered.
         try:
-            r = requests.get(gw.url + "/ready", timeout=2)
-            # Each worker has its own node view: ask a few times so that more than one worker answered.
-            if r.json().get("nodes_up", 0) >= want_nodes:
-                if all(requests.get(gw.url + "/ready", timeout=2).json().get("nodes_up", 0) >= want_nodes
-                       for _ in range(2 * workers)):
-                    return gw
-        except (requests.RequestException, ValueError):
-            pass
-        time.sleep(0.2)
-    gw.stop()
-    raise RuntimeError(f"the gateway did not become ready in {GATEWAY_START_TIMEOUT_S:.0f} s:\n{gw.log()[-4000:]}")
+            return r.json().get("nodes_up", 0) >= want_nodes and all(
+                requests.get(gw.url + "/ready", timeout=2).json().get("nodes_up", 0) >= want_nodes
+                for _ in range(2 * workers))
+        except ValueError:
+            return False
+
+    try:
+        wait_http(gw.url + "/ready", gw, GATEWAY_START_TIMEOUT_S, ok=every_worker_sees_the_nodes)
+    except BaseException:
+        gw.stop()
+        raise
+    return gw
 
 
 # ------------------------------------------------------------------------------------------ stack

@@ -143,40 +143,6 @@ def test_matmul_fused_mixed_formats_and_ragged_k(be, rng):
     close(be.download(out), x.astype(np.float64) @ w.data.astype(np.float64).T, 1e-5)
 
 
-def _paged_setup(rng, h=4, hkv=2, dh=8, bs=4, nblocks=12):
-    """Three sequences in one step: a prefill of 5 from position 0, a decode at position 9, a chunk of 3
-    at positions 4..6; K/V of earlier positions already in a randomly ordered paged cache."""
-    seqs = [(0, 5), (9, 1), (4, 3)]
-    ctx = [s + n for s, n in seqs]
-    perm = rng.permutation(nblocks)
-    tables = np.zeros((3, 4), np.int32)
-    used = 0
-    for i, c in enumerate(ctx):
-        nb = -(-c // bs)
-        tables[i, :nb] = perm[used:used + nb]
-        used += nb
-    kc = rng.standard_normal((nblocks, bs, hkv, dh)).astype(np.float32)
-    vc = rng.standard_normal((nblocks, bs, hkv, dh)).astype(np.float32)
-    positions = np.concatenate([np.arange(s, s + n) for s, n in seqs]).astype(np.int32)
-    token_seq = np.concatenate([[i] * n for i, (_, n) in enumerate(seqs)]).astype(np.int32)
-    slot = tables[token_seq, positions // bs].astype(np.int64) * bs + positions % bs
-    qkv = rng.standard_normal((len(positions), (h + 2 * hkv) * dh)).astype(np.float32)
-    return dict(h=h, hkv=hkv, dh=dh, ctx=np.array(ctx), qsl=np.array([0, 5, 6, 9]), tables=tables, kc=kc, vc=vc,
-                positions=positions, token_seq=token_seq, slot=slot, qkv=qkv)
-
-
-def _reference_rope_store(s, theta):
-    t, h, hkv, dh = len(s["positions"]), s["h"], s["hkv"], s["dh"]
-    qkv = s["qkv"]
-    q = R.rope(qkv[:, :h * dh].reshape(t, h, dh), s["positions"], theta)
-    k = R.rope(qkv[:, h * dh:(h + hkv) * dh].reshape(t, hkv, dh), s["positions"], theta)
-    v = qkv[:, (h + hkv) * dh:].reshape(t, hkv, dh)
-    kc, vc = s["kc"].astype(np.float64), s["vc"].astype(np.float64)
-    kc.reshape(-1, hkv, dh)[s["slot"]] = k
-    vc.reshape(-1, hkv, dh)[s["slot"]] = v
-    return q, k, kc, vc
-
-
 @pytest.mark.parametrize("split", [False, True])
 def test_rope_store_kv_and_paged_attention(rng, split):
     """RoPE while K/V are written, then prefill, chunked-prefill and decode attention in one launch; `split`
@@ -184,14 +150,15 @@ def test_rope_store_kv_and_paged_attention(rng, split):
     cfg = dataclasses.replace(SIM_CONFIG, sm_count=64) if split else dataclasses.replace(SIM_CONFIG,
                                                                                          attn_min_split=256)
     be = CudaBackend(cfg)
-    s = _paged_setup(rng)
+    # A prefill of 5 from position 0, a decode at position 9, a chunk of 3 at positions 4..6.
+    s = R.paged_kv_case(rng, [(0, 5), (9, 1), (4, 3)], h=4, hkv=2, dh=8, bs=4)
     h, hkv, dh, theta = s["h"], s["hkv"], s["dh"], 10000.0
     nsplit, _ = be._splits(5 * hkv, 10)
     assert (nsplit > 1) == split
     qkv, kc, vc = be.upload(s["qkv"]), be.upload(s["kc"]), be.upload(s["vc"])
     cos, sin = be.rope_tables(16, dh, theta)
     be.rope_store_kv(qkv, s["positions"], cos, sin, kc, vc, s["slot"], h, hkv)
-    q, k, kref, vref = _reference_rope_store(s, theta)
+    q, k, kref, vref = R.rope_store_kv(s, theta)
     t = len(s["positions"])
     close(be.download(qkv)[:, :(h + hkv) * dh], np.concatenate([q, k], axis=1).reshape(t, -1), 1e-5)
     close(be.download(kc), kref, 1e-5)

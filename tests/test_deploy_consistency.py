@@ -12,6 +12,7 @@ import pytest
 from app import close_app, create_app
 from app.config import load_config
 from engine.node.config import ModelSpec, NodeConfig
+from engine.node.drain import END_WAIT_S
 from engine.node.app import create_app as create_node_app
 from tests.k8s_manifests import (REPO_ROOT, container, cpu_node_statefulset, find, pod_spec,
                                  resources)
@@ -240,3 +241,11 @@ def test_grace_periods_cover_the_pre_stop_wait_and_the_drain():
         grace = pod_spec(_workload(role))["terminationGracePeriodSeconds"]
         assert grace >= _pre_stop_s(c) + drains[role], role
         assert grace <= _pre_stop_s(c) + drains[role] + 15, f"{role}: a stuck pod would linger"
+
+
+def test_node_grace_period_covers_the_end_wait_and_the_close():
+    for statefulset in (_workload("node"), cpu_node_statefulset()):
+        c = container(statefulset, "node")
+        drain = int(_env(c)["NODE_DRAIN_GRACE_S"]["value"])
+        grace = pod_spec(statefulset)["terminationGracePeriodSeconds"]
+        assert grace >= _pre_stop_s(c) + drain + END_WAIT_S + 5

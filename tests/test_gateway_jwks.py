@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import jwt
 import pytest
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
 from app import close_app, create_app, jwks
+from scripts.stand_in_node import serve_in_thread, stop_serving
 from tests.test_gateway_auth import _assert_401, _claims, _get
 from tests.test_gateway_support import JWT_SECRET, make_config
 
@@ -52,13 +53,11 @@ class JwksServer:
             def log_message(self, *args) -> None:
                 pass
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = serve_in_thread(Handler)
         self.url = f"http://127.0.0.1:{self._server.server_port}/jwks.json"
-        threading.Thread(target=self._server.serve_forever, args=(0.05,), daemon=True).start()
 
     def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        stop_serving(self._server)
 
 
 @pytest.fixture

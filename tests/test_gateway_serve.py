@@ -45,11 +45,8 @@ def _serve(tmp_path, host: str, **secrets: str) -> GatewayProcess:
     port = free_port()
     config_path = _config_on(tmp_path, host)
     env = _env(tmp_path, config_path, port, **secrets)
-    log_path = tmp_path / "gateway.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "app", "serve"], cwd=REPO_ROOT, env=env, stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-    gateway = GatewayProcess(proc, f"http://127.0.0.1:{port}", config_path, log_path, env)
+    gateway = GatewayProcess([sys.executable, "-m", "app", "serve"], env, tmp_path / "gateway.log",
+                             f"http://127.0.0.1:{port}", config_path)
 
     def healthy() -> bool:
         assert gateway.alive(), gateway.log()[-3000:]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 import requests
@@ -16,6 +16,7 @@ from werkzeug.serving import make_server
 from app import close_app, create_app
 from app.config import load_config
 from engine.node.config import ModelSpec, NodeConfig
+from scripts.stand_in_node import serve_in_thread, stop_serving
 from tests.node_fixtures import start_node, tiny_models  # noqa: F401 (fixtures)
 from tests.test_gateway_support import (NODE_SECRET, StandInNode, bearer, free_port, make_config,
                                         node, overrides_for_tests)  # noqa: F401 (node: fixture)
@@ -199,13 +200,11 @@ class OTLPReceiver:
                 self.send_header("Content-Length", "0")
                 self.end_headers()
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = serve_in_thread(Handler)
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        threading.Thread(target=self._server.serve_forever, args=(0.05,), daemon=True).start()
 
     def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        stop_serving(self._server)
 
 
 def test_endpoint_from_the_environment_and_a_real_otlp_receiver(node):  # noqa: F811

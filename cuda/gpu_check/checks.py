@@ -80,39 +80,21 @@ def attention_check(be, report, rng, h, hkv, dh, split, seqs) -> None:
     the middle of one (seqs: (first position, tokens)), against the float64 reference."""
     from tests import reference as R
 
-    bs, theta = 16, 10000.0
-    ctx = [s + n for s, n in seqs]
-    nblk = sum(-(-c // bs) for c in ctx) + 5
-    perm = rng.permutation(nblk).astype(np.int32)
-    tables = np.zeros((3, -(-max(ctx) // bs)), np.int32)
-    used = 0
-    for i, cl in enumerate(ctx):
-        n = -(-cl // bs)
-        tables[i, :n] = perm[used:used + n]
-        used += n
-    kc = rng.standard_normal((nblk, bs, hkv, dh)).astype(np.float32)
-    vc = rng.standard_normal((nblk, bs, hkv, dh)).astype(np.float32)
-    positions = np.concatenate([np.arange(s, s + n) for s, n in seqs]).astype(np.int32)
-    token_seq = np.concatenate([[i] * n for i, (_, n) in enumerate(seqs)]).astype(np.int32)
-    slot = tables[token_seq, positions // bs].astype(np.int64) * bs + positions % bs
-    t = len(positions)
-    qkv = rng.standard_normal((t, (h + 2 * hkv) * dh)).astype(np.float32)
-    q = R.rope(qkv[:, :h * dh].reshape(t, h, dh), positions, theta)
-    k = R.rope(qkv[:, h * dh:(h + hkv) * dh].reshape(t, hkv, dh), positions, theta)
-    kref, vref = kc.astype(np.float64), vc.astype(np.float64)
-    kref.reshape(-1, hkv, dh)[slot] = k
-    vref.reshape(-1, hkv, dh)[slot] = qkv[:, (h + hkv) * dh:].reshape(t, hkv, dh)
+    theta = 10000.0
+    case = R.paged_kv_case(rng, seqs, h, hkv, dh, bs=16)
+    ctx, tables, positions, token_seq = case["ctx"], case["tables"], case["positions"], case["token_seq"]
+    qkv, kc, vc, t = case["qkv"], case["kc"], case["vc"], len(case["positions"])
+    q, _, kref, vref = R.rope_store_kv(case, theta)
     dq, dk, dv = be.upload(qkv), be.upload(kc), be.upload(vc)
     cos, sin = be.rope_tables(max(ctx) + 1, dh, theta)
-    be.rope_store_kv(dq, positions, cos, sin, dk, dv, slot, h, hkv)
+    be.rope_store_kv(dq, positions, cos, sin, dk, dv, case["slot"], h, hkv)
     tag = f"H={h} Hkv={hkv} Dh={dh}"
     _close(f"rope_store_kv {tag}", be.download(dk), kref, 1e-5, report)
     out = be.zeros((t, h * dh))
     ntiles = be._tiles(positions, token_seq, be.config.attn_rows // (h // hkv))[2]
     nsplit = be._splits(ntiles * hkv, max(ctx))[0]
     be.attention(dq, dk, dv, tables, positions, token_seq, h, hkv, dh ** -0.5, out)
-    qsl = np.concatenate([[0], np.cumsum([n for _, n in seqs])])
-    ref = R.paged_attention(q, kref, vref, tables, np.array(ctx), qsl, dh ** -0.5)
+    ref = R.paged_attention(q, kref, vref, tables, ctx, case["qsl"], dh ** -0.5)
     _close(f"paged attention {tag}, {nsplit} split(s){' (forced)' if split else ''}", be.download(out),
            ref.reshape(t, -1), 1e-4, report)
     if split and nsplit < 2:

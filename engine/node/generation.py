@@ -134,21 +134,31 @@ class Generation:
         completion = sum(len(c.token_ids) for c in self.choices)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
+    def phase_times(self, now: float | None = None) -> tuple[float | None, float | None, float]:
+        """(first scheduled, first token, end) over the choices, monotonic seconds; None where no choice
+        got there yet; the end is `now` (default: the clock) until every choice has finished."""
+        times = [c.times for c in self.choices if c.times is not None]
+        scheduled = min((t.first_scheduled for t in times if t.first_scheduled is not None), default=None)
+        first_token = min((t.first_token for t in times if t.first_token is not None), default=None)
+        finished = [t.finished for t in times if t.finished is not None]
+        if finished and len(finished) == len(self.choices):
+            return scheduled, first_token, max(finished)
+        return scheduled, first_token, time.monotonic() if now is None else now
+
     def timings(self) -> dict:
         times = [c.times for c in self.choices if c.times is not None]
         arrival = self.req.arrival_time
-        fs = [t.first_scheduled for t in times if t.first_scheduled is not None]
-        ft = [t.first_token for t in times if t.first_token is not None]
-        fin = [t.finished for t in times if t.finished is not None]
+        scheduled, first_token, end = self.phase_times()
         gaps = [b - a for t in times for a, b in zip(t.token_times, t.token_times[1:])]
 
         def r(x):
             return None if x is None else round(max(0.0, x), 6)
-        return {"queue_s": r(min(fs) - arrival if fs else None),
-                "prefill_s": r(min(ft) - min(fs) if ft and fs else None),
-                "ttft_s": r(min(ft) - arrival if ft else None),
-                "mean_itl_s": r(sum(gaps) / len(gaps) if gaps else (0.0 if ft else None)),
-                "total_s": r((max(fin) if fin and len(fin) == len(self.choices) else time.monotonic()) - arrival)}
+        return {"queue_s": r(scheduled - arrival if scheduled is not None else None),
+                "prefill_s": r(first_token - scheduled if first_token is not None and scheduled is not None
+                               else None),
+                "ttft_s": r(first_token - arrival if first_token is not None else None),
+                "mean_itl_s": r(sum(gaps) / len(gaps) if gaps else (0.0 if first_token is not None else None)),
+                "total_s": r(end - arrival)}
 
     @property
     def timed_out_before_start(self) -> bool:

@@ -48,11 +48,7 @@ class GenerationTrace:
         from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
         tracer, req, call, m = self.tracing.tracer, gen.req, gen.call, gen.m
         now, offset = time.monotonic(), clock_offset_ns()
-        times = [c.times for c in gen.choices if c.times is not None]
-        scheduled = min((t.first_scheduled for t in times if t.first_scheduled is not None), default=None)
-        first_token = min((t.first_token for t in times if t.first_token is not None), default=None)
-        finished = [t.finished for t in times if t.finished is not None]
-        end = max(finished) if finished and len(finished) == len(gen.choices) else now
+        scheduled, first_token, end = gen.phase_times(now)
         usage = gen.usage()
         attributes = {
             "gen_ai.request.model": m.id, "zen.quantization": m.quantization,
