@@ -150,8 +150,9 @@ def _generate(body: Mapping[str, Any], kind: str) -> Response:
     g.log_fields.update(model=req.model.alias, latency_class=req.latency_class.label,
                         stream=req.stream)
     try:
-        with request_span("limits.tokens", **{"zen.org": req.org, "zen.tokens_reserved": req.token_cost()}):
-            reservation = _tokens().reserve(req.org, g.caller.tier, req.token_cost())
+        cost = req.token_cost()
+        with request_span("limits.tokens", lambda: {"zen.org": req.org, "zen.tokens_reserved": cost}):
+            reservation = _tokens().reserve(req.org, g.caller.tier, cost)
     except APIError as exc:
         if exc.status == 429:
             g.limited_by = "tokens"
@@ -301,7 +302,7 @@ def _answer_stream(req: InferenceRequest, kind: str, outcome: NodeStream, reserv
             # request refused before its stream, it costs the org nothing.
             usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
         elif usage is None:   # cut short after tokens: the prompt's estimate and what was streamed
-            usage = {"prompt_tokens": req.inputs.estimated_tokens(),
+            usage = {"prompt_tokens": req.inputs.estimated_tokens,
                      "completion_tokens": result["completion_tokens"]}
             usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         tokens.settle(reservation, usage["total_tokens"])

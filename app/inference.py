@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from app.catalog import ResolvedModel
@@ -43,8 +44,9 @@ class PromptInput:
         given = sum(v is not None for v in (self.prompt, self.prompt_token_ids, self.messages))
         assert given == 1, "exactly one of prompt, prompt_token_ids, messages"
 
+    @cached_property
     def estimated_tokens(self) -> int:
-        """An upper estimate of the prompt's token count (exact for token ids)."""
+        """An upper estimate of the prompt's token count (exact for token ids); computed once a request."""
         if self.prompt_token_ids is not None:
             return len(self.prompt_token_ids)
         if self.prompt is not None:
@@ -75,7 +77,7 @@ class InferenceRequest:
 
     def token_cost(self) -> int:
         """Tokens reserved in the org's bucket: prompt + n × max_tokens."""
-        return self.inputs.estimated_tokens() + self.params.n * self.params.max_tokens
+        return self.inputs.estimated_tokens + self.params.n * self.params.max_tokens
 
     @property
     def node_request_id(self) -> str:

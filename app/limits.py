@@ -363,7 +363,7 @@ def init_limits(app: Flask, config: GatewayConfig) -> None:
         caller = g.get("caller")
         if caller is not None and request.blueprint == "api":
             try:
-                with request_span("limits.requests", **{"zen.org": caller.org}):
+                with request_span("limits.requests", lambda: {"zen.org": caller.org}):
                     g.request_window = requests.hit(caller.org, caller.tier)
             except APIError as exc:
                 if exc.status == 429:

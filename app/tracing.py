@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from flask import Flask, Response, g, request
 
@@ -112,14 +112,14 @@ def end_request_span(trace: RequestTrace, exc: BaseException | None) -> None:
         trace.span.end()
 
 
-def request_span(name: str, **attributes: Any):
+def request_span(name: str, attributes: Callable[[], dict[str, Any]] | None = None):
     """A span around one step of the request being served (current inside it); when the request is
-    not traced, a shared context manager that does nothing."""
+    not traced, a shared context manager that does nothing. `attributes` is called only when traced."""
     if not _traced_apps or g.get("trace") is None:
         return _NO_SPAN
     from flask import current_app
     tracer = current_app.extensions[EXTENSION_KEY].tracer
-    return tracer.start_as_current_span(name, attributes=attributes or None)
+    return tracer.start_as_current_span(name, attributes=attributes() if attributes else None)
 
 
 def close_tracing(app: Flask) -> None:
@@ -138,7 +138,7 @@ def traced_rank(tracing: Tracing, pool, req) -> list:
     with tracing.tracer.start_as_current_span("routing", attributes={
             "zen.model": model.alias, "gen_ai.request.model": model.model,
             "zen.quantization": model.quantization}) as span:
-        ranked = pool.rank(model, req.inputs.estimated_tokens(), req.params.max_tokens)
+        ranked = pool.rank(model, req.inputs.estimated_tokens, req.params.max_tokens)
         span.set_attribute("zen.routing.candidates", len(ranked))
         if ranked:
             best = ranked[0]
