@@ -19,7 +19,6 @@ from app import params
 from app.auth import login_required
 from app.catalog import Catalog
 from app.config import GatewayConfig
-from app.errors import bad_request
 from app.inference import InferenceRequest, PromptInput, sampling_params
 from app.limits import TokenLimiter, request_limit_headers, token_headers
 from app.metrics import GatewayMetrics
@@ -28,7 +27,7 @@ from app.priority import LATENCY_CLASS_HEADER, latency_class_for
 from app.responses import (CHAT, COMPLETIONS, SSE_DONE, ChunkWriter, chat_completion,
                            text_completion, usage_of)
 from app.tracing import request_span
-from engine.protocol import APIError, ClientGone, client_gone, sse_error_event
+from engine.protocol import APIError, ClientGone, bad_value, client_gone, sse_error_event
 
 log = logging.getLogger("zen.gateway")
 bp = Blueprint("api", __name__, url_prefix="/v1")
@@ -58,12 +57,12 @@ def read_json_body() -> Mapping[str, Any]:
     """The request's JSON object; 400 when it is not one, 413 when it is too large."""
     raw = request.get_data(cache=False)      # werkzeug raises 413 past MAX_CONTENT_LENGTH
     if not raw:
-        raise bad_request("The request body is empty; send a JSON object", None, "invalid_json")
+        raise bad_value("The request body is empty; send a JSON object", None, "invalid_json")
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError):
-        raise bad_request("We could not parse the JSON body of your request", None,
-                          "invalid_json") from None
+        raise bad_value("We could not parse the JSON body of your request", None,
+                        "invalid_json") from None
     return params.check_object(body)
 
 
@@ -112,8 +111,8 @@ def build_request(body: Mapping[str, Any], kind: str) -> tuple[InferenceRequest,
     stream, include_usage = params.stream_flags(body)
     n = params.number(body, "n", maximum=config.server.max_n)
     if kind == COMPLETIONS and body.get("best_of") is not None and body.get("best_of") != n:
-        raise bad_request("`best_of` other than `n` is not supported", "best_of",
-                          "unsupported_parameter")
+        raise bad_value("`best_of` other than `n` is not supported", "best_of",
+                        "unsupported_parameter")
     sampling = {f: params.number(body, f) for f in
                 ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "seed")}
@@ -136,7 +135,7 @@ def build_request(body: Mapping[str, Any], kind: str) -> tuple[InferenceRequest,
         latency_class = latency_class_for(request.headers.get(LATENCY_CLASS_HEADER),
                                           caller.max_latency_class, caller.default_latency_class)
     except ValueError as exc:
-        raise bad_request(f"`{LATENCY_CLASS_HEADER}` header {exc}", LATENCY_CLASS_HEADER) from None
+        raise bad_value(f"`{LATENCY_CLASS_HEADER}` header {exc}", LATENCY_CLASS_HEADER) from None
     theta = sampling_params(max_tokens=max_tokens, min_tokens=min_tokens, stop=stop,
                             stop_token_ids=stop_ids, logit_bias=bias, ignore_eos=ignore_eos,
                             n=n, logprobs=logprobs, **sampling)

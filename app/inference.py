@@ -12,8 +12,7 @@ from functools import cached_property
 from typing import Any
 
 from app.catalog import ResolvedModel
-from app.errors import bad_request
-from engine.protocol import GenerateRequest, LatencyClass
+from engine.protocol import GenerateRequest, LatencyClass, bad_value
 from engine.sampling import SamplingParamError, SamplingParams
 
 # Rough upper estimate of BPE tokens per UTF-8 byte, used only to reserve prompt tokens in
@@ -29,7 +28,7 @@ def sampling_params(**fields: Any) -> SamplingParams:
     try:
         return SamplingParams(**fields)
     except SamplingParamError as e:
-        raise bad_request(str(e), e.param, "invalid_value") from None
+        raise bad_value(str(e), e.param, "invalid_value") from None
 
 
 @dataclass(frozen=True)

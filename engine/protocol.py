@@ -19,6 +19,8 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 if TYPE_CHECKING:
+    from flask import Response
+
     from engine.sampling import SamplingParams
 
 SECRET_HEADER = "X-Node-Secret"       # every node endpoint but /health, /ready and /metrics needs it
@@ -82,6 +84,15 @@ class LatencyClass(enum.IntEnum):
 _TYPE_BY_STATUS = {429: "rate_limit_exceeded"}
 
 
+# The error code of werkzeug's HTTP errors, on both sides.
+HTTP_ERROR_CODES = {
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "request_too_large",
+    415: "unsupported_media_type",
+}
+
+
 def error_type_for(status: int) -> str:
     return _TYPE_BY_STATUS.get(status, "server_error" if status >= 500 else "invalid_request_error")
 
@@ -104,6 +115,19 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return error_body(self.message, type=self.type, param=self.param, code=self.code)
+
+    def response(self) -> Response:
+        """The Flask response (flask imported here: the engine library loads this module without it)."""
+        from flask import jsonify
+        resp = jsonify(self.body())
+        resp.status_code = self.status
+        resp.headers.update(self.headers)
+        return resp
+
+
+def bad_value(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    """400 naming the parameter at fault (code `invalid_value` unless given, when a parameter is named)."""
+    return APIError(400, message, param=param, code=code or ("invalid_value" if param else None))
 
 
 def sse_error_event(message: str, *, type: str = "server_error", code: str | None = None) -> str:
@@ -163,11 +187,6 @@ class JsonFormatter(logging.Formatter):
 
 
 # ------------------------------------------------------------------------- POST /v1/generate payload
-
-def bad_value(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
-    """The node's 400 naming the parameter at fault."""
-    return APIError(400, message, param=param, code=code)
-
 
 def optional_str(body: Mapping, name: str, max_len: int = 256) -> str | None:
     v = body.get(name)
@@ -256,7 +275,7 @@ class GenerateRequest:
         try:
             params = SamplingParams(**sampling)
         except SamplingParamError as e:
-            raise bad_value(str(e), e.param) from None
+            raise bad_value(str(e), e.param, "invalid_value") from None
         except (TypeError, ValueError) as e:
             raise bad_value(f"invalid sampling parameters: {e}", "sampling") from None
         stream = body.get("stream", False)
