@@ -27,7 +27,8 @@ from app.priority import LATENCY_CLASS_HEADER, latency_class_for
 from app.responses import (CHAT, COMPLETIONS, SSE_DONE, ChunkWriter, chat_completion,
                            text_completion, usage_of)
 from app.tracing import request_span
-from engine.protocol import APIError, ClientGone, bad_value, client_gone, sse_error_event
+from engine.client_socket import ClientGone, client_gone
+from engine.protocol import APIError, bad_value, sse_error_event
 
 log = logging.getLogger("zen.gateway")
 bp = Blueprint("api", __name__, url_prefix="/v1")

@@ -24,7 +24,8 @@ from urllib.parse import urlsplit
 from app.inference import InferenceRequest
 from app.router import TRANSPORT_ERRORS, NodePool
 from app.tracing import end_node_span, start_node_span, traced_rank
-from engine.protocol import REQUEST_ID_HEADER, SECRET_HEADER, APIError, ClientGone
+from engine.client_socket import ClientGone
+from engine.protocol import REQUEST_ID_HEADER, SECRET_HEADER, APIError
 
 if TYPE_CHECKING:
     from engine.tracing import Tracing

@@ -2,18 +2,14 @@
 
 Light on purpose (the standard library only): the gateway imports it in every worker. What lives
 here: the header names, the shipped development node secret and the loopback test that confines it,
-the latency class, the error shape, the POST /v1/generate payload, the GET /state body, the JSON log
-formatter, and how a WSGI handler tells that its client went away.
+the latency class, the error shape, the POST /v1/generate payload and the GET /state body.
 """
 from __future__ import annotations
 
 import enum
 import ipaddress
 import json
-import logging
 import math
-import select
-import socket
 import uuid
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Callable, Mapping
@@ -138,52 +134,6 @@ def sse_error_event(message: str, *, type: str = "server_error", code: str | Non
 def stream_error_event(message: str, type: str, code: str) -> dict:
     """The node's error event, which ends a /v1/generate stream."""
     return {"type": "error", "error": {"message": message, "type": type, "code": code}}
-
-
-class ClientGone(Exception):
-    """The client of a request closed its connection; the work done for it is abandoned."""
-
-
-def client_gone(sock) -> bool:
-    """Whether the client's socket (gunicorn's, of a WSGI request) has reached EOF. The client sends
-    nothing more while it waits for this response, so a readable socket with no bytes is a close."""
-    if sock is None:
-        return False
-    try:
-        readable, _, _ = select.select([sock], [], [], 0)
-        if not readable:
-            return False
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except (BlockingIOError, InterruptedError):
-        return False
-    except (OSError, ValueError):
-        return True
-
-
-# --------------------------------------------------------------------------------------------- logs
-
-_STANDARD_LOG_ATTRS = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
-
-
-class JsonFormatter(logging.Formatter):
-    """One JSON object a line; `extra` fields become keys (request_id, org, model, event, ...).
-    `context` adds the fields of the request being served (the gateway's request id and org)."""
-
-    def __init__(self, *args, context: Callable[[], dict] | None = None, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.context = context
-
-    def format(self, record: logging.LogRecord) -> str:
-        out = {"ts": round(record.created, 6), "level": record.levelname.lower(), "logger": record.name,
-               "msg": record.getMessage()}
-        if self.context is not None:
-            out.update(self.context())
-        for key, value in vars(record).items():
-            if key not in _STANDARD_LOG_ATTRS and not key.startswith("_"):
-                out[key] = value
-        if record.exc_info:
-            out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str)
 
 
 # ------------------------------------------------------------------------- POST /v1/generate payload
