@@ -62,7 +62,7 @@ def estimate_latency(state: NodeState, prompt_tokens: int, max_tokens: int,
     waiting × service / max(1, running).
     """
     service = prompt_tokens / prefill_rate + max_tokens / decode_rate
-    wait = state.waiting * service / max(1, state.running)
+    wait = state.queue.waiting * service / max(1, state.queue.running)
     return wait + service
 
 
@@ -81,7 +81,7 @@ def score_node(url: str, state: NodeState, model: ResolvedModel, prompt_tokens: 
     latency = estimate_latency(state, prompt_tokens, max_tokens, prefill, decode)
     cold = 0.0 if resident else known_load_s.get(model.key, model.cold_load_s)
     total = weights.alpha * latency + weights.beta * state.utilization + weights.gamma * cold
-    return Score(url, total, latency, state.utilization, cold, state.queue_full)
+    return Score(url, total, latency, state.utilization, cold, state.queue.full)
 
 
 def skip_reason(state: NodeState | None, fresh: bool, down: bool, model: ResolvedModel,

@@ -332,7 +332,12 @@ class QueueState:
     @classmethod
     def from_json(cls, q: Mapping) -> "QueueState":
         return cls(waiting=_count(q.get("waiting")), running=_count(q.get("running")),
-                   admitted=_count(q.get("admitted", q.get("waiting"))), max_waiting=_count(q.get("max_waiting")))
+                   admitted=_count(q.get("admitted")), max_waiting=_count(q.get("max_waiting")))
+
+    @property
+    def full(self) -> bool:
+        """No room for another admitted sequence: the router sends the request elsewhere first."""
+        return self.max_waiting > 0 and self.admitted >= self.max_waiting
 
 
 @dataclass(frozen=True)
@@ -381,26 +386,6 @@ class NodeState:
     memory: MemoryState = field(default_factory=MemoryState)
     accelerator: AcceleratorState = field(default_factory=AcceleratorState)
     uptime_s: float = 0.0
-
-    @property
-    def waiting(self) -> int:
-        return self.queue.waiting
-
-    @property
-    def running(self) -> int:
-        return self.queue.running
-
-    @property
-    def admitted(self) -> int:
-        return self.queue.admitted
-
-    @property
-    def max_waiting(self) -> int:
-        return self.queue.max_waiting
-
-    @property
-    def queue_full(self) -> bool:
-        return self.max_waiting > 0 and self.admitted >= self.max_waiting
 
     @property
     def takes_traffic(self) -> bool:
