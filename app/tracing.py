@@ -3,7 +3,7 @@ traceparent when it sends one, with spans for auth, limits, routing and the node
 
 Off (no OTLP endpoint configured, or [tracing] enabled = false) nothing is registered:
 app.extensions["zen.tracing"] is None, g.trace is never set, and `request_span` hands back one
-shared do-nothing context manager after one test of a module-level count.
+shared do-nothing context manager after one look at g.
 """
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ SERVICE_NAME = "zen-gateway"
 EXTENSION_KEY = "zen.tracing"
 TRACED_PREFIX = "/v1/"          # the API's requests; health, metrics and docs are not traced
 _NO_SPAN = contextlib.nullcontext()
-_traced_apps = 0                # apps of this process with tracing on: while 0, request_span reads nothing
 
 
 @dataclass
@@ -45,9 +44,7 @@ def init_tracing(app: Flask, config: GatewayConfig) -> Tracing | None:
     if not (tc.enabled and tc.endpoint):
         return None
     from engine.tracing import Tracing
-    global _traced_apps
     tracing = app.extensions[EXTENSION_KEY] = Tracing(SERVICE_NAME, tc.endpoint, tc.sample_ratio)
-    _traced_apps += 1
     log.info("tracing on", extra={"event": "tracing", "endpoint": tracing.endpoint,
                                   "sample_ratio": tc.sample_ratio})
 
@@ -115,7 +112,7 @@ def end_request_span(trace: RequestTrace, exc: BaseException | None) -> None:
 def request_span(name: str, attributes: Callable[[], dict[str, Any]] | None = None):
     """A span around one step of the request being served (current inside it); when the request is
     not traced, a shared context manager that does nothing. `attributes` is called only when traced."""
-    if not _traced_apps or g.get("trace") is None:
+    if g.get("trace") is None:          # set by this app's hooks only when tracing is on
         return _NO_SPAN
     from flask import current_app
     tracer = current_app.extensions[EXTENSION_KEY].tracer
@@ -123,11 +120,9 @@ def request_span(name: str, attributes: Callable[[], dict[str, Any]] | None = No
 
 
 def close_tracing(app: Flask) -> None:
-    global _traced_apps
     tracing = app.extensions.pop(EXTENSION_KEY, None)
     if tracing is not None:
         tracing.shutdown()
-        _traced_apps -= 1
 
 
 # -- the node request ------------------------------------------------------------------------------
