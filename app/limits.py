@@ -74,7 +74,7 @@ class StorageHealth:
     Only changes are logged: the first failure (error, with the policy that now applies) and the first
     answer after it (warning), never one line per request."""
 
-    def __init__(self, policy: str, retry_s: float = 5.0, name: str = "Redis") -> None:
+    def __init__(self, policy: str, retry_s: float = 5.0, *, name: str) -> None:
         self.policy = policy
         self.retry_s = retry_s
         self.name = name
@@ -127,8 +127,8 @@ class StorageHealth:
 
 
 def storage_health(config: LimitsConfig) -> StorageHealth:
-    return StorageHealth(config.redis_failure_policy, config.redis_retry_s,
-                         "Redis" if config.uses_redis else "embedded")
+    return StorageHealth(config.failure_policy, config.retry_s,
+                         name="Redis" if config.uses_redis else "embedded")
 
 
 class TokenLimiter:

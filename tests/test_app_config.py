@@ -55,7 +55,7 @@ def test_config_file_from_env(tmp_path):
     ({"auth": {"hs256_secret": "short"}}, "hs256_secret"),
     ({"auth": {"algorithms": ["none"]}}, "unsupported algorithm"),
     ({"limits": {"storage_url": "mongodb://x"}}, "storage_url"),
-    ({"limits": {"redis_failure_policy": "maybe"}}, "redis_failure_policy"),
+    ({"limits": {"failure_policy": "maybe"}}, "failure_policy"),
     ({"tiers": {"free": {"models": ["nope"]}}}, "unknown model alias"),
     ({"orgs": {"acme": {"tier": "platinum"}}}, "unknown tier"),
     ({"orgs": {"globex": {"default_latency_class": "realtime"}}}, "above its max_latency_class"),

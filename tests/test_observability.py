@@ -137,7 +137,7 @@ def test_a_failed_call_to_the_limits_store_is_counted():
         raise redis.ConnectionError("connection refused")
 
     before = counter_value(STORAGE_FAILURES)
-    assert StorageHealth("open").call(lambda backend: backend(), down, lambda: "local") == "local"
+    assert StorageHealth("open", name="Redis").call(lambda backend: backend(), down, lambda: "local") == "local"
     assert counter_value(STORAGE_FAILURES) == before + 1
 
 
