@@ -145,6 +145,7 @@ class NodePool:
         self._thread: threading.Thread | None = None
         self._pid: int | None = None
         self._executor: ThreadPoolExecutor | None = None
+        self.on_dropped: list[Callable[[str], None]] = []   # called with a node discovery dropped
 
     # -- polling ---------------------------------------------------------------------------
 
@@ -178,6 +179,10 @@ class NodePool:
         if not was_down:
             log.warning("node down", extra={"event": "node_down", "node": url, "reason": reason})
 
+    def _dropped(self, url: str) -> None:
+        for hook in self.on_dropped:
+            hook(url)
+
     def mark_down(self, url: str, reason: str) -> None:
         """A request could not reach the node: skip it until a poll succeeds."""
         self._set_down(url, reason)
@@ -187,7 +192,7 @@ class NodePool:
         if self.discovery.dynamic:
             urls = self.discovery.urls()
             with self._lock:
-                sync_views(self._views, urls, NodeView)
+                sync_views(self._views, urls, NodeView, self._dropped)
         if not self._views:
             return
         if self._executor is None:
