@@ -237,9 +237,8 @@ def _answer_stream(req: InferenceRequest, kind: str, outcome: NodeStream, reserv
 
     def generate():
         last_token_at = None
-        # The chat role chunk goes out with the first chunk after it, not alone: its write, and its
-        # reader's wake-up, would take a core from the node's prefill (0.5 ms more at the node for chat
-        # than for completion requests, measured in bench_serving's overhead passes).
+        # The chat role chunk goes out with the first chunk after it: alone, its write and its reader's
+        # wake-up take a core from the node's prefill (docs/serving.md).
         opening = "".join(writer.start())
         try:
             # The headers go out now, as the node starts on the request: the response's set-up is done
