@@ -68,7 +68,7 @@ class InferenceRequest:
 
     model: ResolvedModel          # m
     inputs: PromptInput           # x
-    params: "SamplingParams"      # θ
+    params: SamplingParams        # θ
     latency_class: LatencyClass   # τ
     org: str
     request_id: str

@@ -18,6 +18,8 @@ from engine.protocol import REQUEST_ID_HEADER
 
 LOGGER_NAME = "zen.gateway"
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
 def request_fields() -> dict:
     """The request id and org of the request being served (none outside one)."""
     if not has_request_context():

@@ -28,7 +28,7 @@ from tests.serving_fixtures import read_sse, serving_stack, tiny_models, wait_un
 # Identifiers of PromQL that are not metric names (functions are told apart by their `(`).
 PROMQL_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless",
                    "bool", "offset", "inf", "nan"}
-# Node gauges the platform may not expose (engine/telemetry.py: absent, never invented), by the key of
+# Node gauges the platform may not expose (engine/node/telemetry.py: absent, never invented), by the key of
 # the node's GET /state that says whether it does.
 OPTIONAL_NODE_SERIES = {"zen_node_accelerator_power_watts": "power_w",
                         "zen_node_accelerator_temperature_celsius": "temperature_c"}
