@@ -19,7 +19,6 @@ from app import params
 from app.auth import login_required
 from app.catalog import Catalog
 from app.config import GatewayConfig
-from app.errors import bad_request
 from app.inference import InferenceRequest, PromptInput, sampling_params
 from app.limits import TokenLimiter, request_limit_headers, token_headers
 from app.metrics import GatewayMetrics
@@ -28,7 +27,8 @@ from app.priority import LATENCY_CLASS_HEADER, latency_class_for
 from app.responses import (CHAT, COMPLETIONS, SSE_DONE, ChunkWriter, chat_completion,
                            text_completion, usage_of)
 from app.tracing import request_span
-from engine.protocol import APIError, ClientGone, client_gone, sse_error_event
+from engine.client_socket import ClientGone, client_gone
+from engine.protocol import APIError, bad_value, sse_error_event
 
 log = logging.getLogger("zen.gateway")
 bp = Blueprint("api", __name__, url_prefix="/v1")
@@ -58,12 +58,12 @@ def read_json_body() -> Mapping[str, Any]:
     """The request's JSON object; 400 when it is not one, 413 when it is too large."""
     raw = request.get_data(cache=False)      # werkzeug raises 413 past MAX_CONTENT_LENGTH
     if not raw:
-        raise bad_request("The request body is empty; send a JSON object", None, "invalid_json")
+        raise bad_value("The request body is empty; send a JSON object", None, "invalid_json")
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError):
-        raise bad_request("We could not parse the JSON body of your request", None,
-                          "invalid_json") from None
+        raise bad_value("We could not parse the JSON body of your request", None,
+                        "invalid_json") from None
     return params.check_object(body)
 
 
@@ -112,8 +112,8 @@ def build_request(body: Mapping[str, Any], kind: str) -> tuple[InferenceRequest,
     stream, include_usage = params.stream_flags(body)
     n = params.number(body, "n", maximum=config.server.max_n)
     if kind == COMPLETIONS and body.get("best_of") is not None and body.get("best_of") != n:
-        raise bad_request("`best_of` other than `n` is not supported", "best_of",
-                          "unsupported_parameter")
+        raise bad_value("`best_of` other than `n` is not supported", "best_of",
+                        "unsupported_parameter")
     sampling = {f: params.number(body, f) for f in
                 ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "seed")}
@@ -136,7 +136,7 @@ def build_request(body: Mapping[str, Any], kind: str) -> tuple[InferenceRequest,
         latency_class = latency_class_for(request.headers.get(LATENCY_CLASS_HEADER),
                                           caller.max_latency_class, caller.default_latency_class)
     except ValueError as exc:
-        raise bad_request(f"`{LATENCY_CLASS_HEADER}` header {exc}", LATENCY_CLASS_HEADER) from None
+        raise bad_value(f"`{LATENCY_CLASS_HEADER}` header {exc}", LATENCY_CLASS_HEADER) from None
     theta = sampling_params(max_tokens=max_tokens, min_tokens=min_tokens, stop=stop,
                             stop_token_ids=stop_ids, logit_bias=bias, ignore_eos=ignore_eos,
                             n=n, logprobs=logprobs, **sampling)
@@ -150,8 +150,9 @@ def _generate(body: Mapping[str, Any], kind: str) -> Response:
     g.log_fields.update(model=req.model.alias, latency_class=req.latency_class.label,
                         stream=req.stream)
     try:
-        with request_span("limits.tokens", **{"zen.org": req.org, "zen.tokens_reserved": req.token_cost()}):
-            reservation = _tokens().reserve(req.org, g.caller.tier, req.token_cost())
+        cost = req.token_cost()
+        with request_span("limits.tokens", lambda: {"zen.org": req.org, "zen.tokens_reserved": cost}):
+            reservation = _tokens().reserve(req.org, g.caller.tier, cost)
     except APIError as exc:
         if exc.status == 429:
             g.limited_by = "tokens"
@@ -236,9 +237,8 @@ def _answer_stream(req: InferenceRequest, kind: str, outcome: NodeStream, reserv
 
     def generate():
         last_token_at = None
-        # The chat role chunk goes out with the first chunk after it, not alone: its write, and its
-        # reader's wake-up, would take a core from the node's prefill (0.5 ms more at the node for chat
-        # than for completion requests, measured in bench_serving's overhead passes).
+        # The chat role chunk goes out with the first chunk after it: alone, its write and its reader's
+        # wake-up take a core from the node's prefill (docs/serving.md).
         opening = "".join(writer.start())
         try:
             # The headers go out now, as the node starts on the request: the response's set-up is done
@@ -301,7 +301,7 @@ def _answer_stream(req: InferenceRequest, kind: str, outcome: NodeStream, reserv
             # request refused before its stream, it costs the org nothing.
             usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
         elif usage is None:   # cut short after tokens: the prompt's estimate and what was streamed
-            usage = {"prompt_tokens": req.inputs.estimated_tokens(),
+            usage = {"prompt_tokens": req.inputs.estimated_tokens,
                      "completion_tokens": result["completion_tokens"]}
             usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         tokens.settle(reservation, usage["total_tokens"])

@@ -123,8 +123,8 @@ class AuthConfig:
 class LimitsConfig:
     storage_url: str = "embedded://"
     strategy: str = "moving-window"
-    redis_failure_policy: str = "open"
-    redis_retry_s: float = 5.0
+    failure_policy: str = "open"
+    retry_s: float = 5.0
     redis_timeout_s: float = 0.5
     burst_seconds: float = 60.0
 
@@ -137,10 +137,10 @@ class LimitsConfig:
                  f"directory), got {self.storage_url!r}")
         _require(self.strategy in RATE_LIMIT_STRATEGIES,
                  f"limits.strategy must be one of {RATE_LIMIT_STRATEGIES}")
-        _require(self.redis_failure_policy in FAILURE_POLICIES,
-                 f"limits.redis_failure_policy must be one of {FAILURE_POLICIES}")
-        _require(self.redis_retry_s > 0 and self.redis_timeout_s > 0,
-                 "limits.redis_retry_s and redis_timeout_s must be > 0")
+        _require(self.failure_policy in FAILURE_POLICIES,
+                 f"limits.failure_policy must be one of {FAILURE_POLICIES}")
+        _require(self.retry_s > 0 and self.redis_timeout_s > 0,
+                 "limits.retry_s and redis_timeout_s must be > 0")
         _require(self.burst_seconds > 0, "limits.burst_seconds must be > 0")
 
     @property

@@ -108,13 +108,16 @@ class NodeDiscovery:
         return tuple(address_url(parsed.scheme, a, port) for a in addresses)
 
 
-def sync_views(views: dict, urls: Sequence[str], new_view: Callable[[str], object]) -> None:
+def sync_views(views: dict, urls: Sequence[str], new_view: Callable[[str], object],
+               on_dropped: Callable[[str], None] | None = None) -> None:
     """Make `views` (URL -> view) hold exactly `urls`: a new URL gets a fresh view, a gone one is
-    forgotten (its streams in flight hold their own connections and go on)."""
+    forgotten and handed to `on_dropped` (its streams in flight hold their own connections and go on)."""
     added = [u for u in urls if u not in views]
     dropped = [u for u in views if u not in urls]
     for url in dropped:
         del views[url]
+        if on_dropped is not None:
+            on_dropped(url)
         log.info("node dropped", extra={"event": "node_dropped", "node": url})
     for url in added:
         views[url] = new_view(url)

@@ -9,25 +9,12 @@ from __future__ import annotations
 
 import logging
 
-from flask import Flask, Response, g, jsonify, request
+from flask import Flask, g, request
 from werkzeug.exceptions import HTTPException
 
-from engine.protocol import APIError
+from engine.protocol import HTTP_ERROR_CODES, APIError
 
 log = logging.getLogger("zen.gateway")
-
-
-def error_response(e: APIError) -> Response:
-    resp = jsonify(e.body())
-    resp.status_code = e.status
-    for key, value in e.headers.items():
-        resp.headers[key] = value
-    return resp
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    """400 naming the parameter at fault."""
-    return APIError(400, message, param=param, code=code or ("invalid_value" if param else None))
 
 
 def unauthorized(message: str) -> APIError:
@@ -40,20 +27,12 @@ def model_not_found(model: str) -> APIError:
                     param="model", code="model_not_found")
 
 
-_HTTP_CODES = {
-    404: "not_found",
-    405: "method_not_allowed",
-    413: "request_too_large",
-    415: "unsupported_media_type",
-}
-
-
 def register_error_handlers(app: Flask) -> None:
     """Answer every error in OpenAI's shape."""
 
     @app.errorhandler(APIError)
     def _api_error(exc: APIError):
-        return error_response(exc)
+        return exc.response()
 
     @app.errorhandler(HTTPException)
     def _http_error(exc: HTTPException):
@@ -67,8 +46,7 @@ def register_error_handlers(app: Flask) -> None:
             message = f"Request body is too large (limit {limit} bytes)"
         else:
             message = exc.description or exc.name
-        err = APIError(status, message, code=_HTTP_CODES.get(status))
-        resp = error_response(err)
+        resp = APIError(status, message, code=HTTP_ERROR_CODES.get(status)).response()
         if status == 405 and exc.get_headers():
             for key, value in exc.get_headers():
                 if key.lower() == "allow":
@@ -79,5 +57,5 @@ def register_error_handlers(app: Flask) -> None:
     def _unexpected(exc: Exception):
         log.exception("unhandled error", extra={"event": "unhandled_error"})
         rid = getattr(g, "request_id", None)
-        return error_response(APIError(500, f"The server had an error while processing your request "
-                                            f"(request id {rid}).", code="internal_error"))
+        return APIError(500, f"The server had an error while processing your request "
+                        f"(request id {rid}).", code="internal_error").response()

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from app.catalog import ResolvedModel
-from app.errors import bad_request
-from engine.protocol import GenerateRequest, LatencyClass
+from engine.protocol import GenerateRequest, LatencyClass, bad_value
 from engine.sampling import SamplingParamError, SamplingParams
 
 # Rough upper estimate of BPE tokens per UTF-8 byte, used only to reserve prompt tokens in
@@ -28,7 +28,7 @@ def sampling_params(**fields: Any) -> SamplingParams:
     try:
         return SamplingParams(**fields)
     except SamplingParamError as e:
-        raise bad_request(str(e), e.param, "invalid_value") from None
+        raise bad_value(str(e), e.param, "invalid_value") from None
 
 
 @dataclass(frozen=True)
@@ -43,8 +43,9 @@ class PromptInput:
         given = sum(v is not None for v in (self.prompt, self.prompt_token_ids, self.messages))
         assert given == 1, "exactly one of prompt, prompt_token_ids, messages"
 
+    @cached_property
     def estimated_tokens(self) -> int:
-        """An upper estimate of the prompt's token count (exact for token ids)."""
+        """An upper estimate of the prompt's token count (exact for token ids); computed once a request."""
         if self.prompt_token_ids is not None:
             return len(self.prompt_token_ids)
         if self.prompt is not None:
@@ -67,7 +68,7 @@ class InferenceRequest:
 
     model: ResolvedModel          # m
     inputs: PromptInput           # x
-    params: "SamplingParams"      # θ
+    params: SamplingParams        # θ
     latency_class: LatencyClass   # τ
     org: str
     request_id: str
@@ -75,7 +76,7 @@ class InferenceRequest:
 
     def token_cost(self) -> int:
         """Tokens reserved in the org's bucket: prompt + n × max_tokens."""
-        return self.inputs.estimated_tokens() + self.params.n * self.params.max_tokens
+        return self.inputs.estimated_tokens + self.params.n * self.params.max_tokens
 
     @property
     def node_request_id(self) -> str:

@@ -74,7 +74,7 @@ class StorageHealth:
     Only changes are logged: the first failure (error, with the policy that now applies) and the first
     answer after it (warning), never one line per request."""
 
-    def __init__(self, policy: str, retry_s: float = 5.0, name: str = "Redis") -> None:
+    def __init__(self, policy: str, retry_s: float = 5.0, *, name: str) -> None:
         self.policy = policy
         self.retry_s = retry_s
         self.name = name
@@ -127,8 +127,8 @@ class StorageHealth:
 
 
 def storage_health(config: LimitsConfig) -> StorageHealth:
-    return StorageHealth(config.redis_failure_policy, config.redis_retry_s,
-                         "Redis" if config.uses_redis else "embedded")
+    return StorageHealth(config.failure_policy, config.retry_s,
+                         name="Redis" if config.uses_redis else "embedded")
 
 
 class TokenLimiter:
@@ -228,11 +228,9 @@ def token_limit_error(org: str, tier: TierConfig, cost: int, result: BucketResul
 class SweptMemoryStorage(limits.storage.MemoryStorage):
     """limits' in-memory storage with its expired entries swept by one long-lived thread.
 
-    The stock storage prunes with a 10 ms `threading.Timer` that it starts again on the first hit
-    after the last one ran: at a few requests a second, a new thread for every request, whose start
-    (0.2-0.4 ms on the 2-core machine) sat on each request's path before the view. Here one daemon
-    thread sweeps every SWEEP_S and stays alive, so the stock code never starts another. Reads never
-    depended on the sweep (every window check compares timestamps); it only bounds memory.
+    The stock storage starts a new `threading.Timer` thread on a request's path to prune (its cost:
+    docs/serving.md); one daemon thread sweeping every SWEEP_S keeps it from starting another. Reads
+    never depended on the sweep (every window check compares timestamps); it only bounds memory.
     """
 
     STORAGE_SCHEME = ["zen-memory"]   # its own: limits maps URI schemes to storage classes
@@ -288,10 +286,9 @@ class RequestLimiter:
 
     `store`: the embedded store when it is configured (without one, the limiter opens its own).
 
-    `limits` is the library under flask-limiter, called here straight from the gateway's own hook:
-    flask-limiter's generic hook resolves route, blueprint, default and meta limits through some 300
-    Python calls per request, measured at 0.25 ms in a gunicorn worker against a 2 ms budget for the
-    gateway's whole hop, for a gateway that has one limit per request, its org's tier's.
+    `limits` is the library under flask-limiter, called straight from the gateway's own hook: the
+    gateway has one limit per request, its org's tier's, and flask-limiter's generic hook resolving
+    every kind of limit cost too much of the hop (docs/serving.md).
     """
 
     def __init__(self, config: LimitsConfig, health: StorageHealth, store: LimitStore | None = None) -> None:
@@ -363,7 +360,7 @@ def init_limits(app: Flask, config: GatewayConfig) -> None:
         caller = g.get("caller")
         if caller is not None and request.blueprint == "api":
             try:
-                with request_span("limits.requests", **{"zen.org": caller.org}):
+                with request_span("limits.requests", lambda: {"zen.org": caller.org}):
                     g.request_window = requests.hit(caller.org, caller.tier)
             except APIError as exc:
                 if exc.status == 429:

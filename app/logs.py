@@ -13,10 +13,13 @@ import uuid
 
 from flask import Flask, g, has_request_context, request
 
-from engine.protocol import REQUEST_ID_HEADER, JsonFormatter
+from engine.logs import JsonFormatter
+from engine.protocol import REQUEST_ID_HEADER
 
 LOGGER_NAME = "zen.gateway"
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
 def request_fields() -> dict:
     """The request id and org of the request being served (none outside one)."""
     if not has_request_context():

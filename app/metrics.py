@@ -40,9 +40,8 @@ def multiprocess_mode() -> bool:
 
 def build_exporter() -> PrometheusMetrics:
     """prometheus-flask-exporter, created bare (bound later with init_app)."""
-    # The generation routes have the gateway's own metrics (per org and model, TTFT, ITL and end to
-    # end): the exporter's would time a stream only to its headers, and its hook (0.08 ms measured in
-    # a gunicorn worker) would run while the node computes the first token, on the same cores.
+    # The generation routes have the gateway's own metrics: the exporter's would time a stream only to
+    # its headers, and its hook would run while the node computes the first token (docs/serving.md).
     common = dict(group_by="endpoint", defaults_prefix=f"{PREFIX}_flask",
                   excluded_paths=["^/metrics$", "^/v1/completions$", "^/v1/chat/completions$"])
     if multiprocess_mode():

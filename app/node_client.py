@@ -24,7 +24,8 @@ from urllib.parse import urlsplit
 from app.inference import InferenceRequest
 from app.router import TRANSPORT_ERRORS, NodePool
 from app.tracing import end_node_span, start_node_span, traced_rank
-from engine.protocol import REQUEST_ID_HEADER, SECRET_HEADER, APIError, ClientGone
+from engine.client_socket import ClientGone
+from engine.protocol import REQUEST_ID_HEADER, SECRET_HEADER, APIError
 
 if TYPE_CHECKING:
     from engine.tracing import Tracing
@@ -316,6 +317,7 @@ class NodeClient:
         self._pool_size = pool_size
         self._connections = {url: self._new_connections(url) for url in pool.discovery.known()}
         self._connections_lock = threading.Lock()
+        pool.on_dropped.append(self._forget)
         self.on_failover: Callable[[str, str], None] | None = None   # (node, reason): the gateway's metric
         self.tracing: Tracing | None = None   # set by create_app when tracing is on
 
@@ -362,16 +364,19 @@ class NodeClient:
         return NodeConnections(url, self._pool_size, self.config.connect_timeout_s, self.config.read_timeout_s)
 
     def _connections_of(self, url: str) -> NodeConnections:
-        """The node's connections; a node found by discovery gets them on its first request, and the
-        idle connections of nodes discovery has dropped are closed then (their streams go on)."""
+        """The node's connections; a node found by discovery gets them on its first request."""
         connections = self._connections.get(url)
         if connections is not None:
             return connections
         with self._connections_lock:
-            current = {v.url for v in self.pool.snapshot()} | {url}
-            for gone in [u for u in self._connections if u not in current]:
-                self._connections.pop(gone).close()
             return self._connections.setdefault(url, self._new_connections(url))
+
+    def _forget(self, url: str) -> None:
+        """Discovery dropped the node: its idle connections close now, its streams go on."""
+        with self._connections_lock:
+            connections = self._connections.pop(url, None)
+        if connections is not None:
+            connections.close()
 
     def dispatch(self, req: InferenceRequest, on_sent: Callable[[NodeStream], None] | None = None) -> NodeStream:
         """The stream of `req` from the best node that accepts it; APIError when none does. on_sent(the
@@ -384,7 +389,7 @@ class NodeClient:
         client the whole time and close the node's stream — which aborts the sequence — when nobody
         is left to read it."""
         if self.tracing is None:
-            ranked = self.pool.rank(req.model, req.inputs.estimated_tokens(), req.params.max_tokens)
+            ranked = self.pool.rank(req.model, req.inputs.estimated_tokens, req.params.max_tokens)
         else:
             ranked = traced_rank(self.tracing, self.pool, req)
         if not ranked:

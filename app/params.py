@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from app.errors import bad_request
+from engine.protocol import bad_value
 
 CHAT = "chat"
 COMPLETIONS = "completions"
@@ -78,11 +78,11 @@ def number(body: Mapping[str, Any], name: str, spec: NumberField | None = None,
         return spec.default
     kind = "an integer" if spec.integer else "a number"
     if not _is_number(value) or not math.isfinite(value):
-        raise bad_request(f"`{name}` must be {kind}", name, "invalid_type")
+        raise bad_value(f"`{name}` must be {kind}", name, "invalid_type")
     if spec.integer:
         if isinstance(value, float):
             if not value.is_integer():
-                raise bad_request(f"`{name}` must be {kind}", name, "invalid_type")
+                raise bad_value(f"`{name}` must be {kind}", name, "invalid_type")
             value = int(value)
     else:
         value = float(value)
@@ -90,9 +90,9 @@ def number(body: Mapping[str, Any], name: str, spec: NumberField | None = None,
     lo = spec.minimum
     if lo is not None and (value < lo or (spec.exclusive_minimum and value == lo)):
         bound = f"greater than {lo:g}" if spec.exclusive_minimum else f"at least {lo:g}"
-        raise bad_request(f"`{name}` must be {bound}, got {value}", name)
+        raise bad_value(f"`{name}` must be {bound}, got {value}", name)
     if hi is not None and value > hi:
-        raise bad_request(f"`{name}` must be at most {hi:g}, got {value}", name)
+        raise bad_value(f"`{name}` must be at most {hi:g}, got {value}", name)
     return value
 
 
@@ -101,7 +101,7 @@ def boolean(body: Mapping[str, Any], name: str, default: bool = False) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise bad_request(f"`{name}` must be a boolean", name, "invalid_type")
+        raise bad_value(f"`{name}` must be a boolean", name, "invalid_type")
     return value
 
 
@@ -109,30 +109,30 @@ def string(body: Mapping[str, Any], name: str, *, required: bool = False) -> str
     value = body.get(name)
     if value is None:
         if required:
-            raise bad_request(f"`{name}` is required", name, "missing_required_parameter")
+            raise bad_value(f"`{name}` is required", name, "missing_required_parameter")
         return None
     if not isinstance(value, str):
-        raise bad_request(f"`{name}` must be a string", name, "invalid_type")
+        raise bad_value(f"`{name}` must be a string", name, "invalid_type")
     return value
 
 
 def check_object(body: Any) -> Mapping[str, Any]:
     if not isinstance(body, dict):
-        raise bad_request("The request body must be a JSON object", None, "invalid_json")
+        raise bad_value("The request body must be a JSON object", None, "invalid_json")
     return body
 
 
 def check_unsupported(body: Mapping[str, Any], kind: str) -> None:
     for name in UNSUPPORTED[kind]:
         if body.get(name) not in (None, [], "", {}):
-            raise bad_request(f"`{name}` is not supported by this server", name, "unsupported_parameter")
+            raise bad_value(f"`{name}` is not supported by this server", name, "unsupported_parameter")
     if kind == CHAT:
         fmt = body.get("response_format")
         if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-            raise bad_request("`response_format` other than {\"type\": \"text\"} is not supported",
-                              "response_format", "unsupported_parameter")
+            raise bad_value("`response_format` other than {\"type\": \"text\"} is not supported",
+                            "response_format", "unsupported_parameter")
     if kind == COMPLETIONS and boolean(body, "echo"):
-        raise bad_request("`echo` is not supported by this server", "echo", "unsupported_parameter")
+        raise bad_value("`echo` is not supported by this server", "echo", "unsupported_parameter")
 
 
 # -- structured fields -------------------------------------------------------------------------
@@ -144,11 +144,11 @@ def stop_sequences(body: Mapping[str, Any]) -> tuple[str, ...]:
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-        raise bad_request("`stop` must be a string or an array of strings", "stop", "invalid_type")
+        raise bad_value("`stop` must be a string or an array of strings", "stop", "invalid_type")
     if len(value) > MAX_STOP:
-        raise bad_request(f"`stop` may hold at most {MAX_STOP} sequences", "stop")
+        raise bad_value(f"`stop` may hold at most {MAX_STOP} sequences", "stop")
     if any(s == "" for s in value):
-        raise bad_request("`stop` sequences must not be empty", "stop")
+        raise bad_value("`stop` sequences must not be empty", "stop")
     return tuple(value)
 
 
@@ -159,8 +159,8 @@ def stop_token_ids(body: Mapping[str, Any]) -> tuple[int, ...]:
     if (not isinstance(value, list) or len(value) > MAX_STOP_TOKEN_IDS
             or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2 ** 31
                        for t in value)):
-        raise bad_request(f"`stop_token_ids` must be an array of at most {MAX_STOP_TOKEN_IDS} "
-                          f"non-negative token ids", "stop_token_ids", "invalid_type")
+        raise bad_value(f"`stop_token_ids` must be an array of at most {MAX_STOP_TOKEN_IDS} "
+                        f"non-negative token ids", "stop_token_ids", "invalid_type")
     return tuple(value)
 
 
@@ -169,17 +169,17 @@ def logit_bias(body: Mapping[str, Any]) -> dict[str, float]:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise bad_request("`logit_bias` must be an object mapping token ids to biases",
-                          "logit_bias", "invalid_type")
+        raise bad_value("`logit_bias` must be an object mapping token ids to biases",
+                        "logit_bias", "invalid_type")
     if len(value) > MAX_LOGIT_BIAS:
-        raise bad_request(f"`logit_bias` may hold at most {MAX_LOGIT_BIAS} entries", "logit_bias")
+        raise bad_value(f"`logit_bias` may hold at most {MAX_LOGIT_BIAS} entries", "logit_bias")
     out = {}
     for key, bias in value.items():
         if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10
                 and int(key) < 2 ** 31):
-            raise bad_request(f"`logit_bias` keys must be token ids, got {key[:20]!r}", "logit_bias")
+            raise bad_value(f"`logit_bias` keys must be token ids, got {key[:20]!r}", "logit_bias")
         if not _is_number(bias) or not math.isfinite(bias) or not -100 <= bias <= 100:
-            raise bad_request("`logit_bias` values must be numbers in [-100, 100]", "logit_bias")
+            raise bad_value("`logit_bias` values must be numbers in [-100, 100]", "logit_bias")
         out[str(int(key))] = float(bias)
     return out
 
@@ -191,9 +191,9 @@ def stream_flags(body: Mapping[str, Any]) -> tuple[bool, bool]:
     if opts is None:
         return stream, False
     if not isinstance(opts, dict):
-        raise bad_request("`stream_options` must be an object", "stream_options", "invalid_type")
+        raise bad_value("`stream_options` must be an object", "stream_options", "invalid_type")
     if not stream:
-        raise bad_request("`stream_options` is only allowed when `stream` is true", "stream_options")
+        raise bad_value("`stream_options` is only allowed when `stream` is true", "stream_options")
     return stream, boolean(opts, "include_usage") if "include_usage" in opts else False
 
 
@@ -205,7 +205,7 @@ def chat_logprobs(body: Mapping[str, Any]) -> int | None:
         top = number(body, "top_logprobs",
                      NumberField("top_logprobs", True, None, 0, MAX_CHAT_TOP_LOGPROBS))
         if not want:
-            raise bad_request("`top_logprobs` requires `logprobs` to be true", "top_logprobs")
+            raise bad_value("`top_logprobs` requires `logprobs` to be true", "top_logprobs")
     return (top or 0) if want else None
 
 
@@ -223,33 +223,33 @@ def _text_of(content: Any, where: str) -> str:
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" \
                     or not isinstance(part.get("text"), str):
-                raise bad_request(f"`{where}`: only text content parts are supported",
-                                  "messages", "invalid_type")
+                raise bad_value(f"`{where}`: only text content parts are supported",
+                                "messages", "invalid_type")
             parts.append(part["text"])
         return "\n".join(parts)
-    raise bad_request(f"`{where}` must be a string or an array of text parts",
-                      "messages", "invalid_type")
+    raise bad_value(f"`{where}` must be a string or an array of text parts",
+                    "messages", "invalid_type")
 
 
 def messages(body: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
     value = body.get("messages")
     if value is None:
-        raise bad_request("`messages` is required", "messages", "missing_required_parameter")
+        raise bad_value("`messages` is required", "messages", "missing_required_parameter")
     if not isinstance(value, list) or not value:
-        raise bad_request("`messages` must be a non-empty array", "messages", "invalid_type")
+        raise bad_value("`messages` must be a non-empty array", "messages", "invalid_type")
     if len(value) > MAX_MESSAGES:
-        raise bad_request(f"`messages` may hold at most {MAX_MESSAGES} messages", "messages")
+        raise bad_value(f"`messages` may hold at most {MAX_MESSAGES} messages", "messages")
     out = []
     for i, msg in enumerate(value):
         if not isinstance(msg, dict):
-            raise bad_request(f"`messages[{i}]` must be an object", "messages", "invalid_type")
+            raise bad_value(f"`messages[{i}]` must be an object", "messages", "invalid_type")
         role = msg.get("role")
         if role not in CHAT_ROLES:
-            raise bad_request(f"`messages[{i}].role` must be one of {', '.join(CHAT_ROLES)}",
-                              "messages")
+            raise bad_value(f"`messages[{i}].role` must be one of {', '.join(CHAT_ROLES)}",
+                            "messages")
         if msg.get("content") is None:
-            raise bad_request(f"`messages[{i}].content` is required", "messages",
-                              "missing_required_parameter")
+            raise bad_value(f"`messages[{i}].content` is required", "messages",
+                            "missing_required_parameter")
         out.append(("system" if role == "developer" else role,
                     _text_of(msg["content"], f"messages[{i}].content")))
     return tuple(out)
@@ -258,8 +258,8 @@ def messages(body: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
 def _token_ids(value: list, name: str) -> tuple[int, ...]:
     if not value or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2 ** 31
                             for t in value):
-        raise bad_request(f"`{name}` token arrays must hold non-negative integers", name,
-                          "invalid_type")
+        raise bad_value(f"`{name}` token arrays must hold non-negative integers", name,
+                        "invalid_type")
     return tuple(value)
 
 
@@ -267,21 +267,21 @@ def prompt(body: Mapping[str, Any]) -> tuple[str | None, tuple[int, ...] | None]
     """(text, token ids): exactly one is set."""
     value = body.get("prompt")
     if value is None:
-        raise bad_request("`prompt` is required", "prompt", "missing_required_parameter")
+        raise bad_value("`prompt` is required", "prompt", "missing_required_parameter")
     if isinstance(value, str):
         return value, None
     if isinstance(value, list) and value:
         if all(isinstance(p, str) for p in value):
             if len(value) != 1:
-                raise bad_request("`prompt`: only one prompt per request is supported", "prompt")
+                raise bad_value("`prompt`: only one prompt per request is supported", "prompt")
             return value[0], None
         if all(isinstance(p, list) for p in value):
             if len(value) != 1:
-                raise bad_request("`prompt`: only one prompt per request is supported", "prompt")
+                raise bad_value("`prompt`: only one prompt per request is supported", "prompt")
             return None, _token_ids(value[0], "prompt")
         return None, _token_ids(value, "prompt")
-    raise bad_request("`prompt` must be a string, an array of token ids, or an array with one "
-                      "of those", "prompt", "invalid_type")
+    raise bad_value("`prompt` must be a string, an array of token ids, or an array with one "
+                    "of those", "prompt", "invalid_type")
 
 
 def max_tokens(body: Mapping[str, Any], max_context: int, default: int) -> tuple[int, str]:
@@ -290,8 +290,8 @@ def max_tokens(body: Mapping[str, Any], max_context: int, default: int) -> tuple
         if body.get(name) is not None:
             value = number(body, name)
             if value > max_context:
-                raise bad_request(f"`{name}` is {value}, more than the model's context of "
-                                  f"{max_context} tokens", name)
+                raise bad_value(f"`{name}` is {value}, more than the model's context of "
+                                f"{max_context} tokens", name)
             return value, name
     return default, "max_tokens"
 
@@ -299,5 +299,5 @@ def max_tokens(body: Mapping[str, Any], max_context: int, default: int) -> tuple
 def require_model(body: Mapping[str, Any]) -> str:
     model = string(body, "model", required=True)
     if not model:
-        raise bad_request("`model` must not be empty", "model")
+        raise bad_value("`model` must not be empty", "model")
     return model

@@ -62,7 +62,7 @@ def estimate_latency(state: NodeState, prompt_tokens: int, max_tokens: int,
     waiting × service / max(1, running).
     """
     service = prompt_tokens / prefill_rate + max_tokens / decode_rate
-    wait = state.waiting * service / max(1, state.running)
+    wait = state.queue.waiting * service / max(1, state.queue.running)
     return wait + service
 
 
@@ -81,7 +81,7 @@ def score_node(url: str, state: NodeState, model: ResolvedModel, prompt_tokens: 
     latency = estimate_latency(state, prompt_tokens, max_tokens, prefill, decode)
     cold = 0.0 if resident else known_load_s.get(model.key, model.cold_load_s)
     total = weights.alpha * latency + weights.beta * state.utilization + weights.gamma * cold
-    return Score(url, total, latency, state.utilization, cold, state.queue_full)
+    return Score(url, total, latency, state.utilization, cold, state.queue.full)
 
 
 def skip_reason(state: NodeState | None, fresh: bool, down: bool, model: ResolvedModel,
@@ -145,6 +145,7 @@ class NodePool:
         self._thread: threading.Thread | None = None
         self._pid: int | None = None
         self._executor: ThreadPoolExecutor | None = None
+        self.on_dropped: list[Callable[[str], None]] = []   # called with a node discovery dropped
 
     # -- polling ---------------------------------------------------------------------------
 
@@ -178,6 +179,10 @@ class NodePool:
         if not was_down:
             log.warning("node down", extra={"event": "node_down", "node": url, "reason": reason})
 
+    def _dropped(self, url: str) -> None:
+        for hook in self.on_dropped:
+            hook(url)
+
     def mark_down(self, url: str, reason: str) -> None:
         """A request could not reach the node: skip it until a poll succeeds."""
         self._set_down(url, reason)
@@ -187,7 +192,7 @@ class NodePool:
         if self.discovery.dynamic:
             urls = self.discovery.urls()
             with self._lock:
-                sync_views(self._views, urls, NodeView)
+                sync_views(self._views, urls, NodeView, self._dropped)
         if not self._views:
             return
         if self._executor is None:

@@ -3,14 +3,14 @@ traceparent when it sends one, with spans for auth, limits, routing and the node
 
 Off (no OTLP endpoint configured, or [tracing] enabled = false) nothing is registered:
 app.extensions["zen.tracing"] is None, g.trace is never set, and `request_span` hands back one
-shared do-nothing context manager after one test of a module-level count.
+shared do-nothing context manager after one look at g.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from flask import Flask, Response, g, request
 
@@ -25,7 +25,6 @@ SERVICE_NAME = "zen-gateway"
 EXTENSION_KEY = "zen.tracing"
 TRACED_PREFIX = "/v1/"          # the API's requests; health, metrics and docs are not traced
 _NO_SPAN = contextlib.nullcontext()
-_traced_apps = 0                # apps of this process with tracing on: while 0, request_span reads nothing
 
 
 @dataclass
@@ -45,9 +44,7 @@ def init_tracing(app: Flask, config: GatewayConfig) -> Tracing | None:
     if not (tc.enabled and tc.endpoint):
         return None
     from engine.tracing import Tracing
-    global _traced_apps
     tracing = app.extensions[EXTENSION_KEY] = Tracing(SERVICE_NAME, tc.endpoint, tc.sample_ratio)
-    _traced_apps += 1
     log.info("tracing on", extra={"event": "tracing", "endpoint": tracing.endpoint,
                                   "sample_ratio": tc.sample_ratio})
 
@@ -112,22 +109,20 @@ def end_request_span(trace: RequestTrace, exc: BaseException | None) -> None:
         trace.span.end()
 
 
-def request_span(name: str, **attributes: Any):
+def request_span(name: str, attributes: Callable[[], dict[str, Any]] | None = None):
     """A span around one step of the request being served (current inside it); when the request is
-    not traced, a shared context manager that does nothing."""
-    if not _traced_apps or g.get("trace") is None:
+    not traced, a shared context manager that does nothing. `attributes` is called only when traced."""
+    if g.get("trace") is None:          # set by this app's hooks only when tracing is on
         return _NO_SPAN
     from flask import current_app
     tracer = current_app.extensions[EXTENSION_KEY].tracer
-    return tracer.start_as_current_span(name, attributes=attributes or None)
+    return tracer.start_as_current_span(name, attributes=attributes() if attributes else None)
 
 
 def close_tracing(app: Flask) -> None:
-    global _traced_apps
     tracing = app.extensions.pop(EXTENSION_KEY, None)
     if tracing is not None:
         tracing.shutdown()
-        _traced_apps -= 1
 
 
 # -- the node request ------------------------------------------------------------------------------
@@ -138,7 +133,7 @@ def traced_rank(tracing: Tracing, pool, req) -> list:
     with tracing.tracer.start_as_current_span("routing", attributes={
             "zen.model": model.alias, "gen_ai.request.model": model.model,
             "zen.quantization": model.quantization}) as span:
-        ranked = pool.rank(model, req.inputs.estimated_tokens(), req.params.max_tokens)
+        ranked = pool.rank(model, req.inputs.estimated_tokens, req.params.max_tokens)
         span.set_attribute("zen.routing.candidates", len(ranked))
         if ranked:
             best = ranked[0]

@@ -38,7 +38,7 @@ def time_admissions(storage_url: str, directory: str | None, admissions: int, rp
     """Seconds per admission (hit + window read + reserve + settle) for `admissions` admissions after
     `prefill` hits already in the org's window."""
     config = LimitsConfig(storage_url=storage_url)
-    health = StorageHealth("closed")
+    health = StorageHealth("closed", name="embedded" if config.uses_embedded else "Redis")
     store = LimitStore(directory) if config.uses_embedded else None
     requests, tokens = RequestLimiter(config, health, store), TokenLimiter(config, health, store)
     tier = TierConfig("bench", rpm, 1e9, 10**12, ("zen-small",))

@@ -49,7 +49,7 @@ errorlog = "-"
 logconfig_dict = {       # gunicorn's own messages as JSON lines too
     "version": 1,
     "disable_existing_loggers": False,
-    "formatters": {"json": {"()": "engine.protocol.JsonFormatter", "context": "ext://app.logs.request_fields"}},
+    "formatters": {"json": {"()": "engine.logs.JsonFormatter", "context": "ext://app.logs.request_fields"}},
     "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "json",
                             "stream": "ext://sys.stderr"}},
     "root": {"level": "WARNING", "handlers": ["stderr"]},

@@ -35,7 +35,6 @@ def _generate(args) -> int:
 
 def _serve(args) -> int:
     import logging
-    import os
 
     # The node keeps its metrics in its own registry, in its single worker: never multiprocess mode.
     os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)

@@ -2,23 +2,21 @@
 
 Light on purpose (the standard library only): the gateway imports it in every worker. What lives
 here: the header names, the shipped development node secret and the loopback test that confines it,
-the latency class, the error shape, the POST /v1/generate payload, the GET /state body, the JSON log
-formatter, and how a WSGI handler tells that its client went away.
+the latency class, the error shape, the POST /v1/generate payload and the GET /state body.
 """
 from __future__ import annotations
 
 import enum
 import ipaddress
 import json
-import logging
 import math
-import select
-import socket
 import uuid
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 if TYPE_CHECKING:
+    from flask import Response
+
     from engine.sampling import SamplingParams
 
 SECRET_HEADER = "X-Node-Secret"       # every node endpoint but /health, /ready and /metrics needs it
@@ -82,6 +80,15 @@ class LatencyClass(enum.IntEnum):
 _TYPE_BY_STATUS = {429: "rate_limit_exceeded"}
 
 
+# The error code of werkzeug's HTTP errors, on both sides.
+HTTP_ERROR_CODES = {
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "request_too_large",
+    415: "unsupported_media_type",
+}
+
+
 def error_type_for(status: int) -> str:
     return _TYPE_BY_STATUS.get(status, "server_error" if status >= 500 else "invalid_request_error")
 
@@ -105,6 +112,19 @@ class APIError(Exception):
     def body(self) -> dict:
         return error_body(self.message, type=self.type, param=self.param, code=self.code)
 
+    def response(self) -> Response:
+        """The Flask response (flask imported here: the engine library loads this module without it)."""
+        from flask import jsonify
+        resp = jsonify(self.body())
+        resp.status_code = self.status
+        resp.headers.update(self.headers)
+        return resp
+
+
+def bad_value(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    """400 naming the parameter at fault (code `invalid_value` unless given, when a parameter is named)."""
+    return APIError(400, message, param=param, code=code or ("invalid_value" if param else None))
+
 
 def sse_error_event(message: str, *, type: str = "server_error", code: str | None = None) -> str:
     """The gateway's server-sent event carrying an error, as sent to a client after a stream started."""
@@ -116,58 +136,7 @@ def stream_error_event(message: str, type: str, code: str) -> dict:
     return {"type": "error", "error": {"message": message, "type": type, "code": code}}
 
 
-class ClientGone(Exception):
-    """The client of a request closed its connection; the work done for it is abandoned."""
-
-
-def client_gone(sock) -> bool:
-    """Whether the client's socket (gunicorn's, of a WSGI request) has reached EOF. The client sends
-    nothing more while it waits for this response, so a readable socket with no bytes is a close."""
-    if sock is None:
-        return False
-    try:
-        readable, _, _ = select.select([sock], [], [], 0)
-        if not readable:
-            return False
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except (BlockingIOError, InterruptedError):
-        return False
-    except (OSError, ValueError):
-        return True
-
-
-# --------------------------------------------------------------------------------------------- logs
-
-_STANDARD_LOG_ATTRS = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
-
-
-class JsonFormatter(logging.Formatter):
-    """One JSON object a line; `extra` fields become keys (request_id, org, model, event, ...).
-    `context` adds the fields of the request being served (the gateway's request id and org)."""
-
-    def __init__(self, *args, context: Callable[[], dict] | None = None, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.context = context
-
-    def format(self, record: logging.LogRecord) -> str:
-        out = {"ts": round(record.created, 6), "level": record.levelname.lower(), "logger": record.name,
-               "msg": record.getMessage()}
-        if self.context is not None:
-            out.update(self.context())
-        for key, value in vars(record).items():
-            if key not in _STANDARD_LOG_ATTRS and not key.startswith("_"):
-                out[key] = value
-        if record.exc_info:
-            out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str)
-
-
 # ------------------------------------------------------------------------- POST /v1/generate payload
-
-def bad_value(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
-    """The node's 400 naming the parameter at fault."""
-    return APIError(400, message, param=param, code=code)
-
 
 def optional_str(body: Mapping, name: str, max_len: int = 256) -> str | None:
     v = body.get(name)
@@ -256,7 +225,7 @@ class GenerateRequest:
         try:
             params = SamplingParams(**sampling)
         except SamplingParamError as e:
-            raise bad_value(str(e), e.param) from None
+            raise bad_value(str(e), e.param, "invalid_value") from None
         except (TypeError, ValueError) as e:
             raise bad_value(f"invalid sampling parameters: {e}", "sampling") from None
         stream = body.get("stream", False)
@@ -363,7 +332,12 @@ class QueueState:
     @classmethod
     def from_json(cls, q: Mapping) -> "QueueState":
         return cls(waiting=_count(q.get("waiting")), running=_count(q.get("running")),
-                   admitted=_count(q.get("admitted", q.get("waiting"))), max_waiting=_count(q.get("max_waiting")))
+                   admitted=_count(q.get("admitted")), max_waiting=_count(q.get("max_waiting")))
+
+    @property
+    def full(self) -> bool:
+        """No room for another admitted sequence: the router sends the request elsewhere first."""
+        return self.max_waiting > 0 and self.admitted >= self.max_waiting
 
 
 @dataclass(frozen=True)
@@ -412,26 +386,6 @@ class NodeState:
     memory: MemoryState = field(default_factory=MemoryState)
     accelerator: AcceleratorState = field(default_factory=AcceleratorState)
     uptime_s: float = 0.0
-
-    @property
-    def waiting(self) -> int:
-        return self.queue.waiting
-
-    @property
-    def running(self) -> int:
-        return self.queue.running
-
-    @property
-    def admitted(self) -> int:
-        return self.queue.admitted
-
-    @property
-    def max_waiting(self) -> int:
-        return self.queue.max_waiting
-
-    @property
-    def queue_full(self) -> bool:
-        return self.max_waiting > 0 and self.admitted >= self.max_waiting
 
     @property
     def takes_traffic(self) -> bool:

@@ -16,10 +16,8 @@ from engine.protocol import LatencyClass
 from engine.sequence import Sequence, SequenceStatus
 
 
-# Tokens computed in one step (prefill chunks + decodes). A step's time grows with its tokens, and
-# every running decode waits for the step: on 2 CPU cores 512 tokens took ~0.5 s (an inter-token
-# latency p99 of 0.6-0.7 s behind long prompts), 256 about half of that, while prefill runs as fast
-# in 128-token chunks as in 512 (bench_engine: 1400 vs 1061 tok/s).
+# Tokens computed in one step (prefill chunks + decodes): every running decode waits for the step, so
+# a smaller budget keeps inter-token latency down at no prefill cost (docs/performance.md).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 256
 
 

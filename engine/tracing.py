@@ -4,9 +4,9 @@ monotonic timestamps.
 
 Tracing is on only where an OTLP endpoint is configured. Off, nothing here is built: callers hold
 None and test it, so no SDK, no tracer provider and no span exists on the request path (the gateway
-does not even import this module then). The SDK is
-imported only when a Tracing starts, in the process that first uses it (a gunicorn worker, never
-the master), so its BatchSpanProcessor's thread lives where the spans are made.
+does not even import this module then). The SDK is imported only when a Tracing starts, in the
+process that first uses it (a gunicorn worker, never the master), so its BatchSpanProcessor's thread
+lives where the spans are made.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ nodes and redis-server, on free loopback ports, all stopped at the end (also whe
 
     def test_something(serving_stack, tiny_models):
         stack = serving_stack(nodes=[[tiny_models["a"] + "=tiny-a"]], redis=True,
-                              gateway={"limits": {"redis_failure_policy": "closed"}})
+                              gateway={"limits": {"failure_policy": "closed"}})
         r = requests.post(stack.gateway.url + "/v1/completions", headers=stack.auth("acme"), json={...})
 
 `serving_stack(...)` starts, in order, redis-server (redis=True), the engine nodes (one per entry of
@@ -56,7 +56,7 @@ TEST_CONFIG: dict[str, Any] = {
                "max_body_bytes": 1_048_576},
     "auth": {"algorithms": ["HS256"], "issuer": "zen-test", "audience": "zen-gateway",
              "allow_unconfigured_orgs": False},
-    "limits": {"storage_url": "memory://", "redis_failure_policy": "open", "redis_retry_s": 1.0,
+    "limits": {"storage_url": "memory://", "failure_policy": "open", "retry_s": 1.0,
                "redis_timeout_s": 0.5},
     "nodes": {"urls": [], "poll_interval_s": 0.25, "state_ttl_s": 3.0, "connect_timeout_s": 1.0,
               "read_timeout_s": 60.0, "max_attempts": 3},

@@ -55,7 +55,7 @@ def test_config_file_from_env(tmp_path):
     ({"auth": {"hs256_secret": "short"}}, "hs256_secret"),
     ({"auth": {"algorithms": ["none"]}}, "unsupported algorithm"),
     ({"limits": {"storage_url": "mongodb://x"}}, "storage_url"),
-    ({"limits": {"redis_failure_policy": "maybe"}}, "redis_failure_policy"),
+    ({"limits": {"failure_policy": "maybe"}}, "failure_policy"),
     ({"tiers": {"free": {"models": ["nope"]}}}, "unknown model alias"),
     ({"orgs": {"acme": {"tier": "platinum"}}}, "unknown tier"),
     ({"orgs": {"globex": {"default_latency_class": "realtime"}}}, "above its max_latency_class"),
@@ -198,4 +198,4 @@ def test_the_gateway_does_not_load_the_engine_kernels():
             "print(sorted(m for m in sys.modules if m == 'numba' or m.startswith('engine.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "['engine.protocol', 'engine.sampling']"
+    assert out.stdout.strip() == "['engine.client_socket', 'engine.logs', 'engine.protocol', 'engine.sampling']"

@@ -18,7 +18,7 @@ import requests
 from tests.serving_fixtures import serving_stack, tiny_models, wait_until  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.fault
-RETRY_S = 1.0                  # limits.redis_retry_s: how soon the gateway tries Redis again
+RETRY_S = 1.0                  # limits.retry_s: how soon the gateway tries Redis again
 
 
 def completion(stack, headers) -> requests.Response:
@@ -42,7 +42,7 @@ def storage_events(stack, since: float) -> list[dict]:
 @pytest.mark.parametrize("policy", ["open", "closed"])
 def test_redis_outage_follows_the_policy_and_recovers(serving_stack, tiny_models, policy):  # noqa: F811
     stack = serving_stack(nodes=[[tiny_models["a"] + "=tiny-a"]], redis=True,
-                          gateway={"limits": {"redis_failure_policy": policy, "redis_retry_s": RETRY_S,
+                          gateway={"limits": {"failure_policy": policy, "retry_s": RETRY_S,
                                               "redis_timeout_s": 0.5}})
     headers = stack.auth("loadco")
     for _ in range(4):                              # both workers, Redis in use

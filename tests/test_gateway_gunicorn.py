@@ -38,7 +38,7 @@ default_tier = "tight"
 audience = "zen-gateway"
 [limits]
 strategy = "moving-window"
-redis_failure_policy = "closed"
+failure_policy = "closed"
 [tiers.tight]
 requests_per_minute = {RPM_LIMIT}
 tokens_per_second = 1000.0

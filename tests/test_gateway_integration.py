@@ -27,7 +27,7 @@ def stack(serving_stack, tiny_models):
         nodes=[[tiny_models["a"] + "=tiny-a"], [tiny_models["a"] + "=tiny-a"]],
         node_options={},
         redis=True,
-        gateway={"limits": {"redis_failure_policy": "closed"}},
+        gateway={"limits": {"failure_policy": "closed"}},
     )
     # the second node starts with nothing resident
     requests.post(s.nodes[1].url + "/v1/models/unload", json={"model": "tiny-a"},

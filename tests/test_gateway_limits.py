@@ -273,7 +273,7 @@ def test_redis_storage_for_both_limits(redis_url):  # noqa: F811
 @pytest.mark.parametrize("policy, status", [("open", 200), ("closed", 503)])
 def test_redis_down_follows_the_failure_policy(policy, status, caplog):
     dead = f"redis://127.0.0.1:{free_port()}/0"
-    cfg = make_config([], limits={"storage_url": dead, "redis_failure_policy": policy,
+    cfg = make_config([], limits={"storage_url": dead, "failure_policy": policy,
                                   "redis_timeout_s": 0.2})
     app = create_app(cfg)
     try:
@@ -300,7 +300,7 @@ def test_token_bucket_redis_down_policies():
     records = _Records()
     logging.getLogger("zen.gateway").addHandler(records)
     for policy, status in (("open", 200), ("closed", 503)):
-        limiter = TokenLimiter(LimitsConfig(storage_url=dead, redis_failure_policy=policy,
+        limiter = TokenLimiter(LimitsConfig(storage_url=dead, failure_policy=policy,
                                             redis_timeout_s=0.2))
         if status == 200:
             res = limiter.reserve("acme", _tier(), 10)
@@ -319,7 +319,7 @@ def test_storage_health_logs_only_changes():
     records = _Records()
     logging.getLogger("zen.gateway").addHandler(records)
     try:
-        health = StorageHealth("closed")
+        health = StorageHealth("closed", name="Redis")
         health.answered()                              # up from the start: nothing to say
         assert health.down_for() is None
         for _ in range(5):

@@ -27,14 +27,14 @@ def state(*, resident=True, waiting=0, running=0, max_waiting=64, utilization=0.
         "node_id": "n", "healthy": healthy, "ready": ready, "draining": draining, "models": models, "available_models": list(available),
         "utilization": utilization,
         "queue": {"waiting": waiting, "running": running, "max_waiting": max_waiting,
-                  **({} if admitted is None else {"admitted": admitted})},
+                  "admitted": waiting if admitted is None else admitted},
         "temperature_c": temperature, "power_w": None, "kv_cache_usage": 0.2,
         "memory": {"used_bytes": 1, "total_bytes": 2}})
 
 
 def test_parse_state_reads_the_node_protocol():
     s = state(waiting=3, running=2, temperature=61.5)
-    assert s.healthy and s.waiting == 3 and s.running == 2 and s.max_waiting == 64
+    assert s.healthy and s.queue.waiting == 3 and s.queue.running == 2 and s.queue.max_waiting == 64
     assert s.temperature_c == 61.5 and s.utilization == 0.1
     m = s.resident((MODEL_ID, "q4_1"))
     assert m is not None and m.prefill_tokens_per_s == 1000.0 and m.load_time_s == 0.5
@@ -46,7 +46,7 @@ def test_parse_state_tolerates_junk():
                      "utilization": 7, "queue": "full", "temperature_c": float("nan")})
     assert not s.healthy                       # only `true` is healthy
     assert [m.id for m in s.models] == ["m"]
-    assert s.utilization == 1.0 and s.waiting == 0 and s.temperature_c == 0.0
+    assert s.utilization == 1.0 and s.queue.waiting == 0 and s.temperature_c == 0.0
     with pytest.raises(ValueError):
         NodeState.from_json([1, 2])
 
@@ -65,9 +65,8 @@ def test_a_request_in_its_prefill_counts_once():
     busy = state(waiting=0, running=1, admitted=1, max_waiting=2)
     service = 100 / 1000 + 50 / 50
     assert estimate_latency(busy, 100, 50, 1000, 50) == pytest.approx(service)
-    assert busy.admitted == 1 and not busy.queue_full
-    assert state(waiting=0, running=2, admitted=2, max_waiting=2).queue_full
-    assert state(waiting=3, running=1).admitted == 3   # a node that reports no admitted: its waiting
+    assert busy.queue.admitted == 1 and not busy.queue.full
+    assert state(waiting=0, running=2, admitted=2, max_waiting=2).queue.full
 
 
 def test_resident_model_wins_when_queues_are_equal():
@@ -111,7 +110,7 @@ def test_other_quantization_counts_as_not_resident():
 
 def test_full_queues_go_last():
     full = state(waiting=64, max_waiting=64, running=8)
-    assert full.queue_full
+    assert full.queue.full
     ranked = rank_nodes([("full", state(waiting=64, max_waiting=64, running=64)),
                          ("cold", state(resident=False, utilization=1.0))], SMALL, 10, 10, WEIGHTS)
     assert [s.url for s in ranked] == ["cold", "full"]

@@ -186,7 +186,7 @@ def test_the_store_opens_in_the_directory_the_master_made(tmp_path, monkeypatch)
 def test_a_store_that_fails_follows_the_failure_policy(tmp_path, policy):
     (tmp_path / DB_NAME).mkdir()                          # the database cannot be opened
     store = LimitStore(str(tmp_path))
-    limiter = TokenLimiter(LimitsConfig(redis_failure_policy=policy), store=store)
+    limiter = TokenLimiter(LimitsConfig(failure_policy=policy), store=store)
     tier = TierConfig("t", 100, 10.0, 100, ("zen-small",))
     if policy == "open":
         assert limiter.reserve("acme", tier, 10).result.admitted    # per-process memory meanwhile

@@ -28,7 +28,7 @@ from tests.serving_fixtures import read_sse, serving_stack, tiny_models, wait_un
 # Identifiers of PromQL that are not metric names (functions are told apart by their `(`).
 PROMQL_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless",
                    "bool", "offset", "inf", "nan"}
-# Node gauges the platform may not expose (engine/telemetry.py: absent, never invented), by the key of
+# Node gauges the platform may not expose (engine/node/telemetry.py: absent, never invented), by the key of
 # the node's GET /state that says whether it does.
 OPTIONAL_NODE_SERIES = {"zen_node_accelerator_power_watts": "power_w",
                         "zen_node_accelerator_temperature_celsius": "temperature_c"}
@@ -137,7 +137,7 @@ def test_a_failed_call_to_the_limits_store_is_counted():
         raise redis.ConnectionError("connection refused")
 
     before = counter_value(STORAGE_FAILURES)
-    assert StorageHealth("open").call(lambda backend: backend(), down, lambda: "local") == "local"
+    assert StorageHealth("open", name="Redis").call(lambda backend: backend(), down, lambda: "local") == "local"
     assert counter_value(STORAGE_FAILURES) == before + 1
 
 

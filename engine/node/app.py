@@ -6,7 +6,7 @@ import hmac
 import logging
 import sys
 
-from flask import Flask, Response, g, jsonify, request
+from flask import Flask, g, request
 from werkzeug.exceptions import HTTPException
 
 from engine.node.config import NodeConfig
@@ -14,20 +14,13 @@ from engine.node.node import Node
 from engine.node.telemetry import Telemetry
 from engine.node.tracing import init_tracing
 from engine.node.views import bp, the_node
-from engine.protocol import REQUEST_ID_HEADER, SECRET_HEADER, APIError
+from engine.protocol import HTTP_ERROR_CODES, REQUEST_ID_HEADER, SECRET_HEADER, APIError
 
 log = logging.getLogger("engine.node")
 
 OPEN_PATHS = ("/health", "/ready", "/metrics")   # everything else needs X-Node-Secret
 MAX_BODY_BYTES = 16 << 20
 GIL_SWITCH_INTERVAL_S = 0.0005             # a busy thread must not hold up the engine step's GIL hand-backs
-
-
-def error_response(e: APIError) -> Response:
-    resp = jsonify(e.body())
-    resp.status_code = e.status
-    resp.headers.update(e.headers)
-    return resp
 
 
 def create_app(config: NodeConfig, telemetry: Telemetry | None = None, start: bool = True) -> Flask:
@@ -61,15 +54,14 @@ def register_error_handlers(app: Flask) -> None:
     @app.errorhandler(APIError)
     def _api_error(e: APIError):
         the_node().metrics.rejected(e.code or str(e.status))
-        return error_response(e)
+        return e.response()
 
     @app.errorhandler(HTTPException)
     def _http_error(e: HTTPException):
-        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.code)
-        return error_response(APIError(e.code or 500, e.description or e.name, code=code))
+        return APIError(e.code or 500, e.description or e.name, code=HTTP_ERROR_CODES.get(e.code)).response()
 
     @app.errorhandler(Exception)
     def _unexpected(e: Exception):
         log.exception("unhandled error", extra={"path": request.path, "request_id": getattr(g, "request_id", None)})
-        return error_response(APIError(500, f"internal error in the engine node (request "
-                                            f"{getattr(g, 'request_id', '?')})", code="internal_error"))
+        return APIError(500, f"internal error in the engine node (request {getattr(g, 'request_id', '?')})",
+                        code="internal_error").response()

@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any
 
 from flask import Response, jsonify
 
+from engine.client_socket import ClientGone, client_gone
 from engine.engine import RequestError
 from engine.node.admission import Ticket
 from engine.node.drain import RETRY_AFTER_S, NodeShutdown
 from engine.node.metrics import FinishedSequence
 from engine.node.registry import ResidentModel
-from engine.protocol import (APIError, ClientGone, GenerateRequest, bad_value, client_gone,
-                             stream_error_event)
+from engine.protocol import APIError, GenerateRequest, bad_value, stream_error_event
 from engine.request import EngineRequest
 
 if TYPE_CHECKING:

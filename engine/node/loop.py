@@ -15,7 +15,7 @@ from collections import deque
 from engine.engine import Engine, RequestError, SequenceDelta
 from engine.request import EngineRequest
 
-log = logging.getLogger("engine.loop")
+log = logging.getLogger(__name__)
 
 # The step's kernels hold the GIL: after a step that gave requests their first tokens, the step thread
 # waits (at most this long) until their readers have taken them, so the first token is not a step late.

@@ -27,7 +27,7 @@ from engine.node.loop import EngineLoop, StepThread
 from models.inspect import ModelFileInfo, inspect_model, resolve_quantization
 from models.loader import load_tokenizer
 
-log = logging.getLogger("engine.registry")
+log = logging.getLogger(__name__)
 
 class ModelNotFound(LookupError):
     """The node has no such model (404)."""

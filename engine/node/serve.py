@@ -13,9 +13,9 @@ import threading
 from flask import Flask
 from prometheus_client import disable_created_metrics
 
+from engine.logs import JsonFormatter
 from engine.node.app import create_app
 from engine.node.config import NodeConfig
-from engine.protocol import JsonFormatter
 
 OPENMP_SPINCOUNT = "30000"      # libgomp's default kept a core spinning, taken from the gateway, after each burst
 OPENMP_PROC_BIND = "close"      # an unbound kernel thread moved to a busy core stalls the whole parallel region

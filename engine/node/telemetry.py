@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 
 import psutil
 
-log = logging.getLogger("engine.telemetry")
+log = logging.getLogger(__name__)
 
 # Sensor chips that report the CPU package temperature, most specific first.
 CPU_SENSOR_CHIPS = ("coretemp", "k10temp", "zenpower", "cpu_thermal", "cpu-thermal", "soc_thermal", "acpitz")
