@@ -364,11 +364,15 @@ class NodeClient:
         return NodeConnections(url, self._pool_size, self.config.connect_timeout_s, self.config.read_timeout_s)
 
     def _connections_of(self, url: str) -> NodeConnections:
-        """The node's connections; a node found by discovery gets them on its first request."""
+        """The node's connections; a node found by discovery gets them on its first request. A node
+        discovery dropped while this request ranked it gets one-off connections, so nothing is kept
+        for it (release closes a connection its node has no entry for)."""
         connections = self._connections.get(url)
         if connections is not None:
             return connections
         with self._connections_lock:
+            if url not in self.pool.discovery.known():
+                return self._new_connections(url)
             return self._connections.setdefault(url, self._new_connections(url))
 
     def _forget(self, url: str) -> None:
