@@ -146,3 +146,23 @@ def _retarget(ir_text: str) -> str:
     """numba's module without what ties it to the host: its triple, data layout and x86 function attributes."""
     ir_text = re.sub(r'^target (triple|datalayout) = ".*"$', "", ir_text, flags=re.M)
     return re.sub(r'"target-(cpu|features)"="[^"]*"', "", ir_text)
+
+
+@pytest.mark.slow
+def test_each_level_keeps_its_own_cached_kernels(tmp_path):
+    """numba's on-disk cache keys on the CPU only: a level's process must neither load another level's
+    kernels nor evict them."""
+    script = ("import numpy as np; from engine.backends import cpu_matmul as L\n"
+              "L.quantize_activations(np.ones((2, 64), np.float32), 1)\n"
+              "s = L.quantize_activations.stats; print(len(s.cache_hits), len(s.cache_misses))")
+
+    def run(**level):
+        r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
+                           env=_env(NUMBA_CACHE_DIR=str(tmp_path), **level), timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return tuple(int(n) for n in r.stdout.split())
+
+    assert run() == (0, 1)                          # the host's level: compiled and cached
+    assert run(ZEN_CPU_ISA="portable") == (0, 1)    # not the host level's code
+    assert run() == (1, 0)                          # still cached
+    assert run(ZEN_CPU_ISA="portable") == (1, 0)
