@@ -24,9 +24,7 @@ U = np.uint64  # index math is unsigned: numba guards signed indices against wra
 F = np.float32
 
 
-# the level (avx512vnni, avxvnni, avx2, portable) is decided in cpu_isa; re-exported for the kernels' modules
-FEATURES, ISA, INT8_DEFAULT = cpu_isa.FEATURES, cpu_isa.ISA, cpu_isa.INT8_DEFAULT
-_FMA = cpu_isa.fma_name()
+_FMA = cpu_isa.fma_name()  # the level (avx512vnni, avxvnni, avx2, portable) is decided in cpu_isa
 
 
 class Vec(types.Type):
