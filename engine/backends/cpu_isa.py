@@ -105,26 +105,40 @@ def _join(builder, lo, hi):
 
 
 def _madd_avx2(builder, a, b):
-    """8 int32 lanes: per lane the 4 products (unsigned byte of a) * (signed byte of b) summed. vpmaddubsw
-    sums pairs into int16 with saturation; exact when a's bytes are < 128 and b's in -127..127
-    (2 * 127 * 127 < 2^15)."""
-    p = builder.call(_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", _W16, [_B32, _B32]),
-                     [builder.bitcast(a, _B32), builder.bitcast(b, _B32)])
-    return builder.call(_fn(builder, "llvm.x86.avx2.pmadd.wd", _V8I, [_W16, _W16]), [p, ir.Constant(_W16, [1] * 16)])
+    """vpmaddubsw: 16 int16 lanes, each the 2 products (unsigned byte of a) * (signed byte of b) summed
+    with saturation (exact while the pair stays within int16)."""
+    return builder.call(_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", _W16, [_B32, _B32]),
+                        [builder.bitcast(a, _B32), builder.bitcast(b, _B32)])
 
 
-def _dot_avx2(builder, acc, a, b, small):
-    """Per 256-bit half: vpmaddubsw + vpmaddwd. With a's bytes up to 255 (not small) a pair of products
-    can pass 2^15, so a is split into its low 7 bits and its top bit (each pair then at most 2 * 128 * 127)."""
+def _sum_pairs_avx2(builder, s):
+    """vpmaddwd by ones: 8 int32 lanes, each the sum of 2 int16 lanes (4 byte products)."""
+    return builder.call(_fn(builder, "llvm.x86.avx2.pmadd.wd", _V8I, [_W16, _W16]), [s, ir.Constant(_W16, [1] * 16)])
+
+
+def _dot_avx2(builder, acc, a, b):
+    """Per 256-bit half: vpmaddubsw + vpmaddwd. A pair of products with a's bytes up to 255 can pass
+    2^15, so a is split into its low 7 bits and its top bit (each pair then at most 2 * 128 * 127)."""
     halves = []
     for h in (0, 1):
         ah, bh = _half(builder, a, h), _half(builder, b, h)
-        if small:
-            halves.append(_madd_avx2(builder, ah, bh))
-        else:
-            lo = builder.and_(ah, ir.Constant(_V8I, [0x7F7F7F7F] * 8))
-            hi = builder.and_(ah, ir.Constant(_V8I, [0x80808080 - (1 << 32)] * 8))
-            halves.append(builder.add(_madd_avx2(builder, lo, bh), _madd_avx2(builder, hi, bh)))
+        lo = builder.and_(ah, ir.Constant(_V8I, [0x7F7F7F7F] * 8))
+        hi = builder.and_(ah, ir.Constant(_V8I, [0x80808080 - (1 << 32)] * 8))
+        halves.append(builder.add(_sum_pairs_avx2(builder, _madd_avx2(builder, lo, bh)),
+                                  _sum_pairs_avx2(builder, _madd_avx2(builder, hi, bh))))
+    return builder.add(acc, _join(builder, *halves))
+
+
+def _dot4_nibbles_avx2(builder, acc, pairs):
+    """acc + 4 dots of bytes a < 16 (q4 nibbles) with b: the 4 vpmaddubsw summed in int16 (at most
+    4 * 2 * 15 * 127 < 2^15), then one vpmaddwd per 256-bit half."""
+    halves = []
+    for h in (0, 1):
+        s = None
+        for a, b in pairs:
+            p = _madd_avx2(builder, _half(builder, a, h), _half(builder, b, h))
+            s = p if s is None else builder.add(s, p)
+        halves.append(_sum_pairs_avx2(builder, s))
     return builder.add(acc, _join(builder, *halves))
 
 
@@ -144,16 +158,25 @@ def _dot_portable(builder, acc, a, b):
     return s
 
 
-def emit_dot_u8s8(builder, acc, a, b, small: bool, level: str = ISA):
+def emit_dot_u8s8(builder, acc, a, b, level: str = ISA):
     """IR for acc + per int32 lane the sum of 4 products (unsigned byte of a) * (signed byte of b), b's
-    bytes in -127..127; small: a's bytes are below 128 (q4 nibbles), which the avx2 level exploits."""
+    bytes in -127..127."""
     if level == "avx512vnni":
         return builder.call(_fn(builder, "llvm.x86.avx512.vpdpbusd.512", _VI, [_VI, _VI, _VI]), [acc, a, b])
     if level == "avxvnni":
         return _dot_avxvnni(builder, acc, a, b)
     if level == "avx2":
-        return _dot_avx2(builder, acc, a, b, small)
+        return _dot_avx2(builder, acc, a, b)
     return _dot_portable(builder, acc, a, b)
+
+
+def emit_dot4_nibbles(builder, acc, pairs, level: str = ISA):
+    """IR for acc + the dots of 4 (a, b) pairs as emit_dot_u8s8, a's bytes 0..15 (q4 nibbles)."""
+    if level == "avx2":
+        return _dot4_nibbles_avx2(builder, acc, pairs)
+    for a, b in pairs:
+        acc = emit_dot_u8s8(builder, acc, a, b, level)
+    return acc
 
 
 def fma_name(level: str = ISA) -> str:

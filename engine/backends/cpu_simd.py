@@ -6,7 +6,7 @@ vectorizer cannot do either for these loops (it keeps accumulators in memory, an
 32-long loops into scalar code before vectorizing, as SLP is off in numba).
 
 What depends on the instruction set is decided in cpu_isa (the level, INT8_DEFAULT, the IR of the int8
-dot of each level); here the intrinsics that use it (vdpbusd, vdpbusd_u7, vfma).
+dot of each level); here the intrinsics that use it (vdpbusd, vdpbusd4_nib, vfma).
 """
 from __future__ import annotations
 
@@ -408,10 +408,13 @@ def f32_from_bits(typingctx, x):
 @intrinsic
 def vdpbusd(typingctx, acc, a, b):
     """acc + per int32 lane the sum of 4 products (unsigned byte of a) * (signed byte of b, -127..127)."""
-    return I32x16(acc, a, b), lambda c, builder, s, args: cpu_isa.emit_dot_u8s8(builder, *args, small=False)
+    return I32x16(acc, a, b), lambda c, builder, s, args: cpu_isa.emit_dot_u8s8(builder, *args)
 
 
 @intrinsic
-def vdpbusd_u7(typingctx, acc, a, b):
-    """vdpbusd for a whose bytes are below 128 (q4 nibbles): one vpmaddubsw cannot saturate on avx2."""
-    return I32x16(acc, a, b), lambda c, builder, s, args: cpu_isa.emit_dot_u8s8(builder, *args, small=True)
+def vdpbusd4_nib(typingctx, acc, a0, b0, a1, b1, a2, b2, a3, b3):
+    """vdpbusd of 4 (a, b) pairs into acc, a's bytes 0..15 (q4 nibbles): on avx2 their int16 pair sums
+    add up without saturating, so one vpmaddwd serves all four."""
+    def cg(context, builder, sig, args):
+        return cpu_isa.emit_dot4_nibbles(builder, args[0], [(args[i], args[i + 1]) for i in (1, 3, 5, 7)])
+    return I32x16(acc, a0, b0, a1, b1, a2, b2, a3, b3), cg
