@@ -2,6 +2,8 @@
 
     python benchmarks/bench_engine.py [--model PATH] [--formats q4_1,q8_0,f16,f32] [--out bench-results/engine.json]
 
+The CPU kernels' ISA level is the process's (engine/backends/cpu_isa.py): ZEN_CPU_ISA=avx2 ... measures another.
+
 Drives models.llama.LlamaModel directly (no scheduler) with a simple contiguous block table per sequence.
 Every figure is the median of several timed runs after a warm-up (the fastest run is kept too: on a
 shared machine it is the closer to what the code does alone); the machine's CPU, core count, date and
@@ -25,6 +27,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from engine.backends import cpu_isa  # noqa: E402
 from engine.backends.cpu import CpuBackend  # noqa: E402
 from models.gguf_file import read_gguf  # noqa: E402
 from models.llama import LlamaModel, StepInput  # noqa: E402
@@ -145,7 +148,7 @@ def machine_info() -> dict:
         commit, dirty = "unknown", False
     import numba
     return {
-        "cpu": cpu, "cores": os.cpu_count(), "numba_threads": numba.config.NUMBA_NUM_THREADS,
+        "cpu": cpu, "cpu_isa": cpu_isa.ISA, "cores": os.cpu_count(), "numba_threads": numba.config.NUMBA_NUM_THREADS,
         "python": platform.python_version(), "numba": numba.__version__, "numpy": np.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "git_commit": commit, "git_dirty": dirty,

@@ -10,7 +10,7 @@ from engine.backends import cpu_ops as ops
 from engine.backends.cpu_layers import LayerStack
 from engine.backends.cpu_repack import TILE, repack
 from engine.backends.cpu_sampler import sample
-from engine.backends.cpu_simd import INT8_DEFAULT
+from engine.backends.cpu_isa import INT8_DEFAULT, log_level
 from engine.backends.cpu_transforms import X_PLAIN, X_RMSNORM, X_SILU_MUL, transform
 from engine.backends.sampling_batch import SampleResult, SamplingBatch
 from engine.backends.stacked_linear import StackedLinear
@@ -42,7 +42,7 @@ class _Scratch:
 class CpuLinear(StackedLinear):
     """y = x @ W.T for one or more stored matrices stacked along the output (e.g. q|k|v, gate|up).
 
-    int8: quantize x to int8 for the q4/q8 kernels (default: where the CPU has AVX-512 VNNI)."""
+    int8: quantize x to int8 for the q4/q8 kernels (default: where the CPU has a fast int8 dot, cpu_isa)."""
 
     def __init__(self, tensors: list[QuantTensor], int8: bool | None = None, scratch: _Scratch | None = None):
         super().__init__(tensors, _tiled_layout)
@@ -156,13 +156,14 @@ class CpuBackend:
     name = "cpu"
 
     def __init__(self, int8_activations: bool | None = None, int8_passes: int = 2):
-        """int8_activations: multiply quantized weights with activations rounded to int8 (vpdpbusd;
-        the default where the CPU has AVX-512 VNNI) or exactly in float32 (False).
+        """int8_activations: multiply quantized weights with activations rounded to int8 (vpdpbusd or
+        its avx2 form; the default on every level but portable, cpu_isa) or exactly in float32 (False).
         int8_passes: 2 (default) rounds each activation block twice (~16 bits: logits match the float
         path to ~1e-5); 1 is llama.cpp's single int8 rounding, faster for batches and prefill but
         measurably less exact (docs/performance.md, "Explicit SIMD")."""
         if int8_passes not in (1, 2):
             raise ValueError(f"int8_passes must be 1 or 2, got {int8_passes!r}")
+        log_level()
         self.int8 = INT8_DEFAULT if int8_activations is None else bool(int8_activations)
         self.int8_passes = int8_passes
         self._scratch = _Scratch()

@@ -1,10 +1,13 @@
-"""numba's on-disk cache across modules: kernels compiled from helpers defined in other files."""
+"""numba's on-disk cache across modules: kernels compiled from helpers defined in other files, and for
+the instruction-set level the process runs at (cpu_isa)."""
 from __future__ import annotations
 
 import hashlib
 import os
 
 from numba.core.dispatcher import Dispatcher
+
+from engine.backends import cpu_isa
 
 
 def flush_stale_caches(namespace: dict, tag: str, *sources: str) -> None:
@@ -14,8 +17,10 @@ def flush_stale_caches(namespace: dict, tag: str, *sources: str) -> None:
     disps = [v for v in namespace.values() if isinstance(v, Dispatcher) and hasattr(v._cache, "cache_path")]
     if not disps:
         return
+    for d in disps:
+        _key_by_isa(d._cache)
     digest = hashlib.sha256()
-    for src in sources:
+    for src in (cpu_isa.__file__, *sources):
         with open(src, "rb") as f:
             digest.update(f.read())
     stamp = digest.hexdigest()
@@ -34,3 +39,10 @@ def flush_stale_caches(namespace: dict, tag: str, *sources: str) -> None:
             f.write(stamp)
     except OSError:  # read-only cache location: flushed again next time, still correct
         pass
+
+
+def _key_by_isa(cache) -> None:
+    """Key each cached kernel on the ISA level too: ZEN_CPU_ISA changes the code for the same CPU (numba keys
+    on the CPU name and features only), and each level's code stays cached beside the others."""
+    index_key = type(cache)._index_key.__get__(cache)
+    cache._index_key = lambda sig, codegen: index_key(sig, codegen) + (cpu_isa.ISA,)

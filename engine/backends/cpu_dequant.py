@@ -86,7 +86,7 @@ def _rows_quant_exact(qs, sc, t0, t1, x, out, col0, n_out, accumulate):
 
 @njit(cache=True, parallel=True, fastmath=True)
 def matmul_quant_exact(x, qs, sc, out, col0, n_out, accumulate, kind, aux, eps):
-    """The q4/q8 product with x as it is (no int8 rounding): exact, slower; the path without VNNI."""
+    """The q4/q8 product with x as it is (no int8 rounding): exact, slower; the portable level's default."""
     nt = qs.shape[0]
     nch = min(nt, 8)
     xt = transformed(x, kind, aux, eps)

@@ -19,8 +19,8 @@ from numba import njit
 from engine.backends import cpu_simd
 from engine.backends.cpu_cache import flush_stale_caches
 from engine.backends.cpu_simd import (
-    F, U, ld_f, st_f, vabs, vadd, vand, vbcast4, vbcast_f, vbcast_i, vcvt, vdpbusd, vfma, vhmax, vload_f,
-    vload_h, vload_w, vmax, vmin, vmul, vround_i, vsll, vsrl, vstore_i8, vsub, vsum, vzero_f, vzero_i,
+    F, U, ld_f, st_f, vabs, vadd, vand, vbcast4, vbcast_f, vbcast_i, vcvt, vdpbusd, vdpbusd4_nib, vfma, vhmax,
+    vload_f, vload_h, vload_w, vmax, vmin, vmul, vround_i, vsll, vsrl, vstore_i8, vsub, vsum, vzero_f, vzero_i,
 )
 from models.quant import QK
 
@@ -82,17 +82,17 @@ def _dot_q4_i8(l0, l1, l2, l3, h0, h1, h2, h3, xqp, xo, k, passes):
     Two (four) independent vpdpbusd chains: one chain of 8 (16) would wait on its latency when a tile
     runs a single row of x (decode)."""
     z = vzero_i()
-    a = vdpbusd(vdpbusd(z, l0, vbcast4(xqp, xo)), l1, vbcast4(xqp, xo + U(4)))
-    c = vdpbusd(vdpbusd(z, l2, vbcast4(xqp, xo + U(8))), l3, vbcast4(xqp, xo + U(12)))
-    a = vdpbusd(vdpbusd(a, h0, vbcast4(xqp, xo + U(16))), h1, vbcast4(xqp, xo + U(20)))
-    c = vdpbusd(vdpbusd(c, h2, vbcast4(xqp, xo + U(24))), h3, vbcast4(xqp, xo + U(28)))
+    a = vdpbusd4_nib(z, l0, vbcast4(xqp, xo), l1, vbcast4(xqp, xo + U(4)),
+                     h0, vbcast4(xqp, xo + U(16)), h1, vbcast4(xqp, xo + U(20)))
+    c = vdpbusd4_nib(z, l2, vbcast4(xqp, xo + U(8)), l3, vbcast4(xqp, xo + U(12)),
+                     h2, vbcast4(xqp, xo + U(24)), h3, vbcast4(xqp, xo + U(28)))
     if passes == 1:
         return vadd(a, c)
     x1 = xo + U(k)
-    e = vdpbusd(vdpbusd(z, l0, vbcast4(xqp, x1)), l1, vbcast4(xqp, x1 + U(4)))
-    g = vdpbusd(vdpbusd(z, l2, vbcast4(xqp, x1 + U(8))), l3, vbcast4(xqp, x1 + U(12)))
-    e = vdpbusd(vdpbusd(e, h0, vbcast4(xqp, x1 + U(16))), h1, vbcast4(xqp, x1 + U(20)))
-    g = vdpbusd(vdpbusd(g, h2, vbcast4(xqp, x1 + U(24))), h3, vbcast4(xqp, x1 + U(28)))
+    e = vdpbusd4_nib(z, l0, vbcast4(xqp, x1), l1, vbcast4(xqp, x1 + U(4)),
+                     h0, vbcast4(xqp, x1 + U(16)), h1, vbcast4(xqp, x1 + U(20)))
+    g = vdpbusd4_nib(z, l2, vbcast4(xqp, x1 + U(8)), l3, vbcast4(xqp, x1 + U(12)),
+                     h2, vbcast4(xqp, x1 + U(24)), h3, vbcast4(xqp, x1 + U(28)))
     return vadd(vsll(vadd(a, c), 8), vadd(e, g))
 
 

@@ -1,8 +1,9 @@
 """Matrix products on weights kept in their stored, tiled format (cpu_repack), as numba kernels for the CPU.
 
 Two ways to multiply quantized weights:
-  int8 (default where the CPU has AVX-512 VNNI): x rounded to int8 on the fly (cpu_int8), vpdpbusd dots.
-  float (exact; the fallback without VNNI, or CpuLinear(int8=False)): each tile dequantized to float32
+  int8 (default on every ISA level but portable, cpu_isa): x rounded to int8 on the fly (cpu_int8),
+     vpdpbusd dots (or vpmaddubsw + vpmaddwd on avx2).
+  float (exact; the portable level's default, or CpuLinear(int8=False)): each tile dequantized to float32
      in a small scratch, then the float kernel (cpu_dequant.matmul_quant_exact).
 Float formats always use the float kernels here (4 rows x 16 outputs of accumulators in registers).
 """

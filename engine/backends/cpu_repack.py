@@ -15,7 +15,8 @@ Tiled layouts (N = rows, K = columns, nb = K // 32 blocks, nt = N / 16 row tiles
   f32              w float32 [nt, K, 16]
   f16 / bf16       w uint16  [nt, K, 16], widened to float32 in the kernel
 So a quantized matrix takes exactly its GGUF size (scales stay f16), and the four bytes of one int32
-lane are four consecutive values of one row: the layout of the AVX-512 VNNI instruction vpdpbusd.
+lane are four consecutive values of one row: the layout of vpdpbusd (AVX-512 VNNI,
+AVX-VNNI), which vpmaddubsw + vpmaddwd (AVX2) read the same way.
 """
 from __future__ import annotations
 

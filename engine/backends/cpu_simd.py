@@ -5,8 +5,8 @@ so a kernel keeps its accumulators in registers and says which instructions it w
 vectorizer cannot do either for these loops (it keeps accumulators in memory, and fully unrolls 16- or
 32-long loops into scalar code before vectorizing, as SLP is off in numba).
 
-Everything that depends on the instruction set is here: the feature detection (_target_features,
-HAS_VNNI, INT8_DEFAULT) and the intrinsics that pick an instruction by it (vdpbusd).
+What depends on the instruction set is decided in cpu_isa (the level, INT8_DEFAULT, the IR of the int8
+dot of each level); here the intrinsics that use it (vdpbusd, vdpbusd4_nib, vfma).
 """
 from __future__ import annotations
 
@@ -16,30 +16,15 @@ import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
-from numba.core import config as _numba_config
 from numba.extending import intrinsic, models, register_model
+
+from engine.backends import cpu_isa
 
 U = np.uint64  # index math is unsigned: numba guards signed indices against wraparound (slow loads)
 F = np.float32
 
 
-def _target_features() -> set[str]:
-    """CPU features numba compiles for (the host's unless NUMBA_CPU_NAME / NUMBA_CPU_FEATURES say else)."""
-    if _numba_config.CPU_FEATURES:
-        return {f[1:] for f in _numba_config.CPU_FEATURES.split(",") if f.startswith("+")}
-    if _numba_config.CPU_NAME and _numba_config.CPU_NAME != "host":
-        return set()
-    try:
-        import llvmlite.binding as llvm
-        return {k for k, v in llvm.get_host_cpu_features().items() if v}
-    except Exception:  # pragma: no cover - platform without feature detection
-        return set()
-
-
-FEATURES = _target_features()
-HAS_VNNI = {"avx512f", "avx512bw", "avx512vnni"} <= FEATURES
-# int8 activations by default where vpdpbusd exists; ZEN_CPU_INT8=0 forces the exact float kernels.
-INT8_DEFAULT = HAS_VNNI and os.environ.get("ZEN_CPU_INT8", "1") != "0"
+_FMA = cpu_isa.fma_name()  # the level (avx512vnni, avxvnni, avx2, portable) is decided in cpu_isa
 
 
 class Vec(types.Type):
@@ -288,7 +273,7 @@ vand = _binary("and")
 def vfma(typingctx, a, b, c):
     """a * b + c (float32 lanes)."""
     def cg(context, builder, sig, args):
-        return builder.call(_fn(builder, "llvm.fma.v16f32", _VF, [_VF, _VF, _VF]), args)
+        return builder.call(_fn(builder, _FMA, _VF, [_VF, _VF, _VF]), args)
     return F32x16(a, b, c), cg
 
 
@@ -397,7 +382,7 @@ def vexp(typingctx, a):
             return ir.Constant(_VF, [float(v)] * 16)
 
         def fma(x, y, z):
-            return builder.call(_fn(builder, "llvm.fma.v16f32", _VF, [_VF, _VF, _VF]), [x, y, z])
+            return builder.call(_fn(builder, _FMA, _VF, [_VF, _VF, _VF]), [x, y, z])
         x = builder.call(_fn(builder, "llvm.maxnum.v16f32", _VF, [_VF, _VF]), [args[0], c(-87.0)])
         x = builder.call(_fn(builder, "llvm.minnum.v16f32", _VF, [_VF, _VF]), [x, c(88.0)])
         n = builder.call(_fn(builder, "llvm.rint.v16f32", _VF, [_VF]), [builder.fmul(x, c(1.44269504088896341))])
@@ -422,15 +407,14 @@ def f32_from_bits(typingctx, x):
 
 @intrinsic
 def vdpbusd(typingctx, acc, a, b):
-    """acc + per int32 lane the sum of 4 products (unsigned byte of a) * (signed byte of b)."""
+    """acc + per int32 lane the sum of 4 products (unsigned byte of a) * (signed byte of b, -127..127)."""
+    return I32x16(acc, a, b), lambda c, builder, s, args: cpu_isa.emit_dot_u8s8(builder, *args)
+
+
+@intrinsic
+def vdpbusd4_nib(typingctx, acc, a0, b0, a1, b1, a2, b2, a3, b3):
+    """vdpbusd of 4 (a, b) pairs into acc, a's bytes 0..15 (q4 nibbles): on avx2 their int16 pair sums
+    add up without saturating, so one vpmaddwd serves all four."""
     def cg(context, builder, sig, args):
-        if HAS_VNNI:
-            return builder.call(_fn(builder, "llvm.x86.avx512.vpdpbusd.512", _VI, [_VI, _VI, _VI]), args)
-        # portable form (slow; only reached when int8 is forced without VNNI, e.g. in tests)
-        v8, v32 = ir.VectorType(ir.IntType(8), 64), ir.VectorType(_I32, 64)
-        p = builder.mul(builder.zext(builder.bitcast(args[1], v8), v32), builder.sext(builder.bitcast(args[2], v8), v32))
-        s = args[0]
-        for j in range(4):
-            s = builder.add(s, builder.shuffle_vector(p, p, ir.Constant(_VI, [4 * lane + j for lane in range(16)])))
-        return s
-    return I32x16(acc, a, b), cg
+        return cpu_isa.emit_dot4_nibbles(builder, args[0], [(args[i], args[i + 1]) for i in (1, 3, 5, 7)])
+    return I32x16(acc, a0, b0, a1, b1, a2, b2, a3, b3), cg

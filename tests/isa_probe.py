@@ -1,0 +1,47 @@
+"""Compile the CPU kernels for the level and target of this process without running them, and print
+their code as JSON {kernel: text}: `python -m tests.isa_probe asm` (machine code) or `... llvm` (LLVM IR).
+
+The ISA tests run it in a subprocess with ZEN_CPU_ISA / NUMBA_CPU_NAME / NUMBA_CPU_FEATURES set, for
+targets this machine may not be able to run (AVX-VNNI on a CPU without it, ARM64 through the IR).
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+from numba import types
+
+from engine.backends import cpu_isa, cpu_matmul, cpu_ops, cpu_transforms
+
+
+def _arr(dtype, ndim):
+    return types.Array(dtype, ndim, "C")
+
+
+_F2 = _arr(types.float32, 2)
+# the argument types the backend calls them with (cpu_matmul._rows_*, rows_float; cpu_transforms rows)
+KERNELS = {
+    "rows_q4_i8": (cpu_matmul._rows_q4_i8, (_arr(types.uint8, 5), _arr(types.uint16, 4), _arr(types.int8, 3), _F2,
+                                            _F2, types.uint64, _F2, types.int64, types.int64, types.boolean)),
+    "rows_q8_i8": (cpu_matmul._rows_q8_i8, (_arr(types.uint8, 5), _arr(types.uint16, 4), _arr(types.int8, 3), _F2,
+                                            _F2, types.uint64, _F2, types.int64, types.int64, types.boolean)),
+    "rows_float": (cpu_matmul.rows_float, (types.int64, _arr(types.float32, 3), types.uint64, _F2, types.uint64,
+                                           _F2, types.int64, types.int64, types.boolean)),
+    "rmsnorm_row": (cpu_transforms.rmsnorm_row, (types.uint64, types.uint64, types.uint64, types.int64,
+                                                 types.float64, types.uint64, types.uint64)),
+    "silu_mul_row": (cpu_transforms.silu_mul_row, (types.uint64, types.uint64, types.int64, types.uint64,
+                                                   types.uint64)),
+    "attention_scores16": (cpu_ops._scores16, (types.uint64,) * 6),
+}
+
+
+def compiled_code(kind: str) -> dict[str, str]:
+    out = {"isa": cpu_isa.ISA}
+    for name, (disp, sig) in KERNELS.items():
+        disp.compile(sig)
+        out[name] = disp.inspect_asm(sig) if kind == "asm" else disp.inspect_llvm(sig)
+    return out
+
+
+if __name__ == "__main__":
+    json.dump(compiled_code(sys.argv[1]), sys.stdout)
