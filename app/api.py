@@ -28,7 +28,7 @@ from app.responses import (CHAT, COMPLETIONS, SSE_DONE, ChunkWriter, chat_comple
                            text_completion, usage_of)
 from app.tracing import request_span
 from engine.client_socket import ClientGone, client_gone
-from engine.protocol import APIError, bad_value, sse_error_event
+from engine.protocol import NODE_SHUTDOWN, APIError, bad_value, sse_error_event
 
 log = logging.getLogger("zen.gateway")
 bp = Blueprint("api", __name__, url_prefix="/v1")
@@ -185,6 +185,9 @@ def _generate(body: Mapping[str, Any], kind: str) -> Response:
         return Response(status=499)   # nobody reads it; the node's sequence is aborted
     except NodeStreamError as exc:
         _tokens().settle(reservation, 0)
+        if exc.code == NODE_SHUTDOWN:   # the node stopped, not failed: the client may retry at once
+            raise APIError(503, f"The engine node shut down during generation: {exc}", type="server_error",
+                           code=NODE_SHUTDOWN, headers={"Retry-After": "1"}) from None
         raise APIError(502, f"The engine node failed during generation: {exc}", code="engine_error") from None
     except APIError as exc:
         _tokens().settle(reservation, 0)
@@ -274,8 +277,12 @@ def _answer_stream(req: InferenceRequest, kind: str, outcome: NodeStream, reserv
             log.warning("engine stream failed after the first token", extra={
                 "event": "stream_error", "request_id": req.request_id, "org": req.org,
                 "node": outcome.node, "error": str(exc)})
-            yield sse_error_event(f"The engine node failed during generation: {exc}",
-                                  code="engine_error")
+            if exc.code == NODE_SHUTDOWN:
+                yield sse_error_event(f"The engine node shut down during generation: {exc}",
+                                      type="server_error", code=NODE_SHUTDOWN)
+            else:
+                yield sse_error_event(f"The engine node failed during generation: {exc}",
+                                      code="engine_error")
             yield SSE_DONE
         except APIError as exc:   # the node failed before the first token, and no other took over
             result["status"] = exc.status

@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     g.add_argument("--stop", action="append")
     s = sub.add_parser("serve", help="run an engine node (HTTP, under gunicorn)")
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8100)
+    s.add_argument("--port", type=int, default=8001)
     s.add_argument("--models", nargs="+", action="extend", required=True, metavar="PATH[=ID]",
                    help="models this node may serve: a .gguf file or safetensors directory, optionally =ID")
     s.add_argument("--memory-budget", default=None, metavar="BYTES",

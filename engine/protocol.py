@@ -27,6 +27,7 @@ REQUEST_ID_HEADER = "X-Request-Id"
 
 # config/default.toml ships it ([nodes] secret), so it is public: nodes and gateways take it on loopback only.
 DEV_NODE_SECRET = "zen-development-node-secret"
+NODE_SHUTDOWN = "node_shutdown"      # error code: the node's drain ended the request (retry elsewhere), not a failure
 
 
 def is_loopback_host(host: str | None) -> bool:

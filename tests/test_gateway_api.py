@@ -477,6 +477,17 @@ def test_failure_after_the_first_token_is_an_error_event(client, auth, node, kno
     assert len(node.received) == 1                 # no failover after the first token
 
 
+def test_a_node_shutdown_after_the_first_token_keeps_its_code(client, auth, node):
+    # A draining node ended the stream: the client learns it may retry, not that the engine failed.
+    node.error_after_tokens, node.error_code = 2, "node_shutdown"
+    r = client.post(CHAT, headers=auth, json=chat_body(stream=True, max_tokens=10))
+    err = sse_events(r.get_data(as_text=True))[-2]["error"]
+    assert err["code"] == "node_shutdown" and err["type"] == "server_error"
+    r = client.post(CHAT, headers=auth, json=chat_body(max_tokens=10))
+    assert r.status_code == 503 and r.headers["Retry-After"] == "1"
+    assert r.get_json()["error"]["code"] == "node_shutdown"
+
+
 def test_no_node_configured_is_a_503(auth):
     cfg = make_config([])
     app = create_app(cfg)

@@ -54,7 +54,7 @@ class ModelSpec:
 class NodeConfig:
     models: list[ModelSpec]
     host: str = "127.0.0.1"
-    port: int = 8100
+    port: int = 8001
     node_id: str = ""                          # defaults to host:port
     secret: str = DEV_NODE_SECRET              # compared with X-Node-Secret; the default only on loopback
     memory_budget_bytes: int | None = None     # weights + KV of resident models; None: from the device

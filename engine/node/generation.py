@@ -22,7 +22,7 @@ from engine.node.admission import Ticket
 from engine.node.drain import RETRY_AFTER_S, NodeShutdown
 from engine.node.metrics import FinishedSequence
 from engine.node.registry import ResidentModel
-from engine.protocol import APIError, GenerateRequest, bad_value, stream_error_event
+from engine.protocol import NODE_SHUTDOWN, APIError, GenerateRequest, bad_value, stream_error_event
 from engine.request import EngineRequest
 
 if TYPE_CHECKING:
@@ -254,7 +254,7 @@ class SSEBody:
             outcome = "client_closed"
         except NodeShutdown as e:
             outcome = "node_shutdown"
-            yield self._event(stream_error_event(str(e), "server_error", "node_shutdown"))
+            yield self._event(stream_error_event(str(e), "server_error", NODE_SHUTDOWN))
         except RequestError as e:
             outcome = "error"
             yield self._event(stream_error_event(str(e), "invalid_request_error", e.code or "invalid_value"))
@@ -287,7 +287,7 @@ def collect(gen: Generation) -> Response:
         return Response(status=499)
     except NodeShutdown as e:
         outcome = "node_shutdown"
-        raise unavailable(str(e), "node_shutdown", RETRY_AFTER_S) from None
+        raise unavailable(str(e), NODE_SHUTDOWN, RETRY_AFTER_S) from None
     except RequestError as e:
         raise request_error(e) from None
     except RuntimeError as e:   # the model's loop failed, or the node is stopping
