@@ -33,7 +33,7 @@ POLICIES = ("score", "round_robin", "least_outstanding")
 @dataclass(frozen=True)
 class PromptPrefix:
     """A request's prefix-block hashes and the length of the text they were cut from."""
-    hashes: list[bytes]
+    hashes: list[int]
     chars: int
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import re
 import sys
 import tempfile
 import time
@@ -44,6 +45,7 @@ from scripts.local_processes import free_port  # noqa: E402
 
 NODES = 3
 CLASSES = ("realtime", "standard", "batch")
+POLICY_LINE = re.compile(r'^policy = "[a-z_]+"', re.MULTILINE)   # config/default.toml's, in [routing]
 ORG = "initech"              # the enterprise tier: every catalog model, realtime allowed, limits that do not bind
 
 
@@ -68,12 +70,11 @@ def build_args(argv: list[str] | None) -> argparse.Namespace:
 
 def gateway_config(policy: str, directory: Path) -> Path:
     """The shipped configuration with [routing] policy set: the file the gateway is started with."""
-    text = DEFAULT_CONFIG_PATH.read_text()
-    header = "\n[routing]\n"
-    if text.count(header) != 1:
-        raise SystemExit(f"error: {DEFAULT_CONFIG_PATH} has no single [routing] table")
+    text, found = POLICY_LINE.subn(f'policy = "{policy}"', DEFAULT_CONFIG_PATH.read_text())
+    if found != 1:
+        raise SystemExit(f"error: {DEFAULT_CONFIG_PATH} has no single `policy = ...` line in [routing]")
     path = directory / f"gateway-{policy}.toml"
-    path.write_text(text.replace(header, f'{header}policy = "{policy}"\n'))
+    path.write_text(text)
     return path
 
 

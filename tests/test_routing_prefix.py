@@ -78,6 +78,13 @@ def test_index_matches_leading_blocks_per_node_and_stays_bounded():
     assert index.matched_blocks(hashes) == {} and len(index) <= 10
 
 
+def test_eviction_keeps_a_prompts_leading_blocks():
+    index = PrefixIndex(block_chars=4, max_blocks=3)
+    hashes = index.hashes("abcdefghijklmnopqrst", "m")      # five blocks, room for three
+    index.record(hashes, "http://a")
+    assert index.matched_blocks(hashes) == {"http://a": 3}
+
+
 def test_config_rejects_an_unknown_policy():
     with pytest.raises(ConfigError, match="routing.policy"):
         make_config(routing={"policy": "random"})
