@@ -125,8 +125,11 @@ def run_trace(url: str, token: str, trace: list[TraceRequest]) -> tuple[list[dic
 # -- the nodes' counters ---------------------------------------------------------------------------------
 
 def node_counters(url: str) -> dict:
+    return counters_from_metrics(requests.get(url + "/metrics", timeout=10).text)
+
+
+def counters_from_metrics(text: str) -> dict:
     """From a node's /metrics: loads and evictions per model (id/quantization), prefix-cache tokens."""
-    text = requests.get(url + "/metrics", timeout=10).text
     out = {"loads": {}, "evictions": {}, "prefix_query_tokens": 0.0, "prefix_hit_tokens": 0.0}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
