@@ -226,6 +226,9 @@ class NodesConfig:
         _require(self.dns_refresh_s > 0, "nodes.dns_refresh_s must be > 0")
 
 
+ROUTING_POLICIES = ("score", "round_robin", "least_outstanding")   # app/routing_policy.py says what each does
+
+
 @dataclass(frozen=True)
 class RoutingConfig:
     alpha: float = 1.0
@@ -240,8 +243,8 @@ class RoutingConfig:
 
     def __post_init__(self) -> None:
         _require(min(self.alpha, self.beta, self.gamma, self.prefix_weight) >= 0, "routing weights must be >= 0")
-        _require(self.policy in ("score", "round_robin", "least_outstanding"),
-                 f"routing.policy must be score, round_robin or least_outstanding, not {self.policy!r}")
+        _require(self.policy in ROUTING_POLICIES,
+                 f"routing.policy must be one of {', '.join(ROUTING_POLICIES)}, not {self.policy!r}")
         _require(self.prefix_block_chars >= 1 and self.prefix_index_blocks >= 1,
                  "routing.prefix_block_chars and routing.prefix_index_blocks must be >= 1")
         _require(self.default_prefill_tokens_per_s > 0 and self.default_decode_tokens_per_s > 0,

@@ -18,16 +18,15 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping, Sequence
 
+from app.config import ROUTING_POLICIES as POLICIES
+from app.config import RoutingConfig
 from app.prefix_index import PrefixIndex, canonical_prompt
 from engine.protocol import NodeState
 
 if TYPE_CHECKING:
     from app.catalog import ResolvedModel
-    from app.config import RoutingConfig
     from app.inference import PromptInput
     from app.router import Score
-
-POLICIES = ("score", "round_robin", "least_outstanding")
 
 
 @dataclass(frozen=True)
@@ -41,7 +40,7 @@ class RoutingPolicy:
     """One worker process's routing policy and what it remembers: the prefix index, whose turn it is, and the
     requests sent to each node since its state was last polled."""
 
-    def __init__(self, routing: "RoutingConfig") -> None:
+    def __init__(self, routing: RoutingConfig) -> None:
         if routing.policy not in POLICIES:
             raise ValueError(f"unknown routing policy {routing.policy!r}; one of {', '.join(POLICIES)}")
         self.name = routing.policy
