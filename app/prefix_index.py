@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Iterable
+from collections.abc import Iterable
 
 NODES_PER_BLOCK = 4          # a hot prefix lands on a few nodes once load spreads it; older holders drop
 _MESSAGE = "\x1e"            # record separator before each chat message

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from app.config import ROUTING_POLICIES as POLICIES
 from app.config import RoutingConfig
@@ -51,7 +52,7 @@ class RoutingPolicy:
 
     # -- the prefix term (score) -----------------------------------------------------------------
 
-    def prefix_of(self, model: "ResolvedModel", inputs: "PromptInput | None") -> PromptPrefix | None:
+    def prefix_of(self, model: ResolvedModel, inputs: PromptInput | None) -> PromptPrefix | None:
         """The request's prefix blocks; None where the policy does not use them or there is no prompt."""
         if self.name != "score" or inputs is None:
             return None
@@ -73,8 +74,8 @@ class RoutingPolicy:
 
     # -- the order -------------------------------------------------------------------------------
 
-    def order(self, ranked: Sequence["Score"], states: Mapping[str, NodeState], fetched_at: Mapping[str, float],
-              prefix: PromptPrefix | None) -> list["Score"]:
+    def order(self, ranked: Sequence[Score], states: Mapping[str, NodeState], fetched_at: Mapping[str, float],
+              prefix: PromptPrefix | None) -> list[Score]:
         """The scored nodes in the order this policy tries them; the first is counted as sent the request."""
         if not ranked:
             return []
@@ -89,13 +90,13 @@ class RoutingPolicy:
         self._count_sent(ordered[0].url, fetched_at.get(ordered[0].url, 0.0))
         return ordered
 
-    def _in_turn(self, ranked: Sequence["Score"]) -> list["Score"]:
+    def _in_turn(self, ranked: Sequence[Score]) -> list[Score]:
         by_url = sorted(ranked, key=lambda s: s.url)
         start = next(self._turn) % len(by_url)
         return by_url[start:] + by_url[:start]
 
-    def _least_outstanding(self, ranked: Sequence["Score"], states: Mapping[str, NodeState],
-                           fetched_at: Mapping[str, float]) -> list["Score"]:
+    def _least_outstanding(self, ranked: Sequence[Score], states: Mapping[str, NodeState],
+                           fetched_at: Mapping[str, float]) -> list[Score]:
         turn = self._in_turn(ranked)
         position = {s.url: i for i, s in enumerate(turn)}
         return sorted(turn, key=lambda s: (self.outstanding(s.url, states[s.url], fetched_at.get(s.url, 0.0)),

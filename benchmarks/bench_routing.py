@@ -34,14 +34,14 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from app.config import DEFAULT_CONFIG_PATH, load_config  # noqa: E402
-from app.devtoken import mint_token  # noqa: E402
-from app.routing_policy import POLICIES  # noqa: E402
-from benchmarks.routing_trace import TraceRequest, build_trace, models_of  # noqa: E402
-from benchmarks.serving_report import log, machine_info  # noqa: E402
-from benchmarks.serving_stats import dist  # noqa: E402
-from scripts.cluster import start_cluster  # noqa: E402
-from scripts.local_processes import free_port  # noqa: E402
+from app.config import DEFAULT_CONFIG_PATH, load_config
+from app.devtoken import mint_token
+from app.routing_policy import POLICIES
+from benchmarks.routing_trace import TraceRequest, build_trace, models_of
+from benchmarks.serving_report import log, machine_info
+from benchmarks.serving_stats import dist
+from scripts.cluster import start_cluster
+from scripts.local_processes import free_port
 
 NODES = 3
 CLASSES = ("realtime", "standard", "batch")
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     if not Path(args.model).exists():
         raise SystemExit(f"error: {args.model} is missing: run `make model` first")
     trace = build_trace(args.requests, args.rate, args.seed)
-    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     results = []
     logs = Path(tempfile.mkdtemp(prefix="zen-bench-routing-"))   # kept: the processes' logs of the run
     machine = machine_info()

@@ -2,9 +2,9 @@
 figures are computed from the nodes' counters as they are exposed."""
 from __future__ import annotations
 
+from app.prefix_index import canonical_prompt
 from benchmarks.bench_routing import counters_from_metrics, summarize, targets
 from benchmarks.routing_trace import build_trace, models_of
-from app.prefix_index import canonical_prompt
 
 METRICS = """# TYPE zen_node_model_loads counter
 zen_node_model_loads_total{model="M",quantization="q4_1"} 2.0
