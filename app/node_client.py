@@ -393,7 +393,7 @@ class NodeClient:
         client the whole time and close the node's stream — which aborts the sequence — when nobody
         is left to read it."""
         if self.tracing is None:
-            ranked = self.pool.rank(req.model, req.inputs.estimated_tokens, req.params.max_tokens)
+            ranked = self.pool.rank(req.model, req.inputs.estimated_tokens, req.params.max_tokens, req.inputs)
         else:
             ranked = traced_rank(self.tracing, self.pool, req)
         if not ranked:

@@ -8,7 +8,9 @@ A request r for model m goes to
     g* = argmin_g  α·L̂(r,g) + β·U_g + γ·1[m ∉ M_g]·C_load
 
 where L̂ estimates queue wait + prefill + decode from the node's queue and its measured
-rates, and C_load is the model's measured (or configured) cold-load time. Unhealthy, draining,
+rates, and C_load is the model's measured (or configured) cold-load time; less δ times the prefill
+seconds the node's prefix cache likely saves the request (app/prefix_index.py). `[routing] policy`
+(app/routing_policy.py) swaps this order for a round-robin or least-outstanding baseline. Unhealthy, draining,
 not ready (still loading), stale, down, too hot, and nodes that cannot load m at all are skipped; nodes whose queue is full
 are tried last. The ranked list is what failover walks (app/node_client.py).
 """
@@ -29,6 +31,8 @@ import urllib3
 from app.catalog import ResolvedModel
 from app.config import NodesConfig, RoutingConfig
 from app.discovery import NodeDiscovery, Resolver, resolve_addresses, sync_views
+from app.inference import PromptInput
+from app.routing_policy import RoutingPolicy
 from engine.protocol import SECRET_HEADER, NodeState
 
 log = logging.getLogger("zen.gateway")
@@ -50,6 +54,7 @@ class Score:
     utilization: float        # U_g
     cold_load_s: float        # C_load if m ∉ M_g, else 0
     queue_full: bool
+    prefix_saved_s: float = 0.0   # prefill seconds the node's prefix cache likely saves (app/prefix_index.py)
 
 
 def estimate_latency(state: NodeState, prompt_tokens: int, max_tokens: int,
@@ -69,8 +74,9 @@ def estimate_latency(state: NodeState, prompt_tokens: int, max_tokens: int,
 def score_node(url: str, state: NodeState, model: ResolvedModel, prompt_tokens: int,
                max_tokens: int, weights: RoutingConfig,
                known_rates: Mapping[tuple[str, str], tuple[float, float]],
-               known_load_s: Mapping[tuple[str, str], float]) -> Score:
-    """α·L̂ + β·U + γ·1[m ∉ M]·C_load for one node."""
+               known_load_s: Mapping[tuple[str, str], float], cached_tokens: float = 0.0) -> Score:
+    """α·L̂ + β·U + γ·1[m ∉ M]·C_load − δ·(cached_tokens / prefill rate) for one node; a node without the
+    model resident holds none of its prefix."""
     resident = state.resident(model.key)
     fallback_prefill, fallback_decode = known_rates.get(
         model.key, (weights.default_prefill_tokens_per_s, weights.default_decode_tokens_per_s))
@@ -80,8 +86,10 @@ def score_node(url: str, state: NodeState, model: ResolvedModel, prompt_tokens: 
               else fallback_decode)
     latency = estimate_latency(state, prompt_tokens, max_tokens, prefill, decode)
     cold = 0.0 if resident else known_load_s.get(model.key, model.cold_load_s)
-    total = weights.alpha * latency + weights.beta * state.utilization + weights.gamma * cold
-    return Score(url, total, latency, state.utilization, cold, state.queue.full)
+    saved = min(cached_tokens, prompt_tokens) / prefill if resident else 0.0
+    total = (weights.alpha * latency + weights.beta * state.utilization + weights.gamma * cold
+             - weights.prefix_weight * saved)
+    return Score(url, total, latency, state.utilization, cold, state.queue.full, saved)
 
 
 def skip_reason(state: NodeState | None, fresh: bool, down: bool, model: ResolvedModel,
@@ -107,10 +115,12 @@ def skip_reason(state: NodeState | None, fresh: bool, down: bool, model: Resolve
 def rank_nodes(candidates: Sequence[tuple[str, NodeState]], model: ResolvedModel,
                prompt_tokens: int, max_tokens: int, weights: RoutingConfig,
                known_rates: Mapping[tuple[str, str], tuple[float, float]] | None = None,
-               known_load_s: Mapping[tuple[str, str], float] | None = None) -> list[Score]:
+               known_load_s: Mapping[tuple[str, str], float] | None = None,
+               cached_tokens: Mapping[str, float] | None = None) -> list[Score]:
     """Scores of the usable nodes, best first; full queues after all others."""
-    scores = [score_node(url, st, model, prompt_tokens, max_tokens, weights,
-                         known_rates or {}, known_load_s or {}) for url, st in candidates]
+    cached_tokens = cached_tokens or {}
+    scores = [score_node(url, st, model, prompt_tokens, max_tokens, weights, known_rates or {}, known_load_s or {},
+                         cached_tokens=cached_tokens.get(url, 0.0)) for url, st in candidates]
     return sorted(scores, key=lambda s: (s.queue_full, s.total, s.url))
 
 
@@ -145,7 +155,8 @@ class NodePool:
         self._thread: threading.Thread | None = None
         self._pid: int | None = None
         self._executor: ThreadPoolExecutor | None = None
-        self.on_dropped: list[Callable[[str], None]] = []   # called with a node discovery dropped
+        self.policy = RoutingPolicy(routing)   # [routing] policy, and the prefix index it learns
+        self.on_dropped: list[Callable[[str], None]] = [self.policy.forget]   # called with a node discovery dropped
 
     # -- polling ---------------------------------------------------------------------------
 
@@ -276,15 +287,20 @@ class NodePool:
                       for k, v in rates.items()}
         return mean_rates, loads
 
-    def rank(self, model: ResolvedModel, prompt_tokens: int, max_tokens: int) -> list[Score]:
-        """Usable nodes for a request, best first."""
+    def rank(self, model: ResolvedModel, prompt_tokens: int, max_tokens: int,
+             inputs: PromptInput | None = None) -> list[Score]:
+        """Usable nodes for a request, in the order [routing] policy tries them (score: best first)."""
         self._ensure_fresh()
         now = self._clock()
-        usable = []
+        usable, fetched_at = [], {}
         for view in self.snapshot():
             reason = skip_reason(view.state, self._fresh(view, now), view.down, model,
                                  self.config.max_temperature_c)
             if reason is None:
                 usable.append((view.url, view.state))
+                fetched_at[view.url] = view.fetched_at
         rates, loads = self.learned()
-        return rank_nodes(usable, model, prompt_tokens, max_tokens, self.routing, rates, loads)
+        prefix = self.policy.prefix_of(model, inputs)
+        ranked = rank_nodes(usable, model, prompt_tokens, max_tokens, self.routing, rates, loads,
+                            cached_tokens=self.policy.cached_tokens(prefix, prompt_tokens))
+        return self.policy.order(ranked, dict(usable), fetched_at, prefix)
