@@ -150,7 +150,7 @@ def optional_str(body: Mapping, name: str, max_len: int = 256) -> str | None:
 
 
 # Sent only when set away from their defaults: the gateway never sets them.
-_SENT_WHEN_SET = frozenset({"best_of", "skip_special_tokens"})
+_SENT_WHEN_SET = frozenset({"best_of", "skip_special_tokens", "structured_output"})
 
 
 def sampling_to_json(params: "SamplingParams") -> dict:
