@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping
 
 from flask import Blueprint, Response, current_app, g, jsonify, request
 
-from app import params
+from app import params, structured
 from app.auth import login_required
 from app.catalog import Catalog
 from app.config import GatewayConfig
@@ -122,6 +122,7 @@ def build_request(body: Mapping[str, Any], kind: str) -> tuple[InferenceRequest,
     bias = params.logit_bias(body)
     ignore_eos = params.boolean(body, "ignore_eos")
     params.string(body, "user")
+    constraint, _ = structured.structured_output(body)
 
     model = _catalog().resolve(alias, caller.tier)
     max_tokens, max_param = params.max_tokens(body, model.max_context, model.default_max_tokens)
@@ -139,7 +140,7 @@ def build_request(body: Mapping[str, Any], kind: str) -> tuple[InferenceRequest,
         raise bad_value(f"`{LATENCY_CLASS_HEADER}` header {exc}", LATENCY_CLASS_HEADER) from None
     theta = sampling_params(max_tokens=max_tokens, min_tokens=min_tokens, stop=stop,
                             stop_token_ids=stop_ids, logit_bias=bias, ignore_eos=ignore_eos,
-                            n=n, logprobs=logprobs, **sampling)
+                            n=n, logprobs=logprobs, structured_output=constraint, **sampling)
     req = InferenceRequest(model=model, inputs=inputs, params=theta, latency_class=latency_class,
                            org=caller.org, request_id=g.request_id, stream=stream)
     return req, include_usage, logprobs

@@ -2,9 +2,10 @@
 
 One table (`SAMPLING_FIELDS`) describes the scalar parameters; the validator and the
 OpenAPI description (app/openapi.py) are both built from it. The structured fields
-(messages, prompt, stop, logit_bias, logprobs, stream_options) have their own checks.
-Unknown fields are ignored, as vLLM does; fields for features this server does not
-offer (tools, response formats, echo, ...) are refused with 400.
+(messages, prompt, stop, logit_bias, logprobs, stream_options) have their own checks; the
+constraints of structured outputs are in app/structured.py. Unknown fields are ignored, as
+vLLM does; fields for features this server does not offer (audio, echo, ...) are refused
+with 400.
 """
 from __future__ import annotations
 
@@ -126,11 +127,6 @@ def check_unsupported(body: Mapping[str, Any], kind: str) -> None:
     for name in UNSUPPORTED[kind]:
         if body.get(name) not in (None, [], "", {}):
             raise bad_value(f"`{name}` is not supported by this server", name, "unsupported_parameter")
-    if kind == CHAT:
-        fmt = body.get("response_format")
-        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-            raise bad_value("`response_format` other than {\"type\": \"text\"} is not supported",
-                            "response_format", "unsupported_parameter")
     if kind == COMPLETIONS and boolean(body, "echo"):
         raise bad_value("`echo` is not supported by this server", "echo", "unsupported_parameter")
 
