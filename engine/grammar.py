@@ -23,6 +23,9 @@ from llguidance.numpy import fill_next_token_bitmask_par
 from engine.sampling import SamplingParamError
 
 DEFAULT_CACHE_SIZE = 256          # compiled grammars kept per model
+# Compact JSON by default: with free whitespace a model can loop on newlines until max_tokens (a schema's
+# own "x-guidance" options still win).
+JSON_DEFAULTS = {"whitespace_flexible": False}
 PARAM = "structured_output"        # the parameter the node's errors name (the gateway names its own)
 
 
@@ -42,7 +45,7 @@ def _grammar_source(spec: dict) -> str:
     kind, value = spec["type"], spec["value"]
     try:
         if kind == "json":
-            return llguidance.grammar_from("json_schema", json.dumps(value))
+            return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(value), defaults=JSON_DEFAULTS)
         if kind == "choice":
             return llguidance.grammar_from("choice", json.dumps(value))
         if kind == "regex":
