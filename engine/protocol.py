@@ -175,6 +175,7 @@ class GenerateRequest:
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     messages: list | None = None
+    tools: list | None = None        # function tools the chat template renders (engine/tools.py); messages only
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"request_id": self.request_id, "model": self.model,
@@ -186,6 +187,8 @@ class GenerateRequest:
             out["prompt_token_ids"] = list(self.prompt_token_ids)
         else:
             out["messages"] = self.messages
+            if self.tools:
+                out["tools"] = self.tools
         out["sampling"] = sampling_to_json(self.sampling)
         out["stream"] = self.stream
         if self.queue_timeout_s is not None:
@@ -236,8 +239,12 @@ class GenerateRequest:
         if qt is not None and (isinstance(qt, bool) or not isinstance(qt, (int, float)) or not math.isfinite(qt)
                                or qt <= 0):
             raise bad_value("queue_timeout_s must be a positive number of seconds", "queue_timeout_s")
+        tools = body.get("tools")
+        if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)
+                                  or "messages" not in inputs):
+            raise bad_value("tools must be a list of tool objects, sent with messages", "tools")
         return cls(request_id, model, quantization, org, latency_class, params, stream,
-                   None if qt is None else float(qt), **inputs)
+                   None if qt is None else float(qt), **inputs, tools=tools or None)
 
 
 def _inputs(body: Mapping) -> dict:

@@ -24,6 +24,7 @@ from engine.node.metrics import FinishedSequence
 from engine.node.registry import ResidentModel
 from engine.protocol import APIError, GenerateRequest, bad_value, stream_error_event
 from engine.request import EngineRequest
+from engine.tools import render_tool_prompt, template_messages
 
 if TYPE_CHECKING:
     from engine.node.node import Node
@@ -44,13 +45,19 @@ def model_not_found(e: LookupError) -> APIError:
 
 
 def prompt_token_ids(tok, prompt: str | None, messages: list | None, add_special_tokens: bool = True,
-                     add_generation_prompt: bool = True) -> list[int]:
+                     add_generation_prompt: bool = True, tools: list | None = None) -> list[int]:
     """The tokens of a text prompt, or of chat messages rendered by the model's template (which holds
-    the special tokens: add_special_tokens applies to a prompt only unless asked); 400 when refused."""
+    the special tokens: add_special_tokens applies to a prompt only unless asked), with the tools as the
+    template takes them or in the default rendering (engine/tools.py); 400 when refused."""
     try:
         if prompt is not None:
             return tok.encode(prompt, add_special_tokens=add_special_tokens)
-        text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        if tools and tok.supports_tools:
+            text = tok.apply_chat_template(template_messages(messages), add_generation_prompt=add_generation_prompt,
+                                           tools=tools)
+        else:
+            text = tok.apply_chat_template(render_tool_prompt(messages, tools) if tools else messages,
+                                           add_generation_prompt=add_generation_prompt)
         return tok.encode(text, add_special_tokens=add_special_tokens)
     except ValueError as e:   # malformed messages, a template that refuses them
         raise bad_value(str(e), "messages" if messages is not None else "prompt") from None
@@ -61,7 +68,7 @@ def tokenize(call: GenerateRequest, m: ResidentModel) -> tuple[list[int], str | 
         return list(call.prompt_token_ids), None
     if call.prompt is not None:
         return prompt_token_ids(m.engine.tokenizer, call.prompt, None), call.prompt
-    return prompt_token_ids(m.engine.tokenizer, None, call.messages, add_special_tokens=False), None
+    return prompt_token_ids(m.engine.tokenizer, None, call.messages, add_special_tokens=False, tools=call.tools), None
 
 
 def _finite(x: float) -> float:
