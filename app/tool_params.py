@@ -85,9 +85,9 @@ def tool_plan(body: Mapping[str, Any], has_constraint: bool) -> ToolPlan:
     if len(set(names)) != len(names):
         raise bad_value("`tools` names a function twice", "tools")
     mode = _chosen(choice, names)
-    if mode == "none":
-        return NO_TOOLS
     rendered = tuple({"type": "function", "function": f} for f in functions)
+    if mode == "none":   # the model still sees its tools (as vLLM does), and its answer is plain text
+        return ToolPlan(rendered, None, None)
     parse = "parallel" if parallel else "single"
     if mode == "auto":
         return ToolPlan(rendered, None, parse)

@@ -77,10 +77,15 @@ def _call_text(call: dict) -> str:
     return CALL_OPEN + json.dumps({"name": f.get("name"), "arguments": args}, ensure_ascii=False) + CALL_CLOSE
 
 
-def render_tool_prompt(messages: list[dict], tools: list[dict]) -> list[dict]:
-    """The default rendering, for a chat template that knows nothing of tools: plain messages only."""
-    described = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-    note = DEFAULT_TOOL_PROMPT.format(tools=described)
+def uses_tools(messages, tools) -> bool:
+    """Whether a chat needs tool rendering: tools given, or calls and results in its history."""
+    return bool(tools) or (isinstance(messages, list) and any(
+        isinstance(m, dict) and (m.get("tool_calls") or m.get("role") == "tool") for m in messages))
+
+
+def render_tool_prompt(messages: list[dict], tools: list[dict] | None) -> list[dict]:
+    """The default rendering, for a chat template that knows nothing of tools: plain messages only (the
+    tools described in the system message when there are any)."""
     out: list[dict] = []
     for m in _objects(messages):
         role, content = m.get("role"), m.get("content") or ""
@@ -91,6 +96,9 @@ def render_tool_prompt(messages: list[dict], tools: list[dict]) -> list[dict]:
             out.append({"role": "user", "content": f"{RESPONSE_OPEN}\n{content}\n{RESPONSE_CLOSE}"})
         else:
             out.append({"role": role, "content": content})
+    if not tools:
+        return out
+    note = DEFAULT_TOOL_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
     if out and out[0]["role"] == "system":
         out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + note}
     else:

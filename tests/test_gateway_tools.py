@@ -43,9 +43,10 @@ def test_a_forced_call_is_a_grammar_of_the_allowed_functions(client, auth, node,
     assert grammar["value"].startswith("start: call (" if parallel else "start: call\n")
 
 
-def test_none_sends_no_tools(client, auth, node):  # noqa: F811
+def test_none_sends_the_tools_but_no_constraint(client, auth, node):  # noqa: F811
     client.post("/v1/chat/completions", headers=auth, json=_chat(tools=[WEATHER], tool_choice="none"))
-    assert "tools" not in node.received[-1]
+    assert node.received[-1]["tools"][0]["function"]["name"] == "get_weather"
+    assert "structured_output" not in node.received[-1]["sampling"]
 
 
 def test_history_with_calls_and_results_reaches_the_node(client, auth, node):  # noqa: F811

@@ -131,3 +131,61 @@ def test_tokenize_then_detokenize(stack):
     r = requests.post(stack.url + "/detokenize", json={"model": MODEL, "tokens": body["tokens"]}, headers=auth,
                       timeout=60)
     assert r.status_code == 200 and r.json()["prompt"] == "Hello world"
+
+
+# ------------------------------------------------------------------------------------------- tools
+
+WEATHER_ARGS = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 30},
+                               "unit": {"enum": ["celsius", "fahrenheit"]}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": WEATHER_ARGS}},
+         {"type": "function", "function": {"name": "get_time", "description": "The time in a timezone",
+                                           "parameters": {"type": "object", "additionalProperties": False,
+                                                          "required": ["tz"],
+                                                          "properties": {"tz": {"enum": ["UTC", "CET"]}}}}}]
+
+
+def test_required_tool_choice_returns_a_call_whose_arguments_validate(client):
+    for seed in range(3):
+        out = client.chat.completions.create(model=MODEL, messages=_ask("What is the weather in Paris?"),
+                                             tools=TOOLS, tool_choice="required", temperature=1.0, seed=seed,
+                                             max_tokens=120, parallel_tool_calls=False)
+        choice = out.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        (call,) = choice.message.tool_calls
+        assert call.type == "function" and call.id
+        schema = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}[call.function.name]
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
+def test_a_named_function_is_the_one_called_and_streamed_deltas_reassemble(client):
+    kwargs = dict(model=MODEL, messages=_ask("Weather in Oslo, please."), tools=TOOLS, temperature=0,
+                  tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=120)
+    whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        delta = chunk.choices[0].delta
+        for tc in delta.tool_calls or []:
+            c = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+            c["name"] += (tc.function and tc.function.name) or ""
+            c["arguments"] += (tc.function and tc.function.arguments) or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
+        (w.function.name, json.loads(w.function.arguments)) for w in whole]
+    assert whole[0].function.name == "get_weather"
+    jsonschema.validate(json.loads(whole[0].function.arguments), WEATHER_ARGS)
+
+
+def test_a_tool_result_goes_back_to_the_model(client):
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21, "sky": "clear"}'}]
+    out = client.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, tool_choice="none",
+                                         temperature=0, max_tokens=30)
+    assert out.choices[0].message.content and out.choices[0].finish_reason in ("stop", "length")
+    assert out.usage.prompt_tokens > 100   # the history, call and result included

@@ -24,7 +24,7 @@ from engine.node.metrics import FinishedSequence
 from engine.node.registry import ResidentModel
 from engine.protocol import APIError, GenerateRequest, bad_value, stream_error_event
 from engine.request import EngineRequest
-from engine.tools import render_tool_prompt, template_messages
+from engine.tools import render_tool_prompt, template_messages, uses_tools
 
 if TYPE_CHECKING:
     from engine.node.node import Node
@@ -52,11 +52,13 @@ def prompt_token_ids(tok, prompt: str | None, messages: list | None, add_special
     try:
         if prompt is not None:
             return tok.encode(prompt, add_special_tokens=add_special_tokens)
-        if tools and tok.supports_tools:
+        if not uses_tools(messages, tools):
+            text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        elif tok.supports_tools:
             text = tok.apply_chat_template(template_messages(messages), add_generation_prompt=add_generation_prompt,
                                            tools=tools)
         else:
-            text = tok.apply_chat_template(render_tool_prompt(messages, tools) if tools else messages,
+            text = tok.apply_chat_template(render_tool_prompt(messages, tools),
                                            add_generation_prompt=add_generation_prompt)
         return tok.encode(text, add_special_tokens=add_special_tokens)
     except ValueError as e:   # malformed messages, a template that refuses them
