@@ -195,7 +195,8 @@ class StandInNode:
                 if payload.get("model") != MODEL_ID:
                     return self._error(404, f"unknown model {payload.get('model')}", "model_not_found")
                 if path == "/detokenize":
-                    return self._json(200, {"prompt": "".join(map(chr, payload["tokens"]))})
+                    return self._json(200, {"prompt": "".join(chr(t) if t < 0x110000 else "?"
+                                                              for t in payload["tokens"])})
                 text = payload.get("prompt") or "".join(m["content"] for m in payload["messages"])
                 return self._json(200, {"count": len(text), "max_model_len": 8192,
                                         "tokens": [ord(c) for c in text], "token_strs": None})
