@@ -4,6 +4,8 @@ The samplers (engine/backends/cpu_sampler.py, cuda/kernels/sampling.py) apply th
 (vLLM/HF semantics):
   1. logit_bias            w[t] += bias[t]
   2. min_tokens            w[t] = -inf for EOS and stop_token_ids while len(output) < min_tokens
+     structured_output     w[t] = -inf for every token the request's grammar does not allow next
+                           (engine/grammar.py computes the mask; docs/structured-outputs.md)
   3. repetition_penalty    for t in set(prompt + output): w[t] = w[t] / r if w[t] > 0 else w[t] * r
      frequency_penalty     w[t] -= f * count_output(t)
      presence_penalty      w[t] -= p * [count_output(t) > 0]
