@@ -97,3 +97,21 @@ def test_tokenizer_endpoints_refuse_bad_input(node, path, body, param):
 
 def test_tokenizer_endpoints_need_the_secret(node):
     assert requests.post(node + "/tokenize", json={"model": "tiny-a", "prompt": "a"}, timeout=30).status_code == 401
+
+
+def test_a_template_with_tool_support_renders_the_tools_itself():
+    from engine.node.generation import prompt_token_ids
+    from tests.tiny_model import make_tiny_tokenizer
+    tok = make_tiny_tokenizer()
+    tok.chat_template = ("{% for t in tools or [] %}[tool {{ t.function.name }}]{% endfor %}"
+                         "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+                         "{% for c in m.tool_calls or [] %}[call {{ c.function.arguments.city }}]{% endfor %}"
+                         "{% endfor %}")
+    assert tok.supports_tools
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    msgs = [{"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+            {"role": "tool", "tool_call_id": "c", "content": "sunny"}]
+    ids = prompt_token_ids(tok, None, msgs, add_special_tokens=False, tools=tools)
+    assert tok.decode(ids) == "[tool get_weather]<user>hi<assistant>[call Oslo]<tool>sunny"
