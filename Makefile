@@ -82,10 +82,11 @@ bench-engine: install model
 	$(VPY) benchmarks/bench_resident_models.py
 
 # First the peers' workload (short prompts, 64 output tokens: how llama.cpp's server was measured),
-# then the shipped prompt mix (a quarter long prompts, 32-128 output tokens).
+# then the shipped prompt mix (a quarter long prompts, 32-128 output tokens). The first run ends with the
+# constrained pass (JSON schema against unconstrained at 16 streams, benchmarks/constrained_pass.py).
 bench: install model
 	$(VPY) benchmarks/bench_serving.py --start --lengths short --max-tokens 64 --output bench-results/serving-short-64.json
-	$(VPY) benchmarks/bench_serving.py --start
+	$(VPY) benchmarks/bench_serving.py --start --no-constrained
 
 # The gateway's own cost to the first token, against a stand-in node that computes for a fixed time.
 bench-gateway-hop: install

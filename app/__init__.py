@@ -16,7 +16,7 @@ from app.config import GatewayConfig, load_config
 
 
 def create_app(config: GatewayConfig | Mapping[str, Any] | None = None) -> Flask:
-    from app import api, auth, health, limits, metrics, openapi, tracing
+    from app import api, auth, health, limits, metrics, openapi, tokenizer_api, tracing
     from app.errors import register_error_handlers
     from app.logs import configure_logging, init_request_logging
     from app.node_client import NodeClient
@@ -44,12 +44,13 @@ def create_app(config: GatewayConfig | Mapping[str, Any] | None = None) -> Flask
     app.extensions["zen.nodes"] = client
 
     app.register_blueprint(api.bp)
+    app.register_blueprint(tokenizer_api.bp)
     app.register_blueprint(openapi.bp)
     app.register_blueprint(health.bp)
 
     @app.after_request
     def _count_request(response):
-        if request.blueprint == api.bp.name and not response.is_streamed:
+        if request.blueprint in limits.RATE_LIMITED_BLUEPRINTS and not response.is_streamed:
             org = g.get("org")
             gateway_metrics.request_done(org, request.endpoint or "none", response.status_code)
             if response.status_code == 429:

@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping
 
 from flask import Blueprint, Response, current_app, g, jsonify, request
 
-from app import params
+from app import params, structured, tool_params
 from app.auth import login_required
 from app.catalog import Catalog
 from app.config import GatewayConfig
@@ -102,8 +102,12 @@ def build_request(body: Mapping[str, Any], kind: str) -> tuple[InferenceRequest,
     config = _config()
     params.check_unsupported(body, kind)
     alias = params.require_model(body)
+    constraint, _ = structured.structured_output(body)
+    tools = tool_params.NO_TOOLS
     if kind == CHAT:
-        inputs = PromptInput(messages=params.messages(body))
+        tools = tool_params.tool_plan(body, constraint is not None)
+        constraint = tools.constraint or constraint
+        inputs = PromptInput(messages=params.messages(body), tools=tools.tools)
         logprobs = params.chat_logprobs(body)
     else:
         text, ids = params.prompt(body)
@@ -139,9 +143,9 @@ def build_request(body: Mapping[str, Any], kind: str) -> tuple[InferenceRequest,
         raise bad_value(f"`{LATENCY_CLASS_HEADER}` header {exc}", LATENCY_CLASS_HEADER) from None
     theta = sampling_params(max_tokens=max_tokens, min_tokens=min_tokens, stop=stop,
                             stop_token_ids=stop_ids, logit_bias=bias, ignore_eos=ignore_eos,
-                            n=n, logprobs=logprobs, **sampling)
+                            n=n, logprobs=logprobs, structured_output=constraint, **sampling)
     req = InferenceRequest(model=model, inputs=inputs, params=theta, latency_class=latency_class,
-                           org=caller.org, request_id=g.request_id, stream=stream)
+                           org=caller.org, request_id=g.request_id, stream=stream, tool_calls=tools.parse)
     return req, include_usage, logprobs
 
 
@@ -205,7 +209,7 @@ def _answer_json(req: InferenceRequest, kind: str, node: str, result: dict, rese
                  logprobs_top: int | None, started: float) -> Response:
     build = chat_completion if kind == CHAT else text_completion
     m = req.model
-    body = build(req.request_id, m.alias, m.model, m.quantization, result, logprobs_top)
+    body = build(req.request_id, m.alias, m.model, m.quantization, result, logprobs_top, req.tool_calls)
     usage = body["usage"]
     _tokens().settle(reservation, usage["total_tokens"])
     metrics = _metrics()
@@ -230,7 +234,7 @@ def _answer_stream(req: InferenceRequest, kind: str, outcome: NodeStream, reserv
                    gone: Callable[[], bool]) -> Response:
     m = req.model
     writer = ChunkWriter(kind, req.request_id, m.alias, m.model, m.quantization, req.params.n,
-                         include_usage, logprobs_top)
+                         include_usage, logprobs_top, req.tool_calls)
     tokens, metrics = _tokens(), _metrics()
     endpoint = request.endpoint
     log_fields = {"event": "request", "method": request.method, "path": request.path,

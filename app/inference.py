@@ -6,6 +6,7 @@ turns it into what an engine node is sent (engine/protocol.py's GenerateRequest)
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from functools import cached_property
@@ -31,13 +32,22 @@ def sampling_params(**fields: Any) -> SamplingParams:
         raise bad_value(str(e), e.param, "invalid_value") from None
 
 
+def _text_of(message: dict) -> str:
+    """What of a message (or a tool) the template writes out: its content, its calls, a tool's schema."""
+    if "role" not in message:
+        return json.dumps(message, ensure_ascii=False)
+    calls = message.get("tool_calls")
+    return message["content"] + (json.dumps(calls, ensure_ascii=False) if calls else "")
+
+
 @dataclass(frozen=True)
 class PromptInput:
     """x: exactly one of a text prompt, prompt token ids or chat messages."""
 
     prompt: str | None = None
     prompt_token_ids: tuple[int, ...] | None = None
-    messages: tuple[tuple[str, str], ...] | None = None   # (role, content)
+    messages: tuple[dict, ...] | None = None   # {role, content, tool_calls?, tool_call_id?} (app/params)
+    tools: tuple[dict, ...] | None = None      # function tools the chat template renders (app/tool_params)
 
     def __post_init__(self) -> None:
         given = sum(v is not None for v in (self.prompt, self.prompt_token_ids, self.messages))
@@ -51,15 +61,18 @@ class PromptInput:
         if self.prompt is not None:
             return max(1, math.ceil(len(self.prompt.encode()) / _BYTES_PER_TOKEN))
         return _TOKENS_PER_CONVERSATION + sum(
-            _TOKENS_PER_MESSAGE + math.ceil(len(content.encode()) / _BYTES_PER_TOKEN)
-            for _, content in self.messages)
+            _TOKENS_PER_MESSAGE + math.ceil(len(_text_of(m).encode()) / _BYTES_PER_TOKEN)
+            for m in (*self.messages, *(self.tools or ())))
 
     def to_node(self) -> dict[str, Any]:
         if self.prompt is not None:
             return {"prompt": self.prompt}
         if self.prompt_token_ids is not None:
             return {"prompt_token_ids": list(self.prompt_token_ids)}
-        return {"messages": [{"role": r, "content": c} for r, c in self.messages]}
+        out: dict[str, Any] = {"messages": list(self.messages)}
+        if self.tools:
+            out["tools"] = list(self.tools)
+        return out
 
 
 @dataclass(frozen=True)
@@ -73,6 +86,7 @@ class InferenceRequest:
     org: str
     request_id: str
     stream: bool = False
+    tool_calls: str | None = None   # the answer is parsed for tool calls: "single" or "parallel" (app/tool_params)
 
     def token_cost(self) -> int:
         """Tokens reserved in the org's bucket: prompt + n × max_tokens."""

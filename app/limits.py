@@ -346,6 +346,9 @@ def request_limit_headers() -> dict[str, str]:
     return headers
 
 
+RATE_LIMITED_BLUEPRINTS = ("api", "tokenizer")   # the generation API and the tokenizer endpoints
+
+
 def init_limits(app: Flask, config: GatewayConfig) -> None:
     """Both limiters, and their hooks; call after auth (its hook must run first)."""
     health = storage_health(config.limits)
@@ -358,7 +361,7 @@ def init_limits(app: Flask, config: GatewayConfig) -> None:
     def _count_request_per_minute():
         # Only authenticated calls to the API count (not health checks, metrics or the schema).
         caller = g.get("caller")
-        if caller is not None and request.blueprint == "api":
+        if caller is not None and request.blueprint in RATE_LIMITED_BLUEPRINTS:
             try:
                 with request_span("limits.requests", lambda: {"zen.org": caller.org}):
                     g.request_window = requests.hit(caller.org, caller.tier)

@@ -21,6 +21,7 @@ import time
 from typing import TYPE_CHECKING, Callable, Iterator
 from urllib.parse import urlsplit
 
+from app.catalog import ResolvedModel
 from app.inference import InferenceRequest
 from app.router import TRANSPORT_ERRORS, NodePool
 from app.tracing import end_node_span, start_node_span, traced_rank
@@ -251,7 +252,8 @@ class NodeConnections:
     def __init__(self, url: str, size: int, connect_timeout_s: float, read_timeout_s: float) -> None:
         parts = urlsplit(url)
         self.host, self.port = parts.hostname, parts.port
-        self.path = parts.path + "/v1/generate"
+        self.base = parts.path
+        self.path = self.base + "/v1/generate"
         self._tls = ssl.create_default_context() if parts.scheme == "https" else None
         self.size = size
         self.connect_timeout_s, self.read_timeout_s = connect_timeout_s, read_timeout_s
@@ -321,16 +323,17 @@ class NodeClient:
         self.on_failover: Callable[[str, str], None] | None = None   # (node, reason): the gateway's metric
         self.tracing: Tracing | None = None   # set by create_app when tracing is on
 
-    def post_generate(self, url: str, body: bytes, headers: dict, on_sent: Callable[[], None] | None = None
-                      ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
-        """POST {url}/v1/generate: (the connection, its response with the body left unread).
-        on_sent runs between the request's write and the wait for the node's answer. Hand both back
-        with `release`."""
+    def post_generate(self, url: str, body: bytes, headers: dict, on_sent: Callable[[], None] | None = None,
+                      path: str | None = None) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+        """POST {url}/v1/generate (or {url}{path}): (the connection, its response with the body left
+        unread). on_sent runs between the request's write and the wait for the node's answer. Hand both
+        back with `release`."""
         connections = self._connections_of(url)
         conn, kept_alive = connections.take()
+        target = connections.path if path is None else connections.base + path
         while True:
             try:
-                return conn, _send(conn, connections.path, body, headers, on_sent)
+                return conn, _send(conn, target, body, headers, on_sent)
             except BaseException as exc:
                 conn.close()
                 if not (kept_alive and isinstance(exc, (ConnectionResetError, BrokenPipeError))):
@@ -406,6 +409,40 @@ class NodeClient:
             stream.end_span(exc)
             raise
         return stream
+
+
+def call_node(client: NodeClient, model: ResolvedModel, path: str, payload: dict, request_id: str) -> dict:
+    """POST a small JSON request (/tokenize, /detokenize) to the best node for `model`, failing over as
+    dispatch does; the node's JSON answer, or APIError (the node's 4xx as is, 503 when none answers)."""
+    ranked = client.pool.rank(model, 1, 1)
+    body = json.dumps(payload).encode()
+    headers = {SECRET_HEADER: client.config.secret, REQUEST_ID_HEADER: request_id,
+               "Content-Type": "application/json"}
+    last = "no node is available"
+    for score in ranked[: client.config.max_attempts]:
+        url = score.url
+        try:
+            conn, resp = client.post_generate(url, body, headers, path=path)
+            status, data = resp.status, resp.read()
+        except TRANSPORT_ERRORS as exc:
+            last = f"{url}: {exc.__class__.__name__}"
+            client.pool.mark_down(url, last)
+            continue
+        client.release(url, conn, resp)
+        try:
+            answer = json.loads(data)
+        except ValueError:
+            answer = {}
+        if status == 200 and isinstance(answer, dict):
+            return answer
+        err = answer.get("error") if isinstance(answer, dict) and isinstance(answer.get("error"), dict) else {}
+        if status in (401, 404, 503) or status >= 500:
+            last = f"{url}: {status} {err.get('message')}"
+            continue
+        raise APIError(status if 400 <= status < 500 else 502, str(err.get("message") or "invalid request"),
+                       param=err.get("param"), code=err.get("code"))
+    raise APIError(503, f"No engine node could serve this request ({last}); retry shortly.",
+                   code="no_node_available", headers={"Retry-After": "1"})
 
 
 def _send(conn: http.client.HTTPConnection, path: str, body: bytes, headers: dict,

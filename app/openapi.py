@@ -39,6 +39,44 @@ def _error(description: str) -> dict:
             "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
 
 
+_TOOL = {"type": "object", "required": ["type", "function"], "properties": {
+    "type": {"type": "string", "enum": ["function"]},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}, "description": {"type": "string"},
+        "parameters": {"type": "object"}}}}}
+
+
+def _tokenizer_path(summary: str, request: dict, answer: dict) -> dict:
+    return {"post": {
+        "summary": summary, "security": [{"bearerAuth": []}],
+        "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
+        "responses": {
+            "200": {"description": "vLLM's answer", "content": {"application/json": {"schema": answer}}},
+            "400": _error("Invalid request; `param` names the parameter."),
+            "401": _error("Missing or invalid bearer token."),
+            "404": _error("Unknown model, or one the caller's tier may not use."),
+            "413": _error("Request body too large."),
+            "429": _error("Rate limit reached."),
+            "503": _error("No engine node available, or rate-limit storage down (fail-closed)."),
+        }}}
+
+
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 2 ** 31 - 1}}
+TOKENIZE = _tokenizer_path(
+    "Token ids of a prompt or of chat messages (vLLM's /tokenize)",
+    {"type": "object", "required": ["model", "prompt"], "properties": {
+        "model": {"type": "string", "minLength": 1}, "prompt": {"type": "string"},
+        "add_special_tokens": {"type": "boolean"}, "return_token_strs": {"type": "boolean"}}},
+    {"type": "object", "required": ["count", "max_model_len", "tokens"], "properties": {
+        "count": {"type": "integer"}, "max_model_len": {"type": "integer"}, "tokens": _TOKEN_IDS,
+        "token_strs": {"type": "array", "nullable": True, "items": {"type": "string"}}}})
+DETOKENIZE = _tokenizer_path(
+    "The text of token ids (vLLM's /detokenize)",
+    {"type": "object", "required": ["model", "tokens"], "properties": {
+        "model": {"type": "string", "minLength": 1}, "tokens": _TOKEN_IDS}},
+    {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}})
+
+
 def _request_schema(kind: str, max_n: int) -> dict:
     props: dict[str, Any] = {"model": {"type": "string", "minLength": 1,
                                        "description": "A model alias from GET /v1/models."}}
@@ -60,11 +98,32 @@ def _request_schema(kind: str, max_n: int) -> dict:
                        "description": "Token id (as a string of digits) → bias."},
         "ignore_eos": {"type": "boolean", "nullable": True},
         "user": {"type": "string", "nullable": True},
+        "response_format": {"type": "object", "nullable": True, "required": ["type"], "properties": {
+            "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+            "json_schema": {"type": "object", "required": ["name"], "properties": {
+                "name": {"type": "string", "minLength": 1}, "schema": {"type": "object"},
+                "strict": {"type": "boolean", "nullable": True}}}},
+            "description": "Structured output: any JSON object, or JSON matching a schema (docs/structured-outputs.md)."},
+        "structured_outputs": {"type": "object", "nullable": True, "description": (
+            "vLLM's structured outputs: exactly one of json (a schema), regex, choice (strings), grammar "
+            "(Lark or GBNF), json_object.")},
+        "guided_json": {"nullable": True, "oneOf": [{"type": "object"}, {"type": "string"}],
+                        "description": "vLLM's older name of structured_outputs.json."},
+        "guided_regex": {"type": "string", "nullable": True, "minLength": 1},
+        "guided_choice": {"type": "array", "nullable": True, "minItems": 1, "items": {"type": "string", "minLength": 1}},
+        "guided_grammar": {"type": "string", "nullable": True, "minLength": 1},
     })
     if kind == params.CHAT:
         props["messages"] = {"type": "array", "minItems": 1, "maxItems": params.MAX_MESSAGES,
                              "items": {"$ref": "#/components/schemas/Message"}}
         props["logprobs"] = {"type": "boolean", "nullable": True}
+        props["tools"] = {"type": "array", "nullable": True, "maxItems": 128, "items": _TOOL}
+        props["tool_choice"] = {"nullable": True, "oneOf": [
+            {"type": "string", "enum": ["none", "auto", "required"]},
+            {"type": "object", "required": ["type", "function"], "properties": {
+                "type": {"type": "string", "enum": ["function"]},
+                "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}}]}
+        props["parallel_tool_calls"] = {"type": "boolean", "nullable": True}
         props["top_logprobs"] = {"type": "integer", "nullable": True, "minimum": 0,
                                  "maximum": params.MAX_CHAT_TOP_LOGPROBS,
                                  "description": "Requires logprobs: true."}
@@ -151,6 +210,8 @@ def build_openapi(max_n: int) -> dict:
                     "429": _error("Rate limit reached."),
                     "503": _error("Rate-limit storage down (fail-closed)."),
                 }}},
+            "/tokenize": TOKENIZE,
+            "/detokenize": DETOKENIZE,
             "/health": {"get": {"summary": "Gateway liveness", "responses": {
                 "200": {"description": "Alive", "content": {"application/json": {"schema": _PROBE}}}}}},
             "/ready": {"get": {"summary": "Gateway readiness: an engine node is ready and the gateway is not "

@@ -2,9 +2,10 @@
 
 One table (`SAMPLING_FIELDS`) describes the scalar parameters; the validator and the
 OpenAPI description (app/openapi.py) are both built from it. The structured fields
-(messages, prompt, stop, logit_bias, logprobs, stream_options) have their own checks.
-Unknown fields are ignored, as vLLM does; fields for features this server does not
-offer (tools, response formats, echo, ...) are refused with 400.
+(messages, prompt, stop, logit_bias, logprobs, stream_options) have their own checks; the
+constraints of structured outputs are in app/structured.py. Unknown fields are ignored, as
+vLLM does; fields for features this server does not offer (audio, echo, ...) are refused
+with 400.
 """
 from __future__ import annotations
 
@@ -27,8 +28,7 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 # Fields offered by OpenAI that this server does not implement: refused, not ignored.
 UNSUPPORTED = {
-    CHAT: ("tools", "tool_choice", "functions", "function_call", "audio", "modalities",
-           "prediction", "web_search_options"),
+    CHAT: ("functions", "function_call", "audio", "modalities", "prediction", "web_search_options"),
     COMPLETIONS: ("suffix",),
 }
 
@@ -126,11 +126,6 @@ def check_unsupported(body: Mapping[str, Any], kind: str) -> None:
     for name in UNSUPPORTED[kind]:
         if body.get(name) not in (None, [], "", {}):
             raise bad_value(f"`{name}` is not supported by this server", name, "unsupported_parameter")
-    if kind == CHAT:
-        fmt = body.get("response_format")
-        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-            raise bad_value("`response_format` other than {\"type\": \"text\"} is not supported",
-                            "response_format", "unsupported_parameter")
     if kind == COMPLETIONS and boolean(body, "echo"):
         raise bad_value("`echo` is not supported by this server", "echo", "unsupported_parameter")
 
@@ -231,7 +226,25 @@ def _text_of(content: Any, where: str) -> str:
                     "messages", "invalid_type")
 
 
-def messages(body: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+def _tool_calls(value: Any, where: str) -> list[dict]:
+    """An assistant message's earlier calls: [{id, type: function, function: {name, arguments}}]."""
+    if not isinstance(value, list):
+        raise bad_value(f"`{where}` must be an array", "messages", "invalid_type")
+    out = []
+    for j, call in enumerate(value):
+        f = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) \
+                or not isinstance(f.get("arguments", ""), str) or not isinstance(call.get("id", ""), str):
+            raise bad_value(f"`{where}[{j}]` must be {{id, type: \"function\", function: {{name, arguments}}}}",
+                            "messages", "invalid_type")
+        out.append({"id": call.get("id", ""), "type": "function",
+                    "function": {"name": f["name"], "arguments": f.get("arguments", "")}})
+    return out
+
+
+def messages(body: Mapping[str, Any]) -> tuple[dict, ...]:
+    """The chat messages as the node takes them: {role, content} (developer becomes system), with an
+    assistant's `tool_calls` and a tool message's `tool_call_id` when present."""
     value = body.get("messages")
     if value is None:
         raise bad_value("`messages` is required", "messages", "missing_required_parameter")
@@ -247,11 +260,20 @@ def messages(body: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
         if role not in CHAT_ROLES:
             raise bad_value(f"`messages[{i}].role` must be one of {', '.join(CHAT_ROLES)}",
                             "messages")
-        if msg.get("content") is None:
+        calls = msg.get("tool_calls") if role == "assistant" else None
+        if msg.get("content") is None and not calls:
             raise bad_value(f"`messages[{i}].content` is required", "messages",
                             "missing_required_parameter")
-        out.append(("system" if role == "developer" else role,
-                    _text_of(msg["content"], f"messages[{i}].content")))
+        m = {"role": "system" if role == "developer" else role,
+             "content": "" if msg.get("content") is None else _text_of(msg["content"], f"messages[{i}].content")}
+        if calls:
+            m["tool_calls"] = _tool_calls(calls, f"messages[{i}].tool_calls")
+        if role == "tool":
+            if not isinstance(msg.get("tool_call_id"), str):
+                raise bad_value(f"`messages[{i}].tool_call_id` is required in a tool message", "messages",
+                                "missing_required_parameter")
+            m["tool_call_id"] = msg["tool_call_id"]
+        out.append(m)
     return tuple(out)
 
 

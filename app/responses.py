@@ -10,6 +10,8 @@ import json
 import time
 from typing import Any, Iterable
 
+from app.tool_responses import ToolCallDeltas, chat_message
+
 CHAT = "chat"
 COMPLETIONS = "completions"
 
@@ -78,17 +80,21 @@ def _fingerprint(model_id: str, quantization: str) -> str:
 
 
 def chat_completion(rid: str, alias: str, model_id: str, quantization: str, body: dict,
-                    logprobs_top: int | None) -> dict:
+                    logprobs_top: int | None, tool_calls: str | None = None) -> dict:
+    """tool_calls ("single" or "parallel"): the text is parsed for calls (app/tool_responses)."""
     choices = []
     for c in sorted(body.get("choices", []), key=lambda c: c.get("index", 0)):
         logprobs = None
         if logprobs_top is not None:
             logprobs = {"content": chat_logprob_content(c.get("logprobs") or [], logprobs_top)}
+        message, finish = {"role": "assistant", "content": c.get("text", "")}, c.get("finish_reason")
+        if tool_calls is not None:
+            message, finish = chat_message(c.get("text", ""), finish, tool_calls)
         choices.append({
             "index": c.get("index", 0),
-            "message": {"role": "assistant", "content": c.get("text", "")},
+            "message": message,
             "logprobs": logprobs,
-            "finish_reason": c.get("finish_reason"),
+            "finish_reason": finish,
         })
     return {
         "id": f"chatcmpl-{rid}",
@@ -102,7 +108,7 @@ def chat_completion(rid: str, alias: str, model_id: str, quantization: str, body
 
 
 def text_completion(rid: str, alias: str, model_id: str, quantization: str, body: dict,
-                    logprobs_top: int | None) -> dict:
+                    logprobs_top: int | None, tool_calls: str | None = None) -> dict:
     choices = []
     for c in sorted(body.get("choices", []), key=lambda c: c.get("index", 0)):
         logprobs = None
@@ -129,7 +135,7 @@ class ChunkWriter:
     """Node stream events → OpenAI chunks (SSE strings) for one request."""
 
     def __init__(self, kind: str, rid: str, alias: str, model_id: str, quantization: str,
-                 n: int, include_usage: bool, logprobs_top: int | None) -> None:
+                 n: int, include_usage: bool, logprobs_top: int | None, tool_calls: str | None = None) -> None:
         self.kind = kind
         self.id = f"chatcmpl-{rid}" if kind == CHAT else f"cmpl-{rid}"
         self.object = "chat.completion.chunk" if kind == CHAT else "text_completion"
@@ -142,6 +148,8 @@ class ChunkWriter:
         self.text_offsets = [0] * n
         self.finished: set[int] = set()
         self._plain: dict[int, tuple[str, str]] = {}   # index -> the chunk around its text
+        # a chat answer parsed for tool calls: per choice (their deltas carry no logprobs)
+        self.tools = [ToolCallDeltas(tool_calls) for _ in range(n)] if tool_calls and kind == CHAT else None
         if logprobs_top is None:
             self._around(0)   # now, while the node reads the request, rather than on the first token's path
 
@@ -167,6 +175,8 @@ class ChunkWriter:
     def token(self, event: dict) -> str:
         index = int(event.get("index", 0))
         text = str(event.get("text", ""))
+        if self.tools is not None and index < self.n:
+            return self._deltas(index, self.tools[index].push(text))
         entry = event.get("logprobs")
         with_logprobs = self.logprobs_top is not None and isinstance(entry, dict)
         offset = self.text_offsets[index] if index < self.n else 0
@@ -190,6 +200,10 @@ class ChunkWriter:
         around = self._plain[index] = (head, tail)
         return around
 
+    def _deltas(self, index: int, deltas: list[dict]) -> str:
+        return "".join(self._chunk([{"index": index, "delta": d, "logprobs": None, "finish_reason": None}])
+                       for d in deltas)
+
     def done(self, event: dict) -> list[str]:
         """Closing chunks: each choice's finish reason, then usage if asked for."""
         out = []
@@ -197,8 +211,11 @@ class ChunkWriter:
             index = int(c.get("index", 0))
             self.finished.add(index)
             if self.kind == CHAT:
-                choice = {"index": index, "delta": {}, "logprobs": None,
-                          "finish_reason": c.get("finish_reason")}
+                finish = c.get("finish_reason")
+                if self.tools is not None and index < self.n:
+                    deltas, finish = self.tools[index].finish(finish)
+                    out.append(self._deltas(index, deltas))
+                choice = {"index": index, "delta": {}, "logprobs": None, "finish_reason": finish}
             else:
                 choice = {"index": index, "text": "", "logprobs": None,
                           "finish_reason": c.get("finish_reason")}

@@ -19,6 +19,10 @@ stream, pooled), time per output token (TPOT: (e2e - TTFT) / (tokens - 1) per re
 latency, each as mean, p50, p90, p99 with the sample count. A warm-up (JIT compilation, caches) runs
 first and is excluded from every figure; its count is reported.
 
+Constrained decoding (benchmarks/constrained_pass.py): at 16 streams, JSON-schema-constrained passes
+against unconstrained ones on the same prompts, the ratio of their output tokens/s, and the TTFT
+difference of a schema seen before (--no-constrained skips it, --constrained-only runs only it).
+
 Gateway overhead: the same requests are sent straight to the engine node (POST /v1/generate with the
 node secret) and through the gateway, with the same raw HTTP client (httpx, so the client's own cost
 is the same on both paths), at the same concurrency, in alternating direct and gateway passes (which
@@ -62,6 +66,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script: benchmarks/ is a package of the repository
 
+from benchmarks.constrained_pass import measure_constrained  # noqa: E402
 from benchmarks.gateway_overhead import measure_overhead  # noqa: E402
 from benchmarks.http_client import httpx  # noqa: E402
 from benchmarks.local_stack import NODE_LOG, start_stack  # noqa: E402
@@ -126,6 +131,13 @@ def build_args(argv: list[str] | None) -> argparse.Namespace:
                     help="direct/gateway pass pairs per level (the default gives 512 pairs: the median of a "
                          "small difference between two noisy TTFTs needs hundreds)")
     ap.add_argument("--overhead-max-tokens", type=int, default=16)
+    ap.add_argument("--no-constrained", action="store_true", help="skip the constrained (JSON schema) pass")
+    ap.add_argument("--constrained-only", action="store_true", help="only the constrained pass (after the warm-up)")
+    ap.add_argument("--constrained-concurrency", type=int, default=16)
+    ap.add_argument("--constrained-requests", type=int, default=64, help="requests per constrained pass")
+    ap.add_argument("--constrained-rounds", type=int, default=2, help="unconstrained/constrained pass pairs")
+    ap.add_argument("--constrained-ttft-pairs", type=int, default=16,
+                    help="one-at-a-time unconstrained/constrained pairs for the TTFT difference")
     ap.add_argument("--start", action="store_true", help="start an engine node and a gateway, stop them after")
     ap.add_argument("--model-path", default=str(DEFAULT_MODEL_PATH), help="model of the node --start starts")
     ap.add_argument("--kv-cache-bytes", default="1GiB", help="KV cache of the node --start starts")
@@ -160,6 +172,9 @@ def build_args(argv: list[str] | None) -> argparse.Namespace:
         args.overhead_rounds = 2
         args.overhead_max_tokens = min(args.overhead_max_tokens, 8)
         args.level_timeout = min(args.level_timeout, 60.0)
+        args.constrained_requests = min(args.constrained_requests, 16)
+        args.constrained_rounds = 1
+        args.constrained_ttft_pairs = min(args.constrained_ttft_pairs, 4)
     return args
 
 
@@ -270,8 +285,11 @@ async def bench(args, base_url: str, token: str, node_url: str | None, node_secr
         model_id, quant = extra.get("root") or args.model, extra.get("quantization") or None
 
         result["warmup"] = await warm_up(driver, prompts, args)
-        result["levels"] = await run_levels(driver, order, args, concurrency)
-        if node_url and not args.no_overhead:
+        if not args.constrained_only:
+            result["levels"] = await run_levels(driver, order, args, concurrency)
+        if not args.no_constrained:
+            result["constrained"] = await measure_constrained(args, base_url, token, prompts)
+        if node_url and not args.no_overhead and not args.constrained_only:
             result["overhead"] = await run_overhead(args, base_url, token, node_url, node_secret, model_id, quant,
                                                     prompts)
         result["model"] = {"alias": args.model, "id": model_id, "quantization": quant}
@@ -339,6 +357,11 @@ def main(argv: list[str] | None = None) -> int:
         result["config"]["stack"] = {"started": True, "gateway_threads_per_worker": args.gateway_threads,
                                      "node_threads": args.node_threads, "kv_cache_bytes": args.kv_cache_bytes}
     result["targets"] = targets(result)
+    if result.get("constrained"):
+        k = result["constrained"]
+        result["targets"].update(constrained_ratio=k["ratio"], target_constrained_ratio=k["target_ratio"],
+                                 constrained_ttft_diff_p50_ms=k["ttft_diff_ms"]["p50"],
+                                 target_constrained_ttft_diff_ms=k["target_ttft_diff_ms"])
     out_path.write_text(json.dumps(result, indent=2) + "\n")
     log(f"wrote {out_path}")
     if not args.no_plot:
@@ -351,6 +374,11 @@ def main(argv: list[str] | None = None) -> int:
     if "overhead_ttft_p50_ms" in t:
         log(f"gateway overhead at concurrency {t['overhead_concurrency']}: TTFT p50 "
             f"{t['overhead_ttft_p50_ms']:.2f} ms, end-to-end p50 {t['overhead_e2e_p50_ms']:.2f} ms")
+    if "constrained_ratio" in t:
+        log(f"constrained decoding at {result['constrained']['concurrency']} streams: {t['constrained_ratio']:.3f} "
+            f"of the unconstrained tokens/s (target >= {t['target_constrained_ratio']}); TTFT of a cached "
+            f"schema +{t['constrained_ttft_diff_p50_ms']:.2f} ms p50 (target <= "
+            f"{t['target_constrained_ttft_diff_ms']:g} ms)")
     failed = sum(lv["failed"] for lv in result["levels"])
     return 1 if failed and failed == sum(lv["requests"] for lv in result["levels"]) else 0
 

@@ -39,9 +39,10 @@ class OpenAIDriver:
     """Streams requests through the gateway with the openai client and times them."""
 
     def __init__(self, base_url: str, token: str, model: str, latency_class: str, max_connections: int,
-                 request_timeout: float, max_tokens_override: int | None):
+                 request_timeout: float, max_tokens_override: int | None, extra_body: dict | None = None):
         import openai
         self.model = model
+        self.extra_body = {"ignore_eos": True, **(extra_body or {})}   # extra_body: response_format, ...
         self.headers = {"X-Latency-Class": latency_class}
         self.max_tokens_override = max_tokens_override
         self.http = openai.DefaultAsyncHttpxClient(
@@ -59,7 +60,7 @@ class OpenAIDriver:
     async def run(self, p: dict) -> RequestRecord:
         rec = RequestRecord(p["id"], p["kind"], p["length"], self.max_tokens(p))
         common = dict(model=self.model, max_tokens=rec.max_tokens, temperature=0.0, stream=True,
-                      stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+                      stream_options={"include_usage": True}, extra_body=self.extra_body,
                       extra_headers=self.headers)
         rec.start = time.perf_counter()
         last = None

@@ -383,14 +383,17 @@ class CudaBackend(ComposedOps):
         f32 = _Packer(np.float32, b.temperature, b.top_p, b.min_p, b.repetition_penalty, b.presence_penalty,
                       b.frequency_penalty, b.bias_values)
         i32 = _Packer(np.int32, b.top_k, b.num_logprobs, b.hist_num_prompt, b.bias_token_ids, b.mask_token_ids,
-                      b.hist_token_ids)
+                      b.hist_token_ids, b.allowed_row)
         i64 = _Packer(np.int64, b.step, b.bias_indptr, b.mask_indptr, b.hist_indptr)
         u64 = _Packer(np.uint64, b.seed)
         temperature, top_p, min_p, rep, pres, freq, bias_values = f32.device()
-        top_k, num_logprobs, hist_num_prompt, bias_ids, mask_ids, hist_ids = i32.device()
+        top_k, num_logprobs, hist_num_prompt, bias_ids, mask_ids, hist_ids, allowed_row = i32.device()
+        # the constrained rows' packed masks: one upload; without any, a placeholder that no row reads
+        allowed = _to_device(b.allowed_mask) if b.constrained else self._scratch_view("sample_no_mask", (1, 1),
+                                                                                       np.uint32)
         step, bias_indptr, mask_indptr, hist_indptr = i64.device()
         (seed,) = u64.device()
-        processed = len(b.bias_token_ids) or len(b.mask_token_ids) or len(b.hist_token_ids)
+        processed = len(b.bias_token_ids) or len(b.mask_token_ids) or len(b.hist_token_ids) or b.constrained
         shape = (nrows, vocab) if processed else (1, 1)
         work = self._scratch_view("sample_work", shape)
         cnt = self._scratch_view("sample_cnt", shape, np.int32)
@@ -401,7 +404,7 @@ class CudaBackend(ComposedOps):
         self._k(samp_k.sample_rows, nrows, self.config.sample_threads)(
             logits, work, cnt, temperature, top_p, top_k, min_p, rep, pres, freq, seed, step, num_logprobs,
             bias_indptr, bias_ids, bias_values, mask_indptr, mask_ids, hist_indptr, hist_ids, hist_num_prompt,
-            tok, lp, top_ids, top_lp)
+            allowed_row, allowed, tok, lp, top_ids, top_lp)
         res.token_ids[:] = tok.copy_to_host()
         res.logprobs[:] = lp.copy_to_host()
         if k:

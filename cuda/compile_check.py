@@ -98,7 +98,7 @@ def catalog(cfg: launch.LaunchConfig) -> list[Spec]:
         Spec("attention_reduce", attn_k.attention_reduce, (F32_4, F32_4, I32_1, INT, F32_2)),
         Spec("sample_rows", samp_k.sample_rows,
              (F32_2, F32_2, I32_2, F32_1, F32_1, I32_1, F32_1, F32_1, F32_1, F32_1, U64_1, I64_1, I32_1,
-              I64_1, I32_1, F32_1, I64_1, I32_1, I64_1, I32_1, I32_1, I64_1, F32_1, I64_2, F32_2)),
+              I64_1, I32_1, F32_1, I64_1, I32_1, I64_1, I32_1, I32_1, I32_1, U32_2, I64_1, F32_1, I64_2, F32_2)),
     ]
     return specs
 

@@ -13,6 +13,7 @@ import numpy as np
 from engine.backends import get_backend
 from engine.backends.sampling_batch import RowSpec, SamplingBatch
 from engine.config import EngineConfig
+from engine.grammar import GrammarCompiler
 from engine.kv_cache import BlockPool, KVCacheManager
 from engine.request import EngineRequest
 from engine.runner import ModelRunner
@@ -86,7 +87,9 @@ class Engine:
         # the longest sequence: the context, or what the whole KV pool holds if that is less
         self.max_seq_tokens = min(self.max_model_len, self.pool.num_blocks * config.block_size)
         self.eos_token_ids = sorted(set(self.tokenizer.stop_token_ids))
-        self.runner = ModelRunner(self.model, config.block_size, self.pool.num_blocks, self.eos_token_ids)
+        self.grammars = self._grammar_compiler()
+        self.runner = ModelRunner(self.model, config.block_size, self.pool.num_blocks, self.eos_token_ids,
+                                  self.grammars)
         self.warm_up()
         self.load_time_s = time.monotonic() - t0
         self._seq_ids = itertools.count()
@@ -112,9 +115,18 @@ class Engine:
                                         self.runner.k_cache, self.runner.v_cache)
             b.sample(logits, SamplingBatch.build([RowSpec(SamplingParams(temperature=0.0), seed=0, step=0)]))
 
+    def _grammar_compiler(self) -> GrammarCompiler | None:
+        """Structured outputs for this model's tokenizer (None, logged, if llguidance cannot take it)."""
+        try:
+            return GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+        except (ValueError, RuntimeError) as e:
+            log.warning("structured outputs are off for %s: %s", self.model_id, e)
+            return None
+
     def release(self) -> None:
         """Drop the weights and the KV cache, once nothing steps this engine any more: their memory
         goes now, whatever else still refers to the engine object."""
+        self.runner.close()
         self.runner.k_cache = self.runner.v_cache = None
         self.runner.model = self.model = None
 
@@ -147,6 +159,17 @@ class Engine:
                                code="context_length_exceeded")
         if request.request_id in self._requests:
             raise RequestError(f"request id {request.request_id!r} is already in use", param="request_id")
+        if p.structured_output is not None and request.grammar is None:
+            request.grammar = self._compile(p.structured_output)
+
+    def _compile(self, spec: dict):
+        if self.grammars is None:
+            raise RequestError("this model's tokenizer does not support structured outputs",
+                               param="structured_output", code="unsupported_parameter")
+        try:
+            return self.grammars.compile(spec)
+        except ValueError as e:
+            raise RequestError(str(e), param=getattr(e, "param", "structured_output")) from None
 
     def add_request(self, request: EngineRequest) -> None:
         """Validate, then queue the request's n sequences (raises RequestError, nothing queued)."""
@@ -156,6 +179,8 @@ class Engine:
         for i in range(p.n):
             seed = (p.seed + i) if p.seed is not None else random.getrandbits(63)
             seq = Sequence(next(self._seq_ids), request, i, seed)
+            if request.grammar is not None:
+                seq.grammar = self.grammars.new_grammar(request.grammar)
             if seqs:
                 seq.prefill_leader = seqs[0]
             seqs.append(seq)
@@ -208,6 +233,7 @@ class Engine:
         p = seq.request.sampling
         o = self._outputs[seq.seq_id]
         seq.append_token(token, now)
+        grammar_done, message = self._advance_grammar(seq, token) if seq.grammar is not None else (False, None)
         lp = []
         if p.logprobs is not None:
             k = p.logprobs
@@ -219,7 +245,7 @@ class Engine:
         text, stopped = o.stop.push(o.detok.push(token))
         reason = None
         long_enough = seq.num_output_tokens >= p.min_tokens
-        if stopped:
+        if stopped or grammar_done:
             reason = "stop"
         elif long_enough and token in o.stop_ids:
             reason = "stop"
@@ -233,9 +259,20 @@ class Engine:
             if not stopped:  # the stream ends: release held-back bytes and stop-string prefixes
                 tail, stopped = o.stop.push(o.detok.flush())
                 text += tail if stopped else tail + o.stop.flush()
-            self.scheduler.finish(seq, reason)
+            self.scheduler.finish(seq, reason, message)
             return self._finished_delta(seq, [token], text, lp)
         return self._delta(seq, [token], text, lp)
+
+    @staticmethod
+    def _advance_grammar(seq: Sequence, token: int) -> tuple[bool, str | None]:
+        """Move the sequence's grammar by its token: (done, why). Done when the grammar is complete, or
+        broken (the sequence cannot go on, and the message says why)."""
+        g = seq.grammar
+        if not g.advance(token):
+            log.warning("grammar refused a sampled token", extra={
+                "request_id": seq.request.request_id, "token": token, "error": g.failed})
+            return True, f"the grammar refused token {token}: {g.failed}"
+        return g.finished, None
 
     def _finished_delta(self, seq: Sequence, tokens=(), text="", lp=()) -> SequenceDelta:
         d = self._delta(seq, list(tokens), text, list(lp))

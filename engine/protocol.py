@@ -2,7 +2,8 @@
 
 Light on purpose (the standard library only): the gateway imports it in every worker. What lives
 here: the header names, the shipped development node secret and the loopback test that confines it,
-the latency class, the error shape, the POST /v1/generate payload and the GET /state body.
+the latency class, the error shape, the POST /v1/generate payload, the POST /tokenize and
+/detokenize bodies and the GET /state body.
 """
 from __future__ import annotations
 
@@ -151,7 +152,7 @@ def optional_str(body: Mapping, name: str, max_len: int = 256) -> str | None:
 
 
 # Sent only when set away from their defaults: the gateway never sets them.
-_SENT_WHEN_SET = frozenset({"best_of", "skip_special_tokens"})
+_SENT_WHEN_SET = frozenset({"best_of", "skip_special_tokens", "structured_output"})
 
 
 def sampling_to_json(params: "SamplingParams") -> dict:
@@ -175,6 +176,7 @@ class GenerateRequest:
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     messages: list | None = None
+    tools: list | None = None        # function tools the chat template renders (engine/tools.py); messages only
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"request_id": self.request_id, "model": self.model,
@@ -186,6 +188,8 @@ class GenerateRequest:
             out["prompt_token_ids"] = list(self.prompt_token_ids)
         else:
             out["messages"] = self.messages
+            if self.tools:
+                out["tools"] = self.tools
         out["sampling"] = sampling_to_json(self.sampling)
         out["stream"] = self.stream
         if self.queue_timeout_s is not None:
@@ -236,8 +240,12 @@ class GenerateRequest:
         if qt is not None and (isinstance(qt, bool) or not isinstance(qt, (int, float)) or not math.isfinite(qt)
                                or qt <= 0):
             raise bad_value("queue_timeout_s must be a positive number of seconds", "queue_timeout_s")
+        tools = body.get("tools")
+        if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)
+                                  or "messages" not in inputs):
+            raise bad_value("tools must be a list of tool objects, sent with messages", "tools")
         return cls(request_id, model, quantization, org, latency_class, params, stream,
-                   None if qt is None else float(qt), **inputs)
+                   None if qt is None else float(qt), **inputs, tools=tools or None)
 
 
 def _inputs(body: Mapping) -> dict:
@@ -259,6 +267,77 @@ def _inputs(body: Mapping) -> dict:
     if not isinstance(body["messages"], list):
         raise bad_value("messages must be a list of {role, content} objects", "messages")
     return {"messages": body["messages"]}
+
+
+# ----------------------------------------------------------------- POST /tokenize, POST /detokenize
+
+def _flag(body: Mapping, name: str, default: bool) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad_value(f"{name} must be a boolean, got {type(v).__name__}", name, "invalid_type")
+    return v
+
+
+def _model_of(body: Any) -> tuple[str, str | None]:
+    if not isinstance(body, dict):
+        raise bad_value("the request body must be a JSON object", None, "invalid_json")
+    model = optional_str(body, "model")
+    if not model:
+        raise bad_value("model is required", "model", "missing_required_parameter")
+    return model, optional_str(body, "quantization") or None
+
+
+@dataclass
+class TokenizeRequest:
+    """POST /tokenize in vLLM's shape: a prompt, or chat messages rendered with the model's template.
+    add_special_tokens defaults to true for a prompt and false for messages (the template has them)."""
+    model: str
+    quantization: str | None = None
+    prompt: str | None = None
+    messages: list | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in vars(self).items() if v is not None}
+
+    @classmethod
+    def from_json(cls, body: Any) -> "TokenizeRequest":
+        model, quantization = _model_of(body)
+        has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
+        if has_prompt == has_messages:
+            raise bad_value("give exactly one of prompt, messages", "prompt", "missing_required_parameter")
+        if has_prompt and not isinstance(body["prompt"], str):
+            raise bad_value("prompt must be a string", "prompt", "invalid_type")
+        if has_messages and (not isinstance(body["messages"], list) or not body["messages"]):
+            raise bad_value("messages must be a non-empty list of {role, content} objects", "messages",
+                            "invalid_type")
+        return cls(model, quantization, body.get("prompt"), body.get("messages"),
+                   _flag(body, "add_special_tokens", has_prompt), _flag(body, "add_generation_prompt", True),
+                   _flag(body, "return_token_strs", False))
+
+
+@dataclass
+class DetokenizeRequest:
+    """POST /detokenize in vLLM's shape: token ids -> the text they decode to."""
+    model: str
+    tokens: list[int]
+    quantization: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in vars(self).items() if v is not None}
+
+    @classmethod
+    def from_json(cls, body: Any) -> "DetokenizeRequest":
+        model, quantization = _model_of(body)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                   for t in tokens):
+            raise bad_value("tokens must be a list of token ids (integers >= 0)", "tokens", "invalid_type")
+        return cls(model, tokens, quantization)
 
 
 # ------------------------------------------------------------------------------------- GET /state

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.protocol import LatencyClass
 from engine.sampling import SamplingParams
@@ -19,3 +20,4 @@ class EngineRequest:
     arrival_time: float = field(default_factory=time.monotonic)
     queue_timeout_s: float | None = None  # waiting longer than this finishes the request with "timeout"
     prompt_text: str | None = None
+    grammar: Any = None                   # the compiled matcher of sampling.structured_output (Engine.validate)

@@ -1,20 +1,44 @@
-"""ModelRunner: one engine step on the device — batch metadata, the model forward, sampling."""
+"""ModelRunner: one engine step on the device — batch metadata, the model forward, sampling.
+
+The allowed-token masks of constrained sequences are computed on another thread while the forward pass
+runs (the kernels and llguidance both release the GIL), and go to the sampler as one packed array."""
 from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
 from engine.backends.sampling_batch import RowSpec, SampleResult, SamplingBatch
+from engine.grammar import GrammarCompiler
 from engine.sequence import Sequence
 from models.llama import LlamaModel, StepInput
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, block_size: int, num_blocks: int, eos_token_ids: list[int]):
+    def __init__(self, model: LlamaModel, block_size: int, num_blocks: int, eos_token_ids: list[int],
+                 grammars: GrammarCompiler | None = None):
         self.model = model
         self.backend = model.backend
         self.block_size = block_size
         self.eos_token_ids = list(eos_token_ids)
         self.k_cache, self.v_cache = model.allocate_kv_cache(num_blocks, block_size)
+        self.grammars = grammars
+        self._mask_thread: ThreadPoolExecutor | None = None   # started by the first constrained step
+
+    def close(self) -> None:
+        if self._mask_thread is not None:
+            self._mask_thread.shutdown(wait=True)
+            self._mask_thread = None
+
+    def _start_masks(self, sampling: list[Sequence]) -> tuple[np.ndarray, Future] | None:
+        """The constrained rows' masks, computed on the mask thread from now (None: no row is constrained)."""
+        grammars = [s.grammar for s in sampling if s.grammar is not None]
+        if not grammars:
+            return None
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        masks = self.grammars.allocate_masks(len(grammars))
+        return masks, self._mask_thread.submit(self.grammars.fill_masks, grammars, masks)
 
     def build_step(self, scheduled: list[tuple[Sequence, int]]) -> tuple[StepInput, list[Sequence]]:
         """Flatten the scheduled chunks into one token batch; the sequences whose chunk reaches their
@@ -45,6 +69,7 @@ class ModelRunner:
 
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], SampleResult | None]:
         step, sampling = self.build_step(scheduled)
+        pending = self._start_masks(sampling)
         b = self.backend
         logits = self.model.forward(
             StepInput(*(b.upload(a) for a in (step.tokens, step.positions, step.token_seq, step.slot_mapping,
@@ -52,12 +77,20 @@ class ModelRunner:
             self.k_cache, self.v_cache)
         if not sampling:
             return [], None
+        masks = None
+        if pending is not None:
+            masks, done = pending
+            done.result()
         rows = []
+        constrained = 0
         for s in sampling:
             p = s.request.sampling
             history = p.needs_history  # copy token lists only for rows whose penalties read them
+            allowed = -1
+            if s.grammar is not None:
+                allowed, constrained = constrained, constrained + 1
             rows.append(RowSpec(params=p, seed=s.seed, step=s.num_output_tokens,
                                 prompt_token_ids=s.token_ids[:s.num_prompt_tokens] if history else (),
                                 output_token_ids=s.output_token_ids if history else (),
-                                eos_token_ids=self.eos_token_ids))
-        return sampling, b.sample(logits, SamplingBatch.build(rows))
+                                eos_token_ids=self.eos_token_ids, allowed_row=allowed))
+        return sampling, b.sample(logits, SamplingBatch.build(rows, masks))

@@ -4,6 +4,8 @@ The samplers (engine/backends/cpu_sampler.py, cuda/kernels/sampling.py) apply th
 (vLLM/HF semantics):
   1. logit_bias            w[t] += bias[t]
   2. min_tokens            w[t] = -inf for EOS and stop_token_ids while len(output) < min_tokens
+     structured_output     w[t] = -inf for every token the request's grammar does not allow next
+                           (engine/grammar.py computes the mask; docs/structured-outputs.md)
   3. repetition_penalty    for t in set(prompt + output): w[t] = w[t] / r if w[t] > 0 else w[t] * r
      frequency_penalty     w[t] -= f * count_output(t)
      presence_penalty      w[t] -= p * [count_output(t) > 0]
@@ -79,6 +81,33 @@ def _bool(name: str, x) -> bool:
     return bool(x)
 
 
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
+MAX_CHOICES = 1024
+
+
+def check_structured_output(spec) -> dict | None:
+    """The constraint's shape: {"type": "json", "value": a JSON schema object}, {"type": "regex" |
+    "grammar", "value": a string (a grammar: Lark or GBNF)}, {"type": "choice", "value": [strings]}.
+    Whether the schema or grammar compiles is checked by engine/grammar.py."""
+    if spec is None:
+        return None
+    name = "structured_output"
+    if not isinstance(spec, dict) or set(spec) != {"type", "value"}:
+        raise SamplingParamError(name, f"{name} must be an object {{type, value}}")
+    kind, value = spec["type"], spec["value"]
+    if kind not in STRUCTURED_KINDS:
+        raise SamplingParamError(name, f"{name}.type must be one of {', '.join(STRUCTURED_KINDS)}, got {kind!r}")
+    if kind == "json" and not isinstance(value, dict):
+        raise SamplingParamError(name, "a json constraint's value must be a JSON schema object")
+    if kind in ("regex", "grammar") and (not isinstance(value, str) or not value):
+        raise SamplingParamError(name, f"a {kind} constraint's value must be a non-empty string")
+    if kind == "choice" and (not isinstance(value, list) or not value or len(value) > MAX_CHOICES
+                             or not all(isinstance(c, str) and c for c in value)):
+        raise SamplingParamError(name, f"a choice constraint's value must be a list of 1 to {MAX_CHOICES} "
+                                       f"non-empty strings")
+    return {"type": kind, "value": value}
+
+
 @dataclass
 class SamplingParams:
     """Generation parameters of one request (θ). Validated and normalized on construction."""
@@ -100,6 +129,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None                # top alternatives, 0..20; 0 = only the chosen token's
     skip_special_tokens: bool = True
+    structured_output: dict | None = None      # {"type": json|regex|choice|grammar, "value": ...}: see below
 
     def __post_init__(self):
         self.n = _int("n", self.n, 1, MAX_N)
@@ -132,6 +162,7 @@ class SamplingParams:
         self.ignore_eos = _bool("ignore_eos", self.ignore_eos)
         self.logprobs = _int("logprobs", self.logprobs, 0, MAX_LOGPROBS, optional=True)
         self.skip_special_tokens = _bool("skip_special_tokens", self.skip_special_tokens)
+        self.structured_output = check_structured_output(self.structured_output)
 
     @staticmethod
     def _check_logit_bias(bias):
@@ -180,6 +211,10 @@ class SamplingParams:
             if not _is_int(t) or t < 0:
                 raise SamplingParamError(name, f"{name} must hold token ids (integers >= 0), got {t!r}")
         return [int(t) for t in ids]
+
+    @property
+    def constrained(self) -> bool:
+        return self.structured_output is not None
 
     @property
     def needs_history(self) -> bool:

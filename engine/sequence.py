@@ -54,6 +54,7 @@ class Sequence:
         self.num_preemptions = 0
         self.admitted_at: float | None = None   # last admission to the running set (preemption order)
         self.prefill_leader: "Sequence | None" = None  # n > 1: wait until this one has prefilled
+        self.grammar = None                     # engine.grammar.Grammar of a constrained sequence
 
     # ---- counts
     @property

@@ -330,6 +330,11 @@ class Tokenizer:
 
     # ---- chat ---------------------------------------------------------------------------------------
 
+    @property
+    def supports_tools(self) -> bool:
+        """The chat template renders a `tools` variable itself (else callers describe tools in messages)."""
+        return bool(self.chat_template) and "tools" in self.chat_template
+
     def apply_chat_template(self, messages, add_generation_prompt: bool = True, **kwargs) -> str:
         """Render the model's chat template (as transformers does); ValueError for malformed messages or a
         template that refuses them."""

@@ -189,6 +189,19 @@ class StandInNode:
                     return self._json(200, node.state_body())
                 self._error(404, "not found", "not_found")
 
+            def _tokenizer(self, path, payload):
+                """A character tokenizer: token id = code point (enough to see the gateway forward)."""
+                with node._lock:
+                    node.received.append({"path": path, **payload})
+                if payload.get("model") != MODEL_ID:
+                    return self._error(404, f"unknown model {payload.get('model')}", "model_not_found")
+                if path == "/detokenize":
+                    return self._json(200, {"prompt": "".join(chr(t) if t < 0x110000 else "?"
+                                                              for t in payload["tokens"])})
+                text = payload.get("prompt") or "".join(m["content"] for m in payload["messages"])
+                return self._json(200, {"count": len(text), "max_model_len": 8192,
+                                        "tokens": [ord(c) for c in text], "token_strs": None})
+
             def do_POST(self):
                 if self._gone():
                     return
@@ -196,6 +209,8 @@ class StandInNode:
                 raw = self.rfile.read(length)
                 if not self._authorized():
                     return
+                if self.path in ("/tokenize", "/detokenize"):
+                    return self._tokenizer(self.path, json.loads(raw))
                 if self.path != "/v1/generate":
                     return self._error(404, "not found", "not_found")
                 payload = json.loads(raw)

@@ -189,8 +189,9 @@ def test_catalog_resolves_aliases_and_enforces_tiers():
 
 
 def test_the_gateway_does_not_load_the_engine_kernels():
-    """A gateway worker needs the wire protocol and SamplingParams only: numba (and the kernels) would
-    cost every worker ~80 MB and seconds of start-up."""
+    """A gateway worker needs the wire protocol, SamplingParams, and the grammar checks and tool-call
+    format of structured outputs (llguidance, no tokenizer) only: numba (and the kernels) would cost
+    every worker ~80 MB and seconds of start-up."""
     import subprocess
     import sys
     code = ("import os, sys; os.environ['ZEN_NODES'] = 'http://127.0.0.1:9'; "
@@ -198,4 +199,5 @@ def test_the_gateway_does_not_load_the_engine_kernels():
             "print(sorted(m for m in sys.modules if m == 'numba' or m.startswith('engine.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "['engine.client_socket', 'engine.logs', 'engine.protocol', 'engine.sampling']"
+    assert out.stdout.strip() == ("['engine.client_socket', 'engine.grammar', 'engine.logs', 'engine.protocol', "
+                                  "'engine.sampling', 'engine.tools']")

@@ -209,6 +209,27 @@ def test_sample_matches_cpu_sampler(be, rng):
           np.where(np.isinf(want.top_logprobs), -1e9, want.top_logprobs), 1e-5)
 
 
+def test_sample_applies_the_allowed_token_mask_like_the_cpu_sampler(be, rng):
+    """Constrained rows (their own packed mask row) and free rows in one batch: the device samples what
+    the CPU sampler samples, and a constrained row only an allowed token."""
+    from tests.test_sampler_allowed_mask import pack, random_allowed
+    vocab = 100
+    rows = _rows(vocab, rng)
+    allowed = random_allowed(rng, len(rows), vocab)
+    constrained = [i for i in range(len(rows)) if i % 2 == 0]
+    for r, i in enumerate(constrained):
+        rows[i].allowed_row = r
+    logits = (2.0 * rng.standard_normal((len(rows), vocab))).astype(np.float32)
+    for r, i in enumerate(constrained):
+        logits[i, ~allowed[r]] += 20.0   # the banned tokens are the likely ones
+    batch = SamplingBatch.build(rows, pack(allowed[:len(constrained)]))
+    want = cpu_sample(logits, batch)
+    got = be.sample(be.upload(logits), batch)
+    np.testing.assert_array_equal(got.token_ids, want.token_ids)
+    close(got.logprobs, want.logprobs, 1e-5)
+    assert all(allowed[r, got.token_ids[i]] for r, i in enumerate(constrained))
+
+
 def test_sample_draws_follow_the_seed():
     """Many seeds: the device draw agrees with the CPU sampler's u(seed, step) inverse CDF."""
     be = CudaBackend(SIM_CONFIG)

@@ -113,6 +113,23 @@ def test_defaults_sent_to_the_node(client, auth, node):
     assert s["temperature"] == 1.0 and s["top_k"] == -1 and s["seed"] is None
 
 
+@pytest.mark.parametrize("field, expected", [
+    ({"response_format": {"type": "json_object"}}, {"type": "json", "value": {"type": "object"}}),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "integer"}}}},
+     {"type": "json", "value": {"type": "integer"}}),
+    ({"structured_outputs": {"regex": "[0-9]+"}}, {"type": "regex", "value": "[0-9]+"}),
+    ({"structured_outputs": {"json": '{"type": "string"}'}}, {"type": "json", "value": {"type": "string"}}),
+    ({"guided_choice": ["a", "b"]}, {"type": "choice", "value": ["a", "b"]}),
+    ({"guided_grammar": 'start: "x"'}, {"type": "grammar", "value": 'start: "x"'}),
+    ({"response_format": {"type": "text"}}, None),
+])
+def test_structured_output_sent_to_the_node(client, auth, node, field, expected):
+    assert client.post(CHAT, headers=auth, json=chat_body(**field)).status_code == 200
+    assert node.received[-1]["sampling"].get("structured_output") == expected
+    r = client.post(COMPLETIONS, headers=auth, json={"model": "zen-small", "prompt": "x", **field})
+    assert r.status_code == 200 and node.received[-1]["sampling"].get("structured_output") == expected
+
+
 def test_max_completion_tokens_wins_and_stop_applies(client, auth, node):
     r = client.post(CHAT, headers=auth, json=chat_body(max_tokens=100, max_completion_tokens=3))
     assert r.get_json()["choices"][0]["message"]["content"] == "Hello, world"
@@ -560,8 +577,30 @@ BAD_CHAT = [
     (chat_body(stream=True, stream_options=[1]), "stream_options"),
     (chat_body(ignore_eos="no"), "ignore_eos"),
     (chat_body(user=7), "user"),
-    (chat_body(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
-    (chat_body(response_format={"type": "json_object"}), "response_format"),
+    (chat_body(tools=[{"type": "function", "function": {"name": "no spaces"}}]), "tools"),
+    (chat_body(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "bad"}}}]), "tools"),
+    (chat_body(tools=[{"type": "function", "function": {"name": "f"}}] * 2), "tools"),
+    (chat_body(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="sometimes"), "tool_choice"),
+    (chat_body(tools=[{"type": "function", "function": {"name": "f"}}],
+               tool_choice={"type": "function", "function": {"name": "g"}}), "tool_choice"),
+    (chat_body(tool_choice="required"), "tool_choice"),
+    (chat_body(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required",
+               response_format={"type": "json_object"}), "tool_choice"),
+    (chat_body(tools=[{"type": "function", "function": {"name": "f"}}], parallel_tool_calls="yes"),
+     "parallel_tool_calls"),
+    (chat_body(messages=[{"role": "tool", "content": "1"}]), "messages"),
+    (chat_body(messages=[{"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}]), "messages"),
+    (chat_body(response_format={"type": "xml"}), "response_format"),
+    (chat_body(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}),
+     "response_format"),
+    (chat_body(response_format={"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}),
+     "response_format"),
+    (chat_body(structured_outputs={"regex": "[a-"}), "structured_outputs"),
+    (chat_body(structured_outputs={"regex": "a", "choice": ["b"]}), "structured_outputs"),
+    (chat_body(structured_outputs={"grammar": "root ::= ("}), "structured_outputs"),
+    (chat_body(guided_choice=[]), "guided_choice"),
+    (chat_body(guided_json="{not json"), "guided_json"),
+    (chat_body(guided_regex="a", response_format={"type": "json_object"}), "guided_regex"),
 ]
 
 

@@ -1,6 +1,7 @@
 """Sampling on the device: one block per row of logits, the semantics of engine/backends/cpu_sampler.py.
 
-Per row: logit_bias, the min_tokens mask, repetition/frequency/presence penalties (once per distinct token
+Per row: logit_bias, the min_tokens mask, the grammar's allowed-token mask (packed uint32 bits; a row
+without a constraint has allowed_row -1 and reads none), repetition/frequency/presence penalties (once per distinct token
 of the history), then greedy argmax (temperature 0) or a draw from softmax((w - max) / T) restricted by
 top-k, then top-p on the top-k set, then min-p, as the inverse CDF of u(seed, step) over the kept tokens in
 the CPU sampler's draw order (token t at (t mod nb, t div nb), nb = ceil(V / 64)). Logprobs are those of the
@@ -126,8 +127,9 @@ def select_cut(w, i, vocab, m, inv_t, use_z, ck, cid, target, buf):
 @cuda.jit(fastmath=True)
 def sample_rows(logits, work, cnt, temperature, top_p, top_k, min_p, rep, pres, freq, seed, step, num_logprobs,
                 bias_indptr, bias_ids, bias_vals, mask_indptr, mask_ids, hist_indptr, hist_ids, hist_num_prompt,
-                out_tok, out_lp, out_top_ids, out_top_lp):
-    """Sample row i = blockIdx.x of logits [S, V] (see the module doc); work, cnt: [S, V] scratch."""
+                allowed_row, allowed, out_tok, out_lp, out_top_ids, out_top_lp):
+    """Sample row i = blockIdx.x of logits [S, V] (see the module doc); work, cnt: [S, V] scratch.
+    allowed [R, ceil(V/32)] uint32: the grammar's allowed tokens of row i when allowed_row[i] >= 0."""
     buf = cuda.shared.array(MAX_BLOCK, float32)
     ibuf = cuda.shared.array(MAX_BLOCK, int32)
     found = cuda.shared.array(1, int32)
@@ -150,7 +152,8 @@ def sample_rows(logits, work, cnt, temperature, top_p, top_k, min_p, rep, pres, 
     b0, b1 = bias_indptr[i], bias_indptr[i + 1]
     k0, k1 = mask_indptr[i], mask_indptr[i + 1]
     h0, h1 = hist_indptr[i], hist_indptr[i + 1]
-    processed = b1 > b0 or k1 > k0 or h1 > h0
+    a = allowed_row[i]
+    processed = b1 > b0 or k1 > k0 or h1 > h0 or a >= 0
     w = logits
     if processed:
         w = work
@@ -162,6 +165,10 @@ def sample_rows(logits, work, cnt, temperature, top_p, top_k, min_p, rep, pres, 
         cuda.syncthreads()  # bias before the mask (a masked token stays masked)
         for j in range(k0 + tid, k1, nt):
             work[i, mask_ids[j]] = NEG
+        if a >= 0:  # bit t % 32 of word t // 32 clear: the grammar does not allow token t
+            for t in range(tid, vocab, nt):
+                if (allowed[a, t >> 5] >> (t & 31)) & 1 == 0:
+                    work[i, t] = NEG
         for j in range(h0 + tid, h1, nt):
             cnt[i, hist_ids[j]] = 0
         cuda.syncthreads()  # counters cleared

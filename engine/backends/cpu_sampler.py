@@ -35,13 +35,32 @@ _BAND = 256                # ... until at most this many values are left for the
 
 
 @njit(cache=True)
+def _apply_allowed(w, words):
+    """-inf on every token whose bit in the packed mask row `words` is clear (tokens past it too)."""
+    V = w.size
+    for k in range(words.size):
+        word = words[k]
+        if word == np.uint32(0xFFFFFFFF):
+            continue
+        t0 = k * 32
+        for b in range(min(32, V - t0)):
+            if not (word >> np.uint32(b)) & np.uint32(1):
+                w[t0 + b] = NEG_INF32
+    for t in range(words.size * 32, V):
+        w[t] = NEG_INF32
+
+
+@njit(cache=True)
 def _process_row(w, i, bias_indptr, bias_ids, bias_vals, mask_indptr, mask_ids,
-                 hist_indptr, hist_ids, hist_num_prompt, rep, pres, freq):
-    """Bias, min_tokens mask and penalties applied in place to w (a copy of row i's logits)."""
+                 hist_indptr, hist_ids, hist_num_prompt, rep, pres, freq, allowed_row, allowed_mask):
+    """Bias, min_tokens mask, penalties and the grammar's allowed tokens applied in place to w (a copy
+    of row i's logits)."""
     for j in range(bias_indptr[i], bias_indptr[i + 1]):
         w[bias_ids[j]] += bias_vals[j]
     for j in range(mask_indptr[i], mask_indptr[i + 1]):
         w[mask_ids[j]] = NEG_INF32
+    if allowed_row[i] >= 0:
+        _apply_allowed(w, allowed_mask[allowed_row[i]])
     h0, h1 = hist_indptr[i], hist_indptr[i + 1]
     if h1 == h0:
         return
@@ -233,17 +252,17 @@ def _top_logprobs(raw, bmax, k, lse, out_ids, out_lp):
 @njit(cache=True)
 def _sample_row(i, raw, temperature, top_p, top_k, min_p, rep, pres, freq, seed, step, num_logprobs,
                 bias_indptr, bias_ids, bias_vals, mask_indptr, mask_ids, hist_indptr, hist_ids, hist_num_prompt,
-                out_tok, out_lp, out_top_ids, out_top_lp):
+                allowed_row, allowed_mask, out_tok, out_lp, out_top_ids, out_top_lp):
     V = raw.size
     nb = (V + BLOCK - 1) // BLOCK
     bmax_raw = np.empty(nb, np.float32)
     m_raw = block_max(raw, bmax_raw)
     lse = np.float64(m_raw) + np.log(exp_sum(raw, m_raw, np.float32(1.0)))
     if (bias_indptr[i + 1] > bias_indptr[i] or mask_indptr[i + 1] > mask_indptr[i]
-            or hist_indptr[i + 1] > hist_indptr[i]):
+            or hist_indptr[i + 1] > hist_indptr[i] or allowed_row[i] >= 0):
         w = raw.copy()
         _process_row(w, i, bias_indptr, bias_ids, bias_vals, mask_indptr, mask_ids,
-                     hist_indptr, hist_ids, hist_num_prompt, rep, pres, freq)
+                     hist_indptr, hist_ids, hist_num_prompt, rep, pres, freq, allowed_row, allowed_mask)
         bmax = np.empty(nb, np.float32)
         m = block_max(w, bmax)
     else:
@@ -263,21 +282,21 @@ def _sample_row(i, raw, temperature, top_p, top_k, min_p, rep, pres, freq, seed,
 @njit(parallel=True, cache=True)
 def _sample_kernel(logits, temperature, top_p, top_k, min_p, rep, pres, freq, seed, step, num_logprobs,
                    bias_indptr, bias_ids, bias_vals, mask_indptr, mask_ids, hist_indptr, hist_ids, hist_num_prompt,
-                   out_tok, out_lp, out_top_ids, out_top_lp):
+                   allowed_row, allowed_mask, out_tok, out_lp, out_top_ids, out_top_lp):
     """Sample every row of logits [S, V]; rows are independent."""
     for i in prange(logits.shape[0]):
         _sample_row(np.int64(i), logits[i], temperature, top_p, top_k, min_p, rep, pres, freq, seed, step, num_logprobs,
                     bias_indptr, bias_ids, bias_vals, mask_indptr, mask_ids, hist_indptr, hist_ids, hist_num_prompt,
-                    out_tok, out_lp, out_top_ids, out_top_lp)
+                    allowed_row, allowed_mask, out_tok, out_lp, out_top_ids, out_top_lp)
 
 
 @njit(cache=True)
 def _process_rows(logits, out, rep, pres, freq, bias_indptr, bias_ids, bias_vals, mask_indptr, mask_ids,
-                  hist_indptr, hist_ids, hist_num_prompt):
+                  hist_indptr, hist_ids, hist_num_prompt, allowed_row, allowed_mask):
     for i in range(logits.shape[0]):
         out[i] = logits[i]
         _process_row(out[i], i, bias_indptr, bias_ids, bias_vals, mask_indptr, mask_ids,
-                     hist_indptr, hist_ids, hist_num_prompt, rep, pres, freq)
+                     hist_indptr, hist_ids, hist_num_prompt, rep, pres, freq, allowed_row, allowed_mask)
 
 
 # --------------------------------------------------------------------------- entry points
@@ -299,13 +318,13 @@ def sample(logits: np.ndarray, batch: SamplingBatch) -> SampleResult:
     _sample_kernel(logits, b.temperature, b.top_p, b.top_k, b.min_p, b.repetition_penalty, b.presence_penalty,
                    b.frequency_penalty, b.seed, b.step, b.num_logprobs,
                    b.bias_indptr, b.bias_token_ids, b.bias_values, b.mask_indptr, b.mask_token_ids,
-                   b.hist_indptr, b.hist_token_ids, b.hist_num_prompt,
+                   b.hist_indptr, b.hist_token_ids, b.hist_num_prompt, b.allowed_row, b.allowed_mask,
                    res.token_ids, res.logprobs, res.top_token_ids, res.top_logprobs)
     return res
 
 
 def processed_logits(logits: np.ndarray, batch: SamplingBatch) -> np.ndarray:
-    """The logits after bias, min_tokens masking and penalties (what `sample` draws from before
+    """The logits after bias, min_tokens masking, penalties and the allowed-token mask (what `sample` draws from before
     temperature), computed by the kernel's own code; for tests and debugging."""
     logits = _check_logits(logits, batch)
     out = np.empty_like(logits)
@@ -313,7 +332,7 @@ def processed_logits(logits: np.ndarray, batch: SamplingBatch) -> np.ndarray:
     if b.num_rows:
         _process_rows(logits, out, b.repetition_penalty, b.presence_penalty, b.frequency_penalty,
                         b.bias_indptr, b.bias_token_ids, b.bias_values, b.mask_indptr, b.mask_token_ids,
-                        b.hist_indptr, b.hist_token_ids, b.hist_num_prompt)
+                        b.hist_indptr, b.hist_token_ids, b.hist_num_prompt, b.allowed_row, b.allowed_mask)
     return out
 
 

@@ -19,6 +19,7 @@ class RowSpec:
     prompt_token_ids: Sequence[int] = ()   # read only when the params have penalties
     output_token_ids: Sequence[int] = ()
     eos_token_ids: Sequence[int] = ()
+    allowed_row: int = -1  # row of the batch's allowed-token mask (a constrained sequence); -1: none
 
 
 def _csr(parts: list[np.ndarray | None], dtype) -> tuple[np.ndarray, np.ndarray]:
@@ -52,6 +53,8 @@ class SamplingBatch:
     hist_indptr: np.ndarray        # i64 [S+1]   token history of rows with penalties: prompt then output
     hist_token_ids: np.ndarray     # i32 [nnz]
     hist_num_prompt: np.ndarray    # i32 [S]     how many of a row's history tokens are prompt tokens
+    allowed_row: np.ndarray | None = None   # i32 [S]  row of allowed_mask, -1 for an unconstrained row
+    allowed_mask: np.ndarray | None = None  # u32 [R, ceil(V/32)]  bit t % 32 of word t // 32: t allowed
     max_num_logprobs: int = 0      # K of the result
     max_token_id: int = -1         # largest token id in the CSR arrays (checked against the vocabulary)
 
@@ -66,9 +69,17 @@ class SamplingBatch:
         if self.max_token_id >= shape[1]:
             raise ValueError(f"token id {self.max_token_id} in the sampling batch is out of range for a "
                              f"vocabulary of {shape[1]}")
+        if self.constrained and self.allowed_mask.shape[1] * 32 < shape[1]:
+            raise ValueError(f"the allowed-token mask covers {self.allowed_mask.shape[1] * 32} tokens, fewer "
+                             f"than the vocabulary of {shape[1]}")
+
+    @property
+    def constrained(self) -> bool:
+        return self.allowed_mask is not None and len(self.allowed_mask) > 0
 
     @classmethod
-    def build(cls, rows: list[RowSpec]) -> SamplingBatch:
+    def build(cls, rows: list[RowSpec], allowed_mask: np.ndarray | None = None) -> SamplingBatch:
+        """The batch of `rows`; allowed_mask [R, words] uint32 holds the rows that RowSpec.allowed_row name."""
         S = len(rows)
         f32 = lambda get: np.fromiter((get(r.params) for r in rows), np.float32, S)  # noqa: E731
         temperature = f32(lambda p: 0.0 if p.greedy else p.temperature)
@@ -102,6 +113,11 @@ class SamplingBatch:
         ids = [a for a in (bias_ids, mask_ids, hist_ids) if a.size]
         if any(a.min() < 0 for a in ids):
             raise ValueError("token ids must be >= 0")
+        allowed_row = np.fromiter((r.allowed_row for r in rows), np.int32, S)
+        if allowed_mask is None:
+            allowed_mask = np.zeros((0, 1), np.uint32)
+        if S and allowed_row.max() >= len(allowed_mask):
+            raise ValueError(f"allowed_row {allowed_row.max()} is past the mask's {len(allowed_mask)} rows")
         return cls(
             temperature=temperature, top_p=f32(lambda p: p.top_p), top_k=top_k, min_p=f32(lambda p: p.min_p),
             repetition_penalty=f32(lambda p: p.repetition_penalty),
@@ -111,6 +127,7 @@ class SamplingBatch:
             bias_indptr=bias_indptr, bias_token_ids=bias_ids, bias_values=bias_values,
             mask_indptr=mask_indptr, mask_token_ids=mask_ids,
             hist_indptr=hist_indptr, hist_token_ids=hist_ids, hist_num_prompt=num_prompt,
+            allowed_row=allowed_row, allowed_mask=np.ascontiguousarray(allowed_mask, np.uint32),
             max_num_logprobs=int(num_logprobs.max()) if S else 0,
             max_token_id=max((int(a.max()) for a in ids), default=-1),
         )

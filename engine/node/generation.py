@@ -24,6 +24,7 @@ from engine.node.metrics import FinishedSequence
 from engine.node.registry import ResidentModel
 from engine.protocol import NODE_SHUTDOWN, APIError, GenerateRequest, bad_value, stream_error_event
 from engine.request import EngineRequest
+from engine.tools import render_tool_prompt, template_messages, uses_tools
 
 if TYPE_CHECKING:
     from engine.node.node import Node
@@ -43,17 +44,33 @@ def model_not_found(e: LookupError) -> APIError:
     return APIError(404, str(e), param="model", code="model_not_found")
 
 
-def tokenize(call: GenerateRequest, m: ResidentModel) -> tuple[list[int], str | None]:
-    tok = m.engine.tokenizer
+def prompt_token_ids(tok, prompt: str | None, messages: list | None, add_special_tokens: bool = True,
+                     add_generation_prompt: bool = True, tools: list | None = None) -> list[int]:
+    """The tokens of a text prompt, or of chat messages rendered by the model's template (which holds
+    the special tokens: add_special_tokens applies to a prompt only unless asked), with the tools as the
+    template takes them or in the default rendering (engine/tools.py); 400 when refused."""
     try:
-        if call.prompt is not None:
-            return tok.encode(call.prompt), call.prompt
-        if call.prompt_token_ids is not None:
-            return list(call.prompt_token_ids), None
-        text = tok.apply_chat_template(call.messages, add_generation_prompt=True)
-        return tok.encode(text, add_special_tokens=False), None
+        if prompt is not None:
+            return tok.encode(prompt, add_special_tokens=add_special_tokens)
+        if not uses_tools(messages, tools):
+            text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        elif tok.supports_tools:
+            text = tok.apply_chat_template(template_messages(messages), add_generation_prompt=add_generation_prompt,
+                                           tools=tools)
+        else:
+            text = tok.apply_chat_template(render_tool_prompt(messages, tools),
+                                           add_generation_prompt=add_generation_prompt)
+        return tok.encode(text, add_special_tokens=add_special_tokens)
     except ValueError as e:   # malformed messages, a template that refuses them
-        raise bad_value(str(e), "messages" if call.messages is not None else "prompt") from None
+        raise bad_value(str(e), "messages" if messages is not None else "prompt") from None
+
+
+def tokenize(call: GenerateRequest, m: ResidentModel) -> tuple[list[int], str | None]:
+    if call.prompt_token_ids is not None:
+        return list(call.prompt_token_ids), None
+    if call.prompt is not None:
+        return prompt_token_ids(m.engine.tokenizer, call.prompt, None), call.prompt
+    return prompt_token_ids(m.engine.tokenizer, None, call.messages, add_special_tokens=False, tools=call.tools), None
 
 
 def _finite(x: float) -> float:

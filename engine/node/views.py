@@ -1,4 +1,5 @@
-"""The node's HTTP endpoints (a Blueprint): health, ready, metrics, state, models, load/unload, generate."""
+"""The node's HTTP endpoints (a Blueprint): health, ready, metrics, state, models, load/unload, generate,
+tokenize/detokenize."""
 from __future__ import annotations
 
 import json
@@ -8,11 +9,11 @@ from typing import Any
 from flask import Blueprint, Response, current_app, g, jsonify, request
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from engine.node.generation import SSEBody, collect, model_not_found, unavailable
+from engine.node.generation import SSEBody, collect, model_not_found, prompt_token_ids, unavailable
 from engine.node.node import Node
 from engine.node.registry import ModelBusy, ModelNotFound, ModelUnavailable
 from engine.node.tracing import EXTENSION_KEY as TRACING_KEY, GenerationTrace
-from engine.protocol import APIError, GenerateRequest, bad_value, optional_str
+from engine.protocol import APIError, DetokenizeRequest, GenerateRequest, TokenizeRequest, bad_value, optional_str
 from models.inspect import check_quantization
 
 bp = Blueprint("node", __name__)
@@ -140,3 +141,44 @@ def generate():
         return Response(SSEBody(gen), mimetype="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     return collect(gen)
+
+
+def _acquired(model: str, quantization: str | None):
+    """The resident model (loaded if need be); release it with registry.release."""
+    n = the_node()
+    try:
+        quantization = check_quantization(quantization)
+        return n.registry.acquire(model, quantization, n.config.load_wait_s)
+    except ValueError as e:
+        raise bad_value(str(e), "quantization") from None
+    except ModelNotFound as e:
+        raise model_not_found(e) from None
+    except ModelUnavailable as e:
+        raise unavailable(str(e), e.code, e.retry_after) from None
+
+
+@bp.post("/tokenize")
+def tokenize():
+    call = TokenizeRequest.from_json(json_body())
+    m = _acquired(call.model, call.quantization)
+    try:
+        tok = m.engine.tokenizer
+        ids = prompt_token_ids(tok, call.prompt, call.messages, call.add_special_tokens,
+                               call.add_generation_prompt)
+        return jsonify({"count": len(ids), "max_model_len": m.engine.max_model_len, "tokens": ids,
+                        "token_strs": [tok.token_text(t) for t in ids] if call.return_token_strs else None})
+    finally:
+        the_node().registry.release(m)
+
+
+@bp.post("/detokenize")
+def detokenize():
+    call = DetokenizeRequest.from_json(json_body())
+    m = _acquired(call.model, call.quantization)
+    try:
+        try:
+            return jsonify({"prompt": m.engine.tokenizer.decode(call.tokens, skip_special_tokens=False)})
+        except ValueError as e:   # a token id past the vocabulary
+            raise bad_value(str(e), "tokens") from None
+    finally:
+        the_node().registry.release(m)

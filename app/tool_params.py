@@ -1,0 +1,99 @@
+"""`tools`, `tool_choice` and `parallel_tool_calls` of a chat request, checked: what the node renders
+into the prompt, the constraint that forces a call ("required" or a named function), and whether the
+answer is parsed for calls. The call format itself is engine/tools.py's."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from app import structured
+from engine.protocol import bad_value
+from engine.tools import tool_call_grammar
+
+MAX_TOOLS = 128
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """What the gateway does with a request's tools."""
+    tools: tuple[dict, ...] | None      # sent to the node for the chat template (None: no tools)
+    constraint: dict | None             # the grammar of a forced call
+    parse: str | None                   # look for calls in the answer: "single" or "parallel"; None: not
+
+
+NO_TOOLS = ToolPlan(None, None, None)
+
+
+def _function(tool: Any, i: int) -> dict:
+    where = f"tools[{i}]"
+    if not isinstance(tool, dict) or tool.get("type", "function") != "function" \
+            or not isinstance(tool.get("function"), dict):
+        raise bad_value(f"`{where}` must be {{type: \"function\", function: {{name, description, parameters}}}}",
+                        "tools", "invalid_type")
+    f = tool["function"]
+    name = f.get("name")
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise bad_value(f"`{where}.function.name` must be 1 to 64 letters, digits, _ or -", "tools")
+    if f.get("description") is not None and not isinstance(f["description"], str):
+        raise bad_value(f"`{where}.function.description` must be a string", "tools", "invalid_type")
+    params = f.get("parameters")
+    if params is not None:
+        if not isinstance(params, dict):
+            raise bad_value(f"`{where}.function.parameters` must be a JSON schema object", "tools", "invalid_type")
+        structured.check({"type": "json", "value": params}, "tools")
+    out = {"name": name, "parameters": params or {"type": "object", "properties": {}}}
+    if f.get("description"):
+        out["description"] = f["description"]
+    return out
+
+
+def _chosen(choice: Any, names: list[str]) -> str | None:
+    """tool_choice: "none" | "auto" | "required", or the name of the function it forces."""
+    if choice is None:
+        return "auto"
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise bad_value("`tool_choice` must be none, auto, required or {type: function, function: {name}}",
+                            "tool_choice")
+        return choice
+    f = choice.get("function") if isinstance(choice, dict) else None
+    if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+        raise bad_value("`tool_choice` must be none, auto, required or {type: function, function: {name}}",
+                        "tool_choice", "invalid_type")
+    if f["name"] not in names:
+        raise bad_value(f"`tool_choice` names {f['name']!r}, which is not in `tools`", "tool_choice")
+    return "named"
+
+
+def tool_plan(body: Mapping[str, Any], has_constraint: bool) -> ToolPlan:
+    """The request's ToolPlan; 400 naming tools, tool_choice or parallel_tool_calls when they are bad."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise bad_value("`parallel_tool_calls` must be a boolean", "parallel_tool_calls", "invalid_type")
+    if tools in (None, []):
+        if choice not in (None, "none"):
+            raise bad_value("`tool_choice` needs `tools`", "tool_choice")
+        return NO_TOOLS
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise bad_value(f"`tools` must be an array of at most {MAX_TOOLS} function tools", "tools", "invalid_type")
+    functions = [_function(t, i) for i, t in enumerate(tools)]
+    names = [f["name"] for f in functions]
+    if len(set(names)) != len(names):
+        raise bad_value("`tools` names a function twice", "tools")
+    mode = _chosen(choice, names)
+    rendered = tuple({"type": "function", "function": f} for f in functions)
+    if mode == "none":   # the model still sees its tools (as vLLM does), and its answer is plain text
+        return ToolPlan(rendered, None, None)
+    parse = "parallel" if parallel else "single"
+    if mode == "auto":
+        return ToolPlan(rendered, None, parse)
+    if has_constraint:
+        raise bad_value("`tool_choice` that forces a call cannot be combined with `response_format` or "
+                        "another structured output", "tool_choice")
+    forced = functions if mode == "required" else [f for f in functions if f["name"] == choice["function"]["name"]]
+    constraint = structured.check({"type": "grammar", "value": tool_call_grammar(forced, parallel)}, "tools")
+    return ToolPlan(rendered, constraint, parse)

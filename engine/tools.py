@@ -1,0 +1,206 @@
+"""The tool-call format: how tools reach a chat prompt, what a call looks like in the model's output, the
+grammar that forces a valid call, and the parser that finds calls in generated text.
+
+A call is written `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (several in a row when
+parallel calls are allowed): the format of the Hermes/Qwen family of templates. A model whose chat
+template renders `tools` itself gets them there; any other template gets the default rendering
+(`render_tool_prompt`): the tools and the call format described in the system message, earlier calls as
+the assistant's text and tool results as user messages in `<tool_response>` tags (docs/structured-outputs.md).
+
+The gateway builds the grammar (tool_choice "required" or a named function) and parses the output; the
+node renders the prompt. Nothing here imports more than the standard library.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
+ANY_OBJECT = {"type": "object"}
+# compact JSON inside calls, as for response_format (engine/grammar.py's reason)
+_COMPACT = {"whitespace_flexible": False}
+
+DEFAULT_TOOL_PROMPT = """# Tools
+
+You may call one or more functions to help with the user's request. The functions, described as JSON \
+schemas:
+<tools>
+{tools}
+</tools>
+
+To call a function, answer with a JSON object that names it and gives its arguments, inside tags:
+<tool_call>{{"name": <function name>, "arguments": <arguments as a JSON object>}}</tool_call>"""
+
+
+# ------------------------------------------------------------------------------------------ grammar
+
+def _call_schema(function: dict) -> dict:
+    """The JSON schema of one call of `function`: its name, and arguments matching its parameters."""
+    return {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+            "properties": {"name": {"const": function["name"]},
+                           "arguments": function.get("parameters") or ANY_OBJECT},
+            "x-guidance": _COMPACT}
+
+
+def tool_call_grammar(functions: list[dict], parallel: bool) -> str:
+    """A Lark grammar (llguidance's, with %json) whose sentences are one valid call of one of
+    `functions` ({name, parameters}), or several separated by newlines when `parallel`."""
+    alternatives = []
+    rules = []
+    for i, f in enumerate(functions):
+        rules.append(f"fn_{i}: %json {json.dumps(_call_schema(f))}")
+        alternatives.append(f"fn_{i}")
+    head = "start: call (\"\\n\" call)*" if parallel else "start: call"
+    call = f"call: {json.dumps(CALL_OPEN)} ({' | '.join(alternatives)}) {json.dumps(CALL_CLOSE)}"
+    return "\n".join([head, call, *rules])
+
+
+# ---------------------------------------------------------------------------------------- the prompt
+
+def _objects(messages) -> list[dict]:
+    """The messages, each an object (ValueError otherwise: the caller answers 400)."""
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise ValueError("messages must be a list of {role, content} objects")
+    return messages
+
+
+def _call_text(call: dict) -> str:
+    f = call.get("function") or {}
+    args = f.get("arguments")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            pass
+    return CALL_OPEN + json.dumps({"name": f.get("name"), "arguments": args}, ensure_ascii=False) + CALL_CLOSE
+
+
+def uses_tools(messages, tools) -> bool:
+    """Whether a chat needs tool rendering: tools given, or calls and results in its history."""
+    return bool(tools) or (isinstance(messages, list) and any(
+        isinstance(m, dict) and (m.get("tool_calls") or m.get("role") == "tool") for m in messages))
+
+
+def render_tool_prompt(messages: list[dict], tools: list[dict] | None) -> list[dict]:
+    """The default rendering, for a chat template that knows nothing of tools: plain messages only (the
+    tools described in the system message when there are any)."""
+    out: list[dict] = []
+    for m in _objects(messages):
+        role, content = m.get("role"), m.get("content") or ""
+        if role == "assistant" and isinstance(m.get("tool_calls"), list):
+            calls = "\n".join(_call_text(c) for c in m["tool_calls"] if isinstance(c, dict))
+            out.append({"role": "assistant", "content": (content + "\n" if content else "") + calls})
+        elif role == "tool":
+            out.append({"role": "user", "content": f"{RESPONSE_OPEN}\n{content}\n{RESPONSE_CLOSE}"})
+        else:
+            out.append({"role": role, "content": content})
+    if not tools:
+        return out
+    note = DEFAULT_TOOL_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+    if out and out[0]["role"] == "system":
+        out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + note}
+    else:
+        out.insert(0, {"role": "system", "content": note})
+    return out
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """Messages for a template that renders tools itself: call arguments as objects (what such
+    templates iterate over), everything else as given."""
+    out = []
+    for m in _objects(messages):
+        if isinstance(m.get("tool_calls"), list):
+            calls = []
+            for c in m["tool_calls"]:
+                if not isinstance(c, dict):
+                    raise ValueError("tool_calls must hold {id, type, function} objects")
+                f = dict(c.get("function") or {})
+                if isinstance(f.get("arguments"), str):
+                    try:
+                        f["arguments"] = json.loads(f["arguments"])
+                    except ValueError:
+                        pass
+                calls.append({**c, "function": f})
+            m = {**m, "tool_calls": calls}
+        out.append(m)
+    return out
+
+
+# ------------------------------------------------------------------------------------------- parser
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str   # JSON text, as OpenAI's function.arguments
+
+
+def _parse_call(body: str) -> ToolCall | None:
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        return ToolCall(obj["name"], args)
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+class ToolCallParser:
+    """Generated text in, pieces out: ("text", str) safe to show as content, and ("call", ToolCall) for
+    each complete call. A tail that may begin a call is held back until it is known; a block that does
+    not hold a valid call is content after all."""
+
+    def __init__(self) -> None:
+        self._buf = ""
+        self._in_call = False
+
+    def push(self, text: str) -> list[tuple[str, Any]]:
+        self._buf += text
+        out: list[tuple[str, Any]] = []
+        while True:
+            if self._in_call:
+                end = self._buf.find(CALL_CLOSE)
+                if end < 0:
+                    return out
+                body, self._buf = self._buf[:end], self._buf[end + len(CALL_CLOSE):]
+                self._in_call = False
+                call = _parse_call(body)
+                out.append(("call", call) if call else ("text", CALL_OPEN + body + CALL_CLOSE))
+                continue
+            start = self._buf.find(CALL_OPEN)
+            if start >= 0:
+                if start:
+                    out.append(("text", self._buf[:start]))
+                self._buf, self._in_call = self._buf[start + len(CALL_OPEN):], True
+                continue
+            keep = _partial_tail(self._buf, CALL_OPEN)
+            if len(self._buf) > keep:
+                out.append(("text", self._buf[:len(self._buf) - keep]))
+                self._buf = self._buf[len(self._buf) - keep:]
+            return out
+
+    def finish(self) -> list[tuple[str, Any]]:
+        """The end of the text: what was held back is content (an unclosed call too)."""
+        rest = (CALL_OPEN if self._in_call else "") + self._buf
+        self._buf, self._in_call = "", False
+        return [("text", rest)] if rest else []
+
+
+def _partial_tail(buf: str, tag: str) -> int:
+    """Length of the longest tail of buf that is a proper beginning of tag."""
+    for k in range(min(len(tag) - 1, len(buf)), 0, -1):
+        if buf.endswith(tag[:k]):
+            return k
+    return 0
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
+    """The whole text at once: (content without the calls, the calls)."""
+    parser = ToolCallParser()
+    pieces = parser.push(text) + parser.finish()
+    content = "".join(p for kind, p in pieces if kind == "text")
+    return content, [p for kind, p in pieces if kind == "call"]

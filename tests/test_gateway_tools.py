@@ -1,0 +1,143 @@
+"""Tool calling at the gateway: what reaches the node (tools for the template, the grammar of a forced
+call), and the node's text turned into message.tool_calls or streamed tool-call deltas."""
+from __future__ import annotations
+
+import json
+
+import llguidance
+import pytest
+
+from app.responses import CHAT, ChunkWriter, chat_completion
+from engine.tools import ToolCallParser, parse_tool_calls, render_tool_prompt, tool_call_grammar
+from tests.test_gateway_support import auth, client, gateway, node  # noqa: F401 (fixtures)
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+CLOCK = {"type": "function", "function": {"name": "now"}}
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+
+
+def _chat(**over):
+    return {"model": "zen-small", "messages": [{"role": "user", "content": "weather?"}], **over}
+
+
+def test_auto_sends_the_tools_and_no_constraint(client, auth, node):  # noqa: F811
+    assert client.post("/v1/chat/completions", headers=auth, json=_chat(tools=[WEATHER, CLOCK])).status_code == 200
+    sent = node.received[-1]
+    assert [t["function"]["name"] for t in sent["tools"]] == ["get_weather", "now"]
+    assert "structured_output" not in sent["sampling"]
+
+
+@pytest.mark.parametrize("choice, names, parallel", [
+    ("required", ["get_weather", "now"], True),
+    ({"type": "function", "function": {"name": "now"}}, ["now"], False),
+])
+def test_a_forced_call_is_a_grammar_of_the_allowed_functions(client, auth, node, choice, names, parallel):  # noqa: F811
+    body = _chat(tools=[WEATHER, CLOCK], tool_choice=choice, parallel_tool_calls=parallel)
+    assert client.post("/v1/chat/completions", headers=auth, json=body).status_code == 200
+    grammar = node.received[-1]["sampling"]["structured_output"]
+    assert grammar["type"] == "grammar"
+    assert all(f'"const": "{n}"' in grammar["value"] for n in names)
+    assert ('"const": "get_weather"' in grammar["value"]) == ("get_weather" in names)
+    assert grammar["value"].startswith("start: call (" if parallel else "start: call\n")
+
+
+def test_none_sends_the_tools_but_no_constraint(client, auth, node):  # noqa: F811
+    client.post("/v1/chat/completions", headers=auth, json=_chat(tools=[WEATHER], tool_choice="none"))
+    assert node.received[-1]["tools"][0]["function"]["name"] == "get_weather"
+    assert "structured_output" not in node.received[-1]["sampling"]
+
+
+def test_history_with_calls_and_results_reaches_the_node(client, auth, node):  # noqa: F811
+    msgs = [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                                  "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    assert client.post("/v1/chat/completions", headers=auth, json=_chat(messages=msgs, tools=[WEATHER])).status_code == 200
+    sent = node.received[-1]["messages"]
+    assert sent[1]["tool_calls"][0]["function"]["name"] == "get_weather" and sent[2]["tool_call_id"] == "call_1"
+
+
+def test_the_grammar_accepts_exactly_valid_calls():
+    tok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteTokenizer()))
+    grammar = llguidance.grammar_from("lark", tool_call_grammar([WEATHER["function"]], parallel=False))
+
+    def accepts(text: str) -> bool:
+        m = llguidance.LLMatcher(tok, grammar, log_level=0)
+        return m.consume_tokens(list(text.encode())) and m.is_accepting()
+    assert accepts('<tool_call>{"name":"get_weather","arguments":{"city":"Paris"}}</tool_call>')
+    assert not accepts('<tool_call>{"name":"get_weather","arguments":{}}</tool_call>')      # city required
+    assert not accepts('<tool_call>{"name":"now","arguments":{}}</tool_call>')
+    assert not accepts('<tool_call>{"name":"get_weather","arguments":{"city":"a"}}</tool_call>\n' * 2)
+
+
+class _ByteTokenizer:
+    """One token per byte (and an EOS): enough for llguidance to run a grammar over text."""
+    eos_token_id = 256
+    bos_token_id = None
+    tokens = [bytes([i]) for i in range(256)] + [b"<eos>"]
+    special_token_ids = [256]
+
+    def __call__(self, s):
+        return list(s.encode() if isinstance(s, str) else s)
+
+
+def test_whole_answers_become_tool_calls():
+    body = {"choices": [{"index": 0, "text": "Let me check.\n" + CALL, "finish_reason": "stop"},
+                        {"index": 1, "text": "No call here", "finish_reason": "stop"},
+                        {"index": 2, "text": CALL + "\n" + CALL, "finish_reason": "length"}], "usage": {}}
+    out = chat_completion("r", "zen-small", "m", "q", body, None, "parallel")
+    c0, c1, c2 = out["choices"]
+    assert c0["finish_reason"] == "tool_calls" and c0["message"]["content"] == "Let me check.\n"
+    call = c0["message"]["tool_calls"][0]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    assert c1["finish_reason"] == "stop" and "tool_calls" not in c1["message"]
+    assert c2["finish_reason"] == "length" and len(c2["message"]["tool_calls"]) == 2
+    single = chat_completion("r", "zen-small", "m", "q", body, None, "single")["choices"][2]
+    assert len(single["message"]["tool_calls"]) == 1 and single["message"]["content"] is None
+
+
+def test_streamed_deltas_reassemble_into_the_calls():
+    writer = ChunkWriter(CHAT, "r", "zen-small", "m", "q", 1, False, None, "parallel")
+    text = "ok " + CALL + "\n" + CALL.replace("Paris", "Oslo")
+    chunks = "".join(writer.token({"index": 0, "text": text[i:i + 3]}) for i in range(0, len(text), 3))
+    chunks += "".join(writer.done({"choices": [{"index": 0, "finish_reason": "stop"}]}))
+    events = [json.loads(line[6:]) for line in chunks.split("\n\n") if line.startswith("data: ")]
+    content, calls, finish = "", {}, None
+    for e in events:
+        d = e["choices"][0]["delta"]
+        content += d.get("content") or ""
+        for tc in d.get("tool_calls") or []:
+            c = calls.setdefault(tc["index"], {"name": "", "arguments": ""})
+            c["name"] += tc.get("function", {}).get("name") or ""
+            c["arguments"] += tc.get("function", {}).get("arguments") or ""
+        finish = e["choices"][0]["finish_reason"] or finish
+    assert content == "ok " and finish == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
+        ("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Oslo"})]
+
+
+def test_the_parser_holds_back_only_what_may_begin_a_call():
+    p = ToolCallParser()
+    assert p.push("a <tool") == [("text", "a ")]
+    assert p.push("s are") == [("text", "<tools are")]
+    assert p.push(" <tool_call>{broken") == [("text", " ")]
+    assert p.finish() == [("text", "<tool_call>{broken")]
+    assert parse_tool_calls("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
+
+
+def test_the_default_rendering_describes_tools_and_history():
+    msgs = render_tool_prompt([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+                               {"role": "assistant", "content": "", "tool_calls": [
+                                   {"id": "c", "type": "function",
+                                    "function": {"name": "now", "arguments": "{}"}}]},
+                               {"role": "tool", "tool_call_id": "c", "content": "12:00"}], [CLOCK])
+    assert msgs[0]["role"] == "system" and msgs[0]["content"].startswith("Be brief.")
+    assert '"name": "now"' in msgs[0]["content"] and "<tool_call>" in msgs[0]["content"]
+    assert msgs[2]["content"] == '<tool_call>{"name": "now", "arguments": {}}</tool_call>'
+    assert msgs[3] == {"role": "user", "content": "<tool_response>\n12:00\n</tool_response>"}
+    with pytest.raises(ValueError):
+        render_tool_prompt(["not a message"], [CLOCK])

@@ -1,0 +1,75 @@
+"""engine/grammar.py: constraints compiled against a real tokenizer (the tiny model's), cached per
+constraint; masks filled in parallel agree with the matcher one by one; a complete grammar stops."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.grammar import GrammarCompiler, GrammarError, check_constraint, constraint_key
+from engine.sampling import SamplingParamError, SamplingParams
+from tests.tiny_model import make_tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def compiler():
+    tok = make_tiny_tokenizer()
+    return GrammarCompiler(tok, tok.vocab_size + 5), tok   # logits wider than the vocabulary
+
+
+def allowed_of(words: np.ndarray, V: int) -> np.ndarray:
+    return np.unpackbits(words.view(np.uint8), bitorder="little")[:V].astype(bool)
+
+
+def test_a_constraint_seen_before_costs_no_compile(compiler):
+    c, _ = compiler
+    spec = {"type": "json", "value": {"type": "object", "properties": {"a": {"type": "integer"}}}}
+    before = c.num_compiles
+    first = c.compile(spec)
+    same = c.compile({"type": "json", "value": {"properties": {"a": {"type": "integer"}}, "type": "object"}})
+    assert first is same and c.num_compiles == before + 1
+    assert constraint_key(spec) == constraint_key({"value": spec["value"], "type": "json"})
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"type": "json", "value": {"type": "nope"}}, "json constraint is invalid"),
+    ({"type": "regex", "value": "a{2"}, "regex constraint is invalid"),
+    ({"type": "grammar", "value": "start: nothing_here"}, "grammar constraint is invalid"),
+    ({"type": "grammar", "value": "root ::= ("}, "grammar constraint is invalid"),
+])
+def test_invalid_constraints_say_why(compiler, spec, message):
+    c, _ = compiler
+    with pytest.raises(GrammarError, match=message) as err:
+        c.compile(spec)
+    assert err.value.param == "structured_output"
+    with pytest.raises(GrammarError):
+        check_constraint(spec)
+
+
+@pytest.mark.parametrize("spec", [
+    {"type": "xml", "value": "<a/>"}, {"type": "choice", "value": []}, {"type": "choice", "value": ["a", 1]},
+    {"type": "json", "value": "{}"}, {"type": "regex", "value": ""}, {"type": "regex"},
+])
+def test_bad_shapes_are_refused_by_the_parameters(spec):
+    with pytest.raises(SamplingParamError) as err:
+        SamplingParams(structured_output=spec)
+    assert err.value.param == "structured_output"
+
+
+def test_parallel_masks_match_each_matcher_and_a_choice_completes(compiler):
+    c, tok = compiler
+    V = c.vocab_size
+    grammars = [c.new_grammar(c.compile({"type": "choice", "value": ["cat", "dog"]})),
+                c.new_grammar(c.compile({"type": "regex", "value": "[0-9]+"}))]
+    masks = c.allocate_masks(2)
+    c.fill_masks(grammars, masks)
+    for g, row in zip(grammars, masks):
+        one = np.frombuffer(g.matcher.compute_bitmask(), np.uint32)
+        assert np.array_equal(row, one)
+    assert not allowed_of(masks[0], V)[tok.vocab_size:].any()   # the padding rows are never allowed
+    for t in tok.encode("dog", add_special_tokens=False):
+        assert allowed_of(masks[0], V)[t]
+        assert grammars[0].advance(t)
+        c.fill_masks(grammars[:1], masks[:1])
+    assert grammars[0].finished and grammars[0].failed is None
+    assert not grammars[1].advance(tok.encode("x", add_special_tokens=False)[0])
+    assert grammars[1].failed
