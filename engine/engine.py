@@ -20,7 +20,8 @@ from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, TokenLogprob
 from engine.stop import StopChecker
-from models.llama import LlamaModel, StepInput
+from models.build import build_model
+from models.llama import StepInput
 from models.loader import load_model
 from models.tokenizer import IncrementalDetokenizer
 
@@ -72,7 +73,7 @@ class Engine:
         t0 = time.monotonic()
         weights, self.tokenizer = load_model(config.model, config.quantization)
         self.backend = get_backend(config.backend)
-        self.model = LlamaModel(weights, self.backend)
+        self.model = build_model(weights, self.backend)
         self.model_config = weights.config
         self.model_id = config.model_id or Path(config.model).name.split(".")[0]
         self.formats = sorted(weights.formats())
