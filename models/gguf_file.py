@@ -34,6 +34,15 @@ GEMMA3_SLIDING_WINDOW_PATTERN = 6
 GEMMA3_LOCAL_ROPE_THETA = 10000.0
 
 
+def _swa_pattern(path: str, value) -> int:
+    """The file's sliding_window_pattern (every n-th layer global), else Gemma 3's default."""
+    if value is None:
+        return GEMMA3_SLIDING_WINDOW_PATTERN
+    if isinstance(value, int):
+        return value
+    raise ModelFileError(f"{path}: a per-layer sliding_window_pattern is not supported")
+
+
 def tensor_from_gguf(t) -> QuantTensor:
     """A GGUF reader tensor as a QuantTensor [out, in]: kept in its stored format where the engine has
     kernels for it, else dequantized to float32 by the `gguf` package."""
@@ -262,7 +271,8 @@ def read_gguf(path: str) -> tuple[ModelWeights, Metadata]:
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
         **(dict(architecture="gemma3", sliding_window=int(meta("attention.sliding_window", 0)),
-                sliding_window_pattern=GEMMA3_SLIDING_WINDOW_PATTERN, rope_local_theta=GEMMA3_LOCAL_ROPE_THETA)
+                sliding_window_pattern=_swa_pattern(path, meta("attention.sliding_window_pattern")),
+                rope_local_theta=GEMMA3_LOCAL_ROPE_THETA)
            if gemma else {}),
     )
     names = dict(_LAYER_TENSORS, **(_GEMMA3_TENSORS if gemma else {}))
