@@ -50,6 +50,9 @@ def tokenize(call: GenerateRequest, m: ResidentModel) -> tuple[list[int], str | 
             return tok.encode(call.prompt), call.prompt
         if call.prompt_token_ids is not None:
             return list(call.prompt_token_ids), None
+        if not tok.chat_template:
+            raise bad_value(f"The model {m.id!r} has no chat template: it serves completions only (send a "
+                            f"`prompt` to /v1/completions)", "messages", "chat_not_supported")
         text = tok.apply_chat_template(call.messages, add_generation_prompt=True)
         return tok.encode(text, add_special_tokens=False), None
     except ValueError as e:   # malformed messages, a template that refuses them
