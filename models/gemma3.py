@@ -5,9 +5,14 @@ embedding scaled by sqrt(hidden); RMSNorm of every q and k head; RMSNorm of the 
 before they join the residual stream; a GELU-tanh gated MLP; local layers that attend over a sliding window
 and rotate with their own RoPE base, every sliding_window_pattern-th layer global. Norm weights are the
 (1 + w) factors (models/weights.py).
+
+The KV cache holds groups of `group_size` layers (the global layers' group, then the local layers' groups;
+engine/kv_cache.py): a local group's blocks leave the cache once out of the window, so a long sequence
+holds the local layers' K/V for its last window positions only.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from models.config import ModelConfig
@@ -42,11 +47,37 @@ class Gemma3Model(LlamaModel):
             for i, lw in enumerate(weights.layers)
         ]
         self.layer_stack = None
+        self._group_layers(cfg)
         self.final_norm = b.vector(weights.final_norm)
         self.scale = cfg.head_dim ** -0.5
         self.nbytes = sum(m.nbytes for m in self._linears()) \
             + 4 * (cfg.hidden_size * (4 * cfg.num_layers + 1) + 2 * cfg.head_dim * cfg.num_layers)
         self._state: Gemma3RunState | None = None
+
+    def _group_layers(self, cfg: ModelConfig) -> None:
+        """layer_kv[i] = (group, slot): group 0 holds the global layers, 1.. the local ones, group_size each."""
+        local = [i for i in range(cfg.num_layers) if cfg.is_local(i)]
+        full = [i for i in range(cfg.num_layers) if not cfg.is_local(i)]
+        if not local or not full:   # nothing to free apart (or no table for the globals): one group
+            self.group_size, self.window_groups = cfg.num_layers, 0
+            self.layer_kv = [(0, i) for i in range(cfg.num_layers)]
+            return
+        self.group_size = math.gcd(len(local), len(full))
+        self.window_groups = len(local) // self.group_size
+        self.layer_kv = [None] * cfg.num_layers
+        for j, i in enumerate(full):
+            self.layer_kv[i] = (0, j)
+        for j, i in enumerate(local):
+            self.layer_kv[i] = (1 + j // self.group_size, j % self.group_size)
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        c = self.config
+        return (self.group_size, num_blocks, block_size, c.num_kv_heads, c.head_dim)
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        """Bytes of one pool block: one layer group's K and V for block_size positions."""
+        c = self.config
+        return 2 * 4 * self.group_size * block_size * c.num_kv_heads * c.head_dim
 
     def _run_state(self, ntok: int) -> Gemma3RunState:
         if self._state is None or self._state.capacity < ntok:
@@ -56,6 +87,8 @@ class Gemma3Model(LlamaModel):
     def forward(self, step: StepInput, k_cache, v_cache):
         """Logits [len(logits_indices), V] for one engine step; writes the step's K/V into the cache."""
         b, cfg = self.backend, self.config
+        if self.window_groups and step.window_block_tables is None:
+            raise ValueError("a step of a sliding-window model needs the local layer groups' block tables")
         t = len(step.tokens)
         rs = self._run_state(t)
         h, qkv, attn, gate_up, branch = (a[:t] for a in (rs.h, rs.qkv, rs.attn, rs.gate_up, rs.branch))
@@ -64,11 +97,15 @@ class Gemma3Model(LlamaModel):
         b.embedding(self.embed, step.tokens, h)                                   # h = E[tokens] * sqrt(D)
         b.scale(h, cfg.embed_scale)
         for i, ly in enumerate(self.layers):
+            group, slot = self.layer_kv[i]
+            slots, tables = step.slot_mapping, step.block_tables
+            if group:
+                slots, tables = step.window_slot_mapping[group - 1], step.window_block_tables[group - 1]
             b.rmsnorm_matmul(h, ly.attn_norm, eps, ly.qkv, qkv)                   # q|k|v = rmsnorm(h) Wqkv^T
             b.head_rmsnorm(qkv, ly.q_norm, ly.k_norm, H, Hkv, eps)                # q, k = rmsnorm per head
             cos, sin = ly.rope
-            b.rope_attention(qkv, step.positions, cos, sin, k_cache[i], v_cache[i],  # RoPE(q, k) at this layer's
-                             step.slot_mapping, step.block_tables, step.token_seq,   # base; cache k, v; attention
+            b.rope_attention(qkv, step.positions, cos, sin, k_cache[slot], v_cache[slot],  # RoPE(q, k) at this
+                             slots, tables, step.token_seq,                          # layer's base; cache k, v;
                              H, Hkv, self.scale, attn, next_linear=ly.o,             # over the window (local) or
                              window=ly.window)                                       # everything (global)
             b.matmul(attn, ly.o, branch)                                          # branch = attn Wo^T

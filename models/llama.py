@@ -22,6 +22,13 @@ class StepInput:
     slot_mapping: np.ndarray    # [T] int64 cache slot (block * block_size + offset) for token t's K/V
     block_tables: np.ndarray    # [S, max_blocks] int32
     logits_indices: np.ndarray  # [S'] int32 tokens whose next-token logits are wanted
+    # sliding-window models (models/gemma3.py): the slots and tables of each group of local layers
+    window_slot_mapping: np.ndarray | None = None   # [G, T] int64
+    window_block_tables: np.ndarray | None = None   # [G, S, max_blocks] int32 (blocks out of the window: 0)
+
+    def arrays(self) -> tuple:
+        """The fields in order, None for those a model without sliding windows leaves out."""
+        return tuple(vars(self).values())
 
 
 class RunState:
@@ -38,6 +45,8 @@ class RunState:
 
 
 class LlamaModel:
+    window_groups = 0   # groups of sliding-window layers with K/V blocks of their own (models/gemma3.py)
+
     def __init__(self, weights: ModelWeights, backend):
         cfg = self.config = weights.config
         b = self.backend = backend

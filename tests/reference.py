@@ -180,8 +180,10 @@ def forward(weights, tokens, positions=None, dtype=np.float64):
     return x @ dense(head).T
 
 
-def gemma3_forward(weights, tokens, dtype=np.float64, window=None, pattern=None, local_theta=None):
-    """Reference Gemma 3 forward for one sequence from position 0; returns logits [T, V] (in dtype).
+def gemma3_forward(weights, tokens, dtype=np.float64, window=None, pattern=None, local_theta=None,
+                   last_only=False):
+    """Reference Gemma 3 forward for one sequence from position 0; returns logits [T, V] (in dtype), or
+    [1, V] for the last token only (last_only: a long prompt's logits cost more than the rest).
 
     From the architecture (Gemma 3's technical report and the Hugging Face modeling code): the embedding
     times sqrt(hidden); per layer x += postnorm(attention(prenorm(x))), x += postnorm(mlp(prenorm(x)))
@@ -213,7 +215,7 @@ def gemma3_forward(weights, tokens, dtype=np.float64, window=None, pattern=None,
         m = rmsnorm(x, lw.ffn_norm, eps, dtype)
         gu = np.concatenate([m @ dense(lw.gate).T, m @ dense(lw.up).T], axis=-1)
         x = x + rmsnorm(gelu_tanh_mul(gu, dtype) @ dense(lw.down).T, lw.post_ffn_norm, eps, dtype)
-    x = rmsnorm(x, weights.final_norm, eps, dtype)
+    x = rmsnorm(x[-1:] if last_only else x, weights.final_norm, eps, dtype)
     head = weights.lm_head if weights.lm_head is not None else weights.embed
     return x @ dense(head).T
 

@@ -82,17 +82,20 @@ def test_head_rmsnorm_post_norm_and_gelu_match_reference():
 
 def run_chunks(model, tokens, chunks, block_size=4, seed=0):
     """Logits [len(tokens), V] computed in consecutive steps of `chunks` tokens (prefill chunks, then
-    decode steps of 1) over a paged cache whose blocks are in a random order."""
+    decode steps of 1) over a paged cache whose blocks (every layer group's) are in a random order."""
     n = len(tokens)
-    nblocks = -(-n // block_size) + 2
-    table = np.random.default_rng(seed).permutation(nblocks).astype(np.int32)[None, :]
+    per_table = -(-n // block_size)
+    groups = 1 + model.window_groups
+    nblocks = per_table * groups + 2
+    tables = np.random.default_rng(seed).permutation(nblocks)[:per_table * groups].astype(np.int32)
+    tables = tables.reshape(groups, 1, per_table)
     k, v = model.allocate_kv_cache(nblocks, block_size)
     out, start = [], 0
     for c in chunks:
         pos = np.arange(start, start + c, dtype=np.int32)
-        slot = table[0, pos // block_size].astype(np.int64) * block_size + pos % block_size
-        step = StepInput(np.asarray(tokens[start:start + c], np.int32), pos, np.zeros(c, np.int32), slot, table,
-                         np.arange(c, dtype=np.int32))
+        slots = tables[:, 0, pos // block_size].astype(np.int64) * block_size + pos % block_size
+        step = StepInput(np.asarray(tokens[start:start + c], np.int32), pos, np.zeros(c, np.int32), slots[0],
+                         tables[0], np.arange(c, dtype=np.int32), slots[1:], tables[1:])
         out.append(np.array(model.forward(step, k, v)))
         start += c
     assert start == n
@@ -162,3 +165,51 @@ def test_engine_greedy_generation_equals_reference(tiny_gemma_gguf):
         ref.append(int(np.argmax(R.gemma3_forward(weights, ref)[-1])))
     assert out.token_ids == ref[len(ids):]
     assert len(ref) > TINY_GEMMA_WINDOW   # the generation runs past the sliding window
+
+
+# ---- the paged KV cache and the sliding window ------------------------------------------------------
+
+def test_kv_cache_frees_local_blocks_out_of_the_window(tiny_gemma_gguf):
+    from tests.test_engine import make_engine, req
+    eng = make_engine(tiny_gemma_gguf, num_blocks=160, block_size=4, max_batched=16)
+    model, kv = eng.model, eng.kv
+    # 1 global layer, 5 local ones: groups of one layer; the KV cache shape says so
+    assert (model.group_size, model.window_groups) == (1, 5) and eng.runner.k_cache.shape[0] == 1
+    assert not kv.enable_prefix_caching
+    prompts = [prompt_ids(s, n) for s, n in ((1, 30), (2, 5), (3, 19))]
+    for i, p in enumerate(prompts):
+        eng.add_request(req(f"r{i}", p, max_tokens=12, ignore_eos=True))
+    outputs, saved = {}, []
+    while eng.has_unfinished():
+        for d in eng.step():
+            outputs.setdefault(d.request_id, []).extend(d.token_ids)
+        live = [t for s in eng.scheduler.running for t in kv.live_tables(s)]
+        eng.pool.check_invariants(live)
+        for s in eng.scheduler.running:
+            held = [b for t in s.window_tables for b in t if b >= 0]
+            # a local group holds blocks from the one the next query's window starts in, to the end
+            first = kv.first_window_block(s.num_computed_tokens)
+            assert all(len(t) == len(s.block_table) for t in s.window_tables)
+            assert len(held) == kv.window_groups * (len(s.block_table) - first)
+        saved.append(kv.window_saved_blocks)
+    # a 42-token sequence keeps its local layers' last 8 positions (+ the block they start in) only
+    assert max(saved) >= 5 * (42 // 4 - 3) and kv.window_saved_blocks == 0
+    eng.pool.check_invariants([])
+    weights, _ = load_model(tiny_gemma_gguf)
+    for i, p in enumerate(prompts):   # what the freed blocks held was never needed again
+        ref = list(p)
+        for _ in range(12):
+            ref.append(int(np.argmax(R.gemma3_forward(weights, ref, last_only=True)[-1])))
+        assert outputs[f"r{i}"] == ref[len(p):]
+
+
+def test_kv_capacity_counts_the_window(tiny_gemma_gguf):
+    from tests.test_engine import make_engine
+    eng = make_engine(tiny_gemma_gguf, num_blocks=60, block_size=4, max_batched=8)
+    # all six groups for the first blocks, then only the global group's: longer than 60 / 6 blocks
+    assert eng.max_seq_tokens > 60 // 6 * 4
+    assert eng.kv.blocks_for_tokens(eng.max_seq_tokens, 8) <= 60 < eng.kv.blocks_for_tokens(eng.max_seq_tokens + 4, 8)
+
+
+def prompt_ids(seed, n):
+    return [int(t) for t in np.random.default_rng(seed).integers(6, 300, n)]
