@@ -361,18 +361,18 @@ class CudaBackend(ComposedOps):
         return split_plan(self.config, work_items, max_ctx)
 
     def silu_mul(self, gate_up, out) -> None:
-        n = out.shape[0] * out.shape[1]
-        if n:
-            c = self.config
-            blocks = min(_ceil_div(n, c.threads), 32 * c.sm_count)
-            self._k(row_k.silu_mul, blocks, c.threads)(gate_up, out)
+        self._gated(row_k.silu_mul, gate_up, out)
 
     def gelu_mul(self, gate_up, out) -> None:
+        self._gated(row_k.gelu_mul, gate_up, out)
+
+    def _gated(self, kern, gate_up, out) -> None:
+        """A gated activation's grid-stride kernel over out's T * F items."""
         n = out.shape[0] * out.shape[1]
         if n:
             c = self.config
             blocks = min(_ceil_div(n, c.threads), 32 * c.sm_count)
-            self._k(row_k.gelu_mul, blocks, c.threads)(gate_up, out)
+            self._k(kern, blocks, c.threads)(gate_up, out)
 
     # --- what Gemma 3 adds
     def scale(self, x, factor) -> None:

@@ -29,6 +29,7 @@ class Gemma3RunState(RunState):
 
 
 class Gemma3Model(LlamaModel):
+    group_size = 0   # set by _group_layers (an attribute here, LlamaModel's is a property)
     def __init__(self, weights: ModelWeights, backend):
         cfg = self.config = weights.config
         b = self.backend = backend
@@ -62,22 +63,13 @@ class Gemma3Model(LlamaModel):
             self.group_size, self.window_groups = cfg.num_layers, 0
             self.layer_kv = [(0, i) for i in range(cfg.num_layers)]
             return
-        self.group_size = math.gcd(len(local), len(full))
+        self.group_size = math.gcd(len(local), len(full))   # (LlamaModel's kv_cache_shape reads it)
         self.window_groups = len(local) // self.group_size
         self.layer_kv = [None] * cfg.num_layers
         for j, i in enumerate(full):
             self.layer_kv[i] = (0, j)
         for j, i in enumerate(local):
             self.layer_kv[i] = (1 + j // self.group_size, j % self.group_size)
-
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        c = self.config
-        return (self.group_size, num_blocks, block_size, c.num_kv_heads, c.head_dim)
-
-    def kv_bytes_per_block(self, block_size: int) -> int:
-        """Bytes of one pool block: one layer group's K and V for block_size positions."""
-        c = self.config
-        return 2 * 4 * self.group_size * block_size * c.num_kv_heads * c.head_dim
 
     def _run_state(self, ntok: int) -> Gemma3RunState:
         if self._state is None or self._state.capacity < ntok:

@@ -78,13 +78,19 @@ class LlamaModel:
                 seen[id(m)] = m
         return seen.values()
 
+    @property
+    def group_size(self) -> int:
+        """Layers whose K/V one pool block holds (every layer here; a group of them in models/gemma3.py)."""
+        return self.config.num_layers
+
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         c = self.config
-        return (c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        return (self.group_size, num_blocks, block_size, c.num_kv_heads, c.head_dim)
 
     def kv_bytes_per_block(self, block_size: int) -> int:
+        """Bytes of one pool block: its layers' K and V for block_size positions."""
         c = self.config
-        return 2 * 4 * c.num_layers * block_size * c.num_kv_heads * c.head_dim
+        return 2 * 4 * self.group_size * block_size * c.num_kv_heads * c.head_dim
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int):
         shape = self.kv_cache_shape(num_blocks, block_size)

@@ -17,6 +17,7 @@ from models.config import ModelConfig
 from models.quant import GGML_TYPE, QuantTensor
 from models.tokenizer import TOKEN_BYTE, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_USER_DEFINED, Tokenizer
 from models.weights import LayerWeights, ModelWeights
+from tests.tiny_model import add_shape_metadata
 
 SPM_CONTROL = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]  # ids 0-5 as in Gemma
 SPM_USER_DEFINED = ["\n", "\n\n", "  "]
@@ -96,16 +97,7 @@ def write_tiny_gemma_gguf(path, weights: ModelWeights, fields: dict | None = Non
     cfg = weights.config
     w = gguf.GGUFWriter(path, "gemma3")
     w.add_name(weights.metadata.get("name") or "tiny-gemma")
-    w.add_context_length(cfg.max_position)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_heads)
-    w.add_head_count_kv(cfg.num_kv_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    add_shape_metadata(w, cfg)
     w.add_sliding_window(cfg.sliding_window)
     w.add_tokenizer_model(f["ggml.model"])
     w.add_tokenizer_pre(f["ggml.pre"])

@@ -32,18 +32,24 @@ def embedding(family: str):
     return embedding_kernel
 
 
+@cuda.jit(device=True, fastmath=True)
+def inv_rms(x, t, c0, d, eps, buf):
+    """1 / sqrt(mean(x[t, c0:c0+d]^2) + eps), to every thread of the block (buf: shared scratch)."""
+    ss = F0
+    for i in range(cuda.threadIdx.x, d, cuda.blockDim.x):
+        v = x[t, c0 + i]
+        ss += v * v
+    ss = block_sum(ss, buf)   # every thread has read its values before any writes after this
+    return F1 / math.sqrt(ss / float32(d) + eps)
+
+
 @cuda.jit(fastmath=True)
 def rmsnorm(x, w, eps, out):
     """out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w; grid = T. out may alias x."""
     buf = cuda.shared.array(MAX_BLOCK, float32)
     t = cuda.blockIdx.x
     d = x.shape[1]
-    ss = F0
-    for i in range(cuda.threadIdx.x, d, cuda.blockDim.x):
-        v = x[t, i]
-        ss += v * v
-    ss = block_sum(ss, buf)
-    inv = F1 / math.sqrt(ss / float32(d) + eps)
+    inv = inv_rms(x, t, 0, d, eps, buf)
     for i in range(cuda.threadIdx.x, d, cuda.blockDim.x):
         out[t, i] = x[t, i] * inv * w[i]
 
@@ -118,12 +124,7 @@ def head_rmsnorm(qkv, q_w, k_w, num_heads, num_kv_heads, eps):
     t = cuda.blockIdx.x
     h = cuda.blockIdx.y
     dh = q_w.shape[0]
-    ss = F0
-    for i in range(cuda.threadIdx.x, dh, cuda.blockDim.x):
-        v = qkv[t, h * dh + i]
-        ss += v * v
-    ss = block_sum(ss, buf)   # every thread has read its values before any writes
-    inv = F1 / math.sqrt(ss / float32(dh) + eps)
+    inv = inv_rms(qkv, t, h * dh, dh, eps, buf)
     for i in range(cuda.threadIdx.x, dh, cuda.blockDim.x):
         w = q_w[i] if h < num_heads else k_w[i]
         qkv[t, h * dh + i] = qkv[t, h * dh + i] * inv * w
@@ -135,12 +136,7 @@ def rmsnorm_add(x, w, eps, out):
     buf = cuda.shared.array(MAX_BLOCK, float32)
     t = cuda.blockIdx.x
     d = x.shape[1]
-    ss = F0
-    for i in range(cuda.threadIdx.x, d, cuda.blockDim.x):
-        v = x[t, i]
-        ss += v * v
-    ss = block_sum(ss, buf)
-    inv = F1 / math.sqrt(ss / float32(d) + eps)
+    inv = inv_rms(x, t, 0, d, eps, buf)
     for i in range(cuda.threadIdx.x, d, cuda.blockDim.x):
         out[t, i] += x[t, i] * inv * w[i]
 
