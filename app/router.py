@@ -262,8 +262,8 @@ class NodePool:
 
     def servable_models(self) -> Callable[[str], bool] | None:
         """Whether some node up now can serve a model id (resident, or listed to load on demand); None
-        while no node's state is known (nothing to judge by: the catalog is shown whole)."""
-        self.start()
+        while no node's state is known (nothing to judge by: the catalog is shown whole). It reads the
+        polled view only: listing models starts no polling of its own."""
         states = [v.state for v in self.snapshot() if not v.down and v.state is not None]
         if not states:
             return None
