@@ -12,7 +12,6 @@ holds the local layers' K/V for its last window positions only.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from models.config import ModelConfig
@@ -30,6 +29,7 @@ class Gemma3RunState(RunState):
 
 class Gemma3Model(LlamaModel):
     group_size = 0   # set by _group_layers (an attribute here, LlamaModel's is a property)
+
     def __init__(self, weights: ModelWeights, backend):
         cfg = self.config = weights.config
         b = self.backend = backend
@@ -59,11 +59,13 @@ class Gemma3Model(LlamaModel):
         """layer_kv[i] = (group, slot): group 0 holds the global layers, 1.. the local ones, group_size each."""
         local = [i for i in range(cfg.num_layers) if cfg.is_local(i)]
         full = [i for i in range(cfg.num_layers) if not cfg.is_local(i)]
-        if not local or not full:   # nothing to free apart (or no table for the globals): one group
+        if not local or not full or len(local) % len(full):
+            # one group: nothing to free apart, no table for the globals, or local layers that do not
+            # split into groups as large as the global one (Gemma 3 1B's 22 and 4): no saving, still right
             self.group_size, self.window_groups = cfg.num_layers, 0
             self.layer_kv = [(0, i) for i in range(cfg.num_layers)]
             return
-        self.group_size = math.gcd(len(local), len(full))   # (LlamaModel's kv_cache_shape reads it)
+        self.group_size = len(full)   # every group as large as the global layers' (kv_cache_shape reads it)
         self.window_groups = len(local) // self.group_size
         self.layer_kv = [None] * cfg.num_layers
         for j, i in enumerate(full):

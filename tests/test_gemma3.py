@@ -213,3 +213,17 @@ def test_kv_capacity_counts_the_window(tiny_gemma_gguf):
 
 def prompt_ids(seed, n):
     return [int(t) for t in np.random.default_rng(seed).integers(6, 300, n)]
+
+
+@pytest.mark.parametrize("layers, groups", [(12, (2, 5)), (26, (26, 0))])
+def test_layer_groups_of_other_depths(layers, groups):
+    """12 layers: 2 global, 10 local in 5 groups of 2. 26 (Gemma 3 1B): 4 global and 22 local do not
+    split evenly: one group, every layer's K/V kept, the same logits."""
+    weights = make_tiny_gemma_weights(5, hidden=32, heads=2, head_dim=16, ffn=32, layers=layers, window=3)
+    model = Gemma3Model(weights, CpuBackend())
+    assert (model.group_size, model.window_groups) == groups
+    assert sorted(set(model.layer_kv)) == sorted({(g, s) for g in range(groups[1] + 1) for s in range(groups[0])})
+    tokens = list(np.random.default_rng(3).integers(0, weights.config.vocab_size, 11))
+    got = run_chunks(model, tokens, [5, 6])
+    want = R.gemma3_forward(weights, tokens)
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-4
