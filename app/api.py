@@ -72,7 +72,7 @@ def read_json_body() -> Mapping[str, Any]:
 @bp.get("/models")
 @login_required
 def list_models():
-    models = _catalog().visible_to(g.caller.tier)
+    models = _catalog().visible_to(g.caller.tier, _nodes().pool.servable_models())
     return jsonify({"object": "list", "data": [Catalog.model_object(m) for m in models]})
 
 
@@ -128,6 +128,9 @@ def build_request(body: Mapping[str, Any], kind: str) -> tuple[InferenceRequest,
     params.string(body, "user")
 
     model = _catalog().resolve(alias, caller.tier)
+    if kind == CHAT and not model.chat:
+        raise bad_value(f"The model {alias!r} has no chat template: it serves /v1/completions only",
+                        "messages", "chat_not_supported")
     max_tokens, max_param = params.max_tokens(body, model.max_context, model.default_max_tokens)
     min_tokens = params.number(body, "min_tokens", maximum=max_tokens)
     if inputs.prompt_token_ids is not None and \

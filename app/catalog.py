@@ -8,7 +8,7 @@ exist and one the caller's tier may not use look the same to the caller: 404
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 from app.config import ModelConfig, TierConfig
 from app.errors import model_not_found
@@ -26,6 +26,7 @@ class ResolvedModel:
     max_context: int
     default_max_tokens: int
     cold_load_s: float
+    chat: bool = True        # whether the model has a chat template (false: completions only)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -38,7 +39,7 @@ class Catalog:
 
     def __init__(self, models: Mapping[str, ModelConfig]) -> None:
         self._models = {alias: ResolvedModel(alias, m.model, m.quantization, m.max_context,
-                                             m.default_max_tokens, m.cold_load_s)
+                                             m.default_max_tokens, m.cold_load_s, m.chat)
                         for alias, m in models.items()}
 
     def can_use(self, tier: TierConfig, alias: str) -> bool:
@@ -50,9 +51,11 @@ class Catalog:
             raise model_not_found(alias)
         return self._models[alias]
 
-    def visible_to(self, tier: TierConfig) -> list[ResolvedModel]:
-        """The models a tier may use, in catalog order."""
-        return [m for alias, m in self._models.items() if alias in tier.models]
+    def visible_to(self, tier: TierConfig, servable: Callable[[str], bool] | None = None) -> list[ResolvedModel]:
+        """The models a tier may use, in catalog order; with `servable`, only those whose concrete model
+        it accepts (some node can serve it)."""
+        return [m for alias, m in self._models.items()
+                if alias in tier.models and (servable is None or servable(m.model))]
 
     def all(self) -> list[ResolvedModel]:
         return list(self._models.values())
@@ -68,4 +71,5 @@ class Catalog:
             "root": m.model,
             "quantization": m.quantization,
             "max_model_len": m.max_context,
+            "chat": m.chat,
         }

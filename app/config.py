@@ -186,9 +186,11 @@ class ModelConfig:
     max_context: int = 8192
     default_max_tokens: int = 512
     cold_load_s: float = 5.0
+    chat: bool = True          # false: the model has no chat template; chat requests get a 400 here
 
     def __post_init__(self) -> None:
         _require(bool(self.model), f"models.{self.alias}.model must not be empty")
+        _require(isinstance(self.chat, bool), f"models.{self.alias}.chat must be true or false")
         _require(self.quantization in FORMATS,
                  f"models.{self.alias}.quantization must be one of {FORMATS}")
         _require(self.max_context >= 16, f"models.{self.alias}.max_context must be >= 16")

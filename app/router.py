@@ -271,6 +271,15 @@ class NodePool:
         return sum(1 for v in self.snapshot()
                    if not v.down and self._fresh(v, now) and v.state is not None and v.state.takes_traffic)
 
+    def servable_models(self) -> Callable[[str], bool] | None:
+        """Whether some node up now can serve a model id (resident, or listed to load on demand); None
+        while no node's state is known (nothing to judge by: the catalog is shown whole). It reads the
+        polled view only: listing models starts no polling of its own."""
+        states = [v.state for v in self.snapshot() if not v.down and v.state is not None]
+        if not states:
+            return None
+        return lambda model_id: any(s.can_load(model_id) for s in states)
+
     def learned(self) -> tuple[dict, dict]:
         """Measured (prefill, decode) rates and load times per model, over all nodes."""
         rates: dict[tuple[str, str], list[tuple[float, float]]] = {}

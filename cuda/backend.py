@@ -325,7 +325,7 @@ class CudaBackend(ComposedOps):
                 self._ints(slot_mapping, np.int64), int(num_heads), int(num_kv_heads))
 
     def attention(self, qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads,
-                  scale, out) -> None:
+                  scale, out, window: int = 0) -> None:
         ntok = qkv.shape[0]
         if ntok == 0:
             return
@@ -341,7 +341,7 @@ class CudaBackend(ComposedOps):
         kern = attn_k.paged_attention(c.attn_rows, c.attn_chunk, 64 if dh <= 64 else launch.MAX_HEAD_DIM)
         pos = self._ints(positions, np.int32)
         args = (qkv, k_cache, v_cache, self._ints(block_tables, np.int32), pos, self._ints(token_seq, np.int32),
-                tok0, tlen, int(num_heads), int(num_kv_heads), np.float32(scale), int(split), out)
+                tok0, tlen, int(num_heads), int(num_kv_heads), np.float32(scale), int(split), int(window), out)
         if nsplit == 1:
             self._k(kern, (ntiles, num_kv_heads, 1), c.attn_threads)(*args, self._part_dummy, self._part_dummy)
             return
@@ -361,11 +361,32 @@ class CudaBackend(ComposedOps):
         return split_plan(self.config, work_items, max_ctx)
 
     def silu_mul(self, gate_up, out) -> None:
+        self._gated(row_k.silu_mul, gate_up, out)
+
+    def gelu_mul(self, gate_up, out) -> None:
+        self._gated(row_k.gelu_mul, gate_up, out)
+
+    def _gated(self, kern, gate_up, out) -> None:
+        """A gated activation's grid-stride kernel over out's T * F items."""
         n = out.shape[0] * out.shape[1]
         if n:
             c = self.config
             blocks = min(_ceil_div(n, c.threads), 32 * c.sm_count)
-            self._k(row_k.silu_mul, blocks, c.threads)(gate_up, out)
+            self._k(kern, blocks, c.threads)(gate_up, out)
+
+    # --- what Gemma 3 adds
+    def scale(self, x, factor) -> None:
+        if x.shape[0]:
+            self._k(row_k.scale_rows, x.shape[0], self.config.threads)(x, np.float32(factor))
+
+    def head_rmsnorm(self, qkv, q_w, k_w, num_heads, num_kv_heads, eps) -> None:
+        if qkv.shape[0]:
+            self._k(row_k.head_rmsnorm, (qkv.shape[0], num_heads + num_kv_heads), self.config.threads)(
+                qkv, q_w, k_w, int(num_heads), int(num_kv_heads), np.float32(eps))
+
+    def rmsnorm_add(self, x, w, eps, out) -> None:
+        if x.shape[0]:
+            self._k(row_k.rmsnorm_add, x.shape[0], self.config.threads)(x, w, np.float32(eps), out)
 
     # --- sampling
     def sample(self, logits, batch):

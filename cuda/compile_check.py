@@ -74,6 +74,10 @@ def catalog(cfg: launch.LaunchConfig) -> list[Spec]:
         Spec("rope_store_kv", row_k.rope_store_kv, (F32_2, I32_1, F32_2, F32_2, F32_4, F32_4, I64_1, INT, INT)),
         Spec("silu_mul", row_k.silu_mul, (F32_2, F32_2)),
         Spec("gather_rows", row_k.gather_rows, (F32_2, I32_1, F32_2)),
+        Spec("scale_rows", row_k.scale_rows, (F32_2, F32)),
+        Spec("head_rmsnorm", row_k.head_rmsnorm, (F32_2, F32_1, F32_1, INT, INT, F32)),
+        Spec("rmsnorm_add", row_k.rmsnorm_add, (F32_2, F32_1, F32, F32_2)),
+        Spec("gelu_mul", row_k.gelu_mul, (F32_2, F32_2)),
     ]
     tok, thr = cfg.gemv_tokens, cfg.gemv_threads
     for fam in FAMILIES:
@@ -92,8 +96,8 @@ def catalog(cfg: launch.LaunchConfig) -> list[Spec]:
     for dh in (64, launch.MAX_HEAD_DIM):
         specs.append(Spec(f"paged_attention[rows={cfg.attn_rows},chunk={cfg.attn_chunk},dh={dh}]",
                           attn_k.paged_attention(cfg.attn_rows, cfg.attn_chunk, dh),
-                          (F32_2, F32_4, F32_4, I32_2, I32_1, I32_1, I32_1, I32_1, INT, INT, F32, INT, F32_2,
-                           F32_4, F32_4)))
+                          (F32_2, F32_4, F32_4, I32_2, I32_1, I32_1, I32_1, I32_1, INT, INT, F32, INT, INT,
+                           F32_2, F32_4, F32_4)))
     specs += [
         Spec("attention_reduce", attn_k.attention_reduce, (F32_4, F32_4, I32_1, INT, F32_2)),
         Spec("sample_rows", samp_k.sample_rows,

@@ -21,7 +21,8 @@ from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, TokenLogprob
 from engine.stop import StopChecker
-from models.llama import LlamaModel, StepInput
+from models.build import build_model
+from models.llama import StepInput
 from models.loader import load_model
 from models.tokenizer import IncrementalDetokenizer
 
@@ -73,7 +74,7 @@ class Engine:
         t0 = time.monotonic()
         weights, self.tokenizer = load_model(config.model, config.quantization)
         self.backend = get_backend(config.backend)
-        self.model = LlamaModel(weights, self.backend)
+        self.model = build_model(weights, self.backend)
         self.model_config = weights.config
         self.model_id = config.model_id or Path(config.model).name.split(".")[0]
         self.formats = sorted(weights.formats())
@@ -82,10 +83,11 @@ class Engine:
         self.max_model_len = min(config.max_model_len or self.model_config.max_position, self.model_config.max_position)
         num_blocks = config.kv_cache_bytes // self.model.kv_bytes_per_block(config.block_size)
         self.pool = BlockPool(int(num_blocks))
-        self.kv = KVCacheManager(self.pool, config.block_size, self.model_id, config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool, config.block_size, self.model_id, config.enable_prefix_caching,
+                                 self.model.window_groups, self.model_config.sliding_window)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         # the longest sequence: the context, or what the whole KV pool holds if that is less
-        self.max_seq_tokens = min(self.max_model_len, self.pool.num_blocks * config.block_size)
+        self.max_seq_tokens = min(self.max_model_len, self.kv.max_tokens(config.scheduler.max_num_batched_tokens))
         self.eos_token_ids = sorted(set(self.tokenizer.stop_token_ids))
         self.grammars = self._grammar_compiler()
         self.runner = ModelRunner(self.model, config.block_size, self.pool.num_blocks, self.eos_token_ids,
@@ -110,8 +112,12 @@ class Engine:
             pos = np.arange(n, dtype=np.int32)
             step = StepInput(np.zeros(n, np.int32), pos, np.zeros(n, np.int32), pos.astype(np.int64),
                              np.arange(-(-n // bs), dtype=np.int32)[None, :], np.array([n - 1], np.int32))
+            if self.model.window_groups:   # every group on the same blocks: this step's K/V are never read
+                g = self.model.window_groups
+                step.window_slot_mapping = np.repeat(step.slot_mapping[None], g, axis=0)
+                step.window_block_tables = np.repeat(step.block_tables[None], g, axis=0)
             b = self.backend
-            logits = self.model.forward(StepInput(*(b.upload(a) for a in vars(step).values())),
+            logits = self.model.forward(StepInput(*(None if a is None else b.upload(a) for a in step.arrays())),
                                         self.runner.k_cache, self.runner.v_cache)
             b.sample(logits, SamplingBatch.build([RowSpec(SamplingParams(temperature=0.0), seed=0, step=0)]))
 
@@ -223,6 +229,7 @@ class Engine:
         for seq, n in out.scheduled:
             seq.num_computed_tokens += n
             self.kv.cache_computed_blocks(seq)
+            self.kv.release_out_of_window(seq)
         now = time.monotonic()
         for row, seq in enumerate(sampled):
             deltas.append(self._append(seq, row, result, now))

@@ -4,6 +4,13 @@ BlockPool owns the blocks: reference counts, the free queue (least recently used
 prefix cache (hash of a full block -> block). A block whose count drops to zero stays in the prefix
 cache until the pool hands it out again, so a later request with the same prefix reuses its K/V.
 KVCacheManager turns a sequence's needs into block-table changes; the scheduler holds policy only.
+
+Sliding-window models (Gemma 3) keep their layers' K/V in groups of equally many layers, a pool block
+holding one group's K/V for block_size positions: the global layers' group in seq.block_table, each
+group of local layers in seq.window_tables. A local group's blocks that fall out of the window of every
+query still to come go back to the pool after each step (the entry becomes -1), and are never taken for
+positions already out of it; `window_saved_blocks` counts the blocks live sequences do not hold thanks to
+that. Prefix caching is off for such models (a cached prefix would need its window's local blocks too).
 """
 from __future__ import annotations
 
@@ -90,14 +97,44 @@ class BlockPool:
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int, model_id: str, enable_prefix_caching: bool = True):
+    def __init__(self, pool: BlockPool, block_size: int, model_id: str, enable_prefix_caching: bool = True,
+                 window_groups: int = 0, window: int = 0):
+        """window_groups: how many groups of local layers attend over a sliding window of `window`
+        positions (0: none, every layer's K/V in seq.block_table)."""
+        if window_groups and window < 1:
+            raise ValueError("window groups need a window of at least one position")
         self.pool = pool
         self.block_size = block_size
         self.model_id = model_id
-        self.enable_prefix_caching = enable_prefix_caching
+        self.window_groups = window_groups
+        self.window = window
+        self.enable_prefix_caching = enable_prefix_caching and not window_groups
+        self.window_saved_blocks = 0   # local blocks live sequences released (or never took): out of the window
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def first_window_block(self, num_computed_tokens: int) -> int:
+        """The first block a local layer still reads once num_computed_tokens are computed: the next
+        query (at that position) sees the window - 1 positions before it."""
+        return max(0, num_computed_tokens + 1 - self.window) // self.block_size if self.window_groups else 0
+
+    def blocks_for_tokens(self, num_tokens: int, chunk_tokens: int) -> int:
+        """The most blocks one sequence of num_tokens holds at once, computed in chunks of chunk_tokens."""
+        n = self.blocks_needed(num_tokens)
+        live = self.blocks_needed(self.window + chunk_tokens) + 1
+        return n + self.window_groups * min(n, live)
+
+    def max_tokens(self, chunk_tokens: int) -> int:
+        """The longest sequence whose blocks the whole pool holds."""
+        n = self.pool.num_blocks // (1 + self.window_groups) * self.block_size
+        while self.blocks_for_tokens(n + self.block_size, chunk_tokens) <= self.pool.num_blocks:
+            n += self.block_size
+        return n
+
+    def live_tables(self, seq: Sequence) -> list[list[int]]:
+        """seq's block tables with the blocks it holds (for BlockPool.check_invariants)."""
+        return [seq.block_table] + [[b for b in t if b >= 0] for t in seq.window_tables]
 
     def _update_hashes(self, seq: Sequence) -> None:
         """Extend seq.block_hashes over its full blocks: hash(parent hash, block tokens, model)."""
@@ -128,16 +165,37 @@ class KVCacheManager:
         """Make room for num_new_tokens more computed tokens; False (and no change) if the pool can't."""
         num_cached_free = sum(1 for b in cached_blocks if self.pool.ref_cnt[b] == 0)
         have = len(seq.block_table) + len(cached_blocks)
-        need = self.blocks_needed(seq.num_computed_tokens + len(cached_blocks) * self.block_size
-                                  + num_new_tokens) - have
-        if max(need, 0) + num_cached_free > self.pool.num_free_blocks:
+        end = self.blocks_needed(seq.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens)
+        need = end - have
+        if len(seq.window_tables) != self.window_groups:
+            seq.window_tables = [[] for _ in range(self.window_groups)]
+        first = self.first_window_block(seq.num_computed_tokens)
+        # every local group takes the same blocks: from where its table ends, or the window starts
+        need_local = max(0, end - max(len(seq.window_tables[0]), first)) if self.window_groups else 0
+        if max(need, 0) + self.window_groups * need_local + num_cached_free > self.pool.num_free_blocks:
             return False
         if cached_blocks:
             self.pool.touch(list(cached_blocks))
             seq.block_table.extend(cached_blocks)
         if need > 0:
             seq.block_table.extend(self.pool.allocate(need))
+        for table in seq.window_tables:
+            skipped = max(0, first - len(table))
+            table.extend([-1] * skipped)
+            self.window_saved_blocks += skipped
+            if end > len(table):
+                table.extend(self.pool.allocate(end - len(table)))
         return True
+
+    def release_out_of_window(self, seq: Sequence) -> None:
+        """After a step: the local groups' blocks that no query still to come reads go back to the pool."""
+        first = self.first_window_block(seq.num_computed_tokens)
+        for table in seq.window_tables:
+            dead = [b for b in table[:first] if b >= 0]
+            if dead:
+                self.pool.free(list(reversed(dead)))
+                self.window_saved_blocks += len(dead)
+                table[:first] = [-1] * min(first, len(table))
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """After a step: register the blocks that became full and computed."""
@@ -149,5 +207,9 @@ class KVCacheManager:
             self.pool.cache(seq.block_table[i], seq.block_hashes[i])
 
     def free(self, seq: Sequence) -> None:
+        for table in seq.window_tables:
+            self.pool.free([b for b in reversed(table) if b >= 0])
+            self.window_saved_blocks -= sum(1 for b in table if b < 0)
         self.pool.free(list(reversed(seq.block_table)))
         seq.block_table = []
+        seq.window_tables = []

@@ -65,16 +65,28 @@ class ModelRunner:
         slot_mapping = (block_tables[token_seq, positions // bs].astype(np.int64) * bs + positions % bs)
         step = StepInput(tokens, positions, token_seq, slot_mapping, block_tables,
                          np.asarray(logits_indices, np.int32))
+        if self.model.window_groups:
+            self._window_tables(step, scheduled, max_blocks)
         return step, sampling
+
+    def _window_tables(self, step: StepInput, scheduled, max_blocks: int) -> None:
+        """The local layer groups' tables and slots (blocks out of the window read as 0: never used)."""
+        bs = self.block_size
+        tables = np.zeros((self.model.window_groups, len(scheduled), max_blocks), np.int32)
+        for row, (seq, _) in enumerate(scheduled):
+            for g, table in enumerate(seq.window_tables):
+                tables[g, row, :len(table)] = table
+        np.maximum(tables, 0, out=tables)
+        pos = step.positions
+        step.window_block_tables = tables
+        step.window_slot_mapping = (tables[:, step.token_seq, pos // bs].astype(np.int64) * bs + pos % bs)
 
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], SampleResult | None]:
         step, sampling = self.build_step(scheduled)
         pending = self._start_masks(sampling)
         b = self.backend
-        logits = self.model.forward(
-            StepInput(*(b.upload(a) for a in (step.tokens, step.positions, step.token_seq, step.slot_mapping,
-                                               step.block_tables, step.logits_indices))),
-            self.k_cache, self.v_cache)
+        logits = self.model.forward(StepInput(*(None if a is None else b.upload(a) for a in step.arrays())),
+                                    self.k_cache, self.v_cache)
         if not sampling:
             return [], None
         masks = None

@@ -45,6 +45,8 @@ class Sequence:
         self.num_prompt_tokens = len(self.token_ids)
         self.num_computed_tokens = 0
         self.block_table: list[int] = []        # block ids, in order
+        # sliding-window models: one table per group of local layers, -1 where a block left the window
+        self.window_tables: list[list[int]] = []
         self.block_hashes: list[int] = []       # hashes of the full blocks of token_ids, in order
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None

@@ -1,4 +1,5 @@
-"""ModelConfig: the shape of a Llama-family model, from GGUF metadata or a Hugging Face config.json."""
+"""ModelConfig: the shape of a decoder model (the Llama family, Gemma 3), from GGUF metadata or a Hugging Face
+config.json."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,12 +20,37 @@ class ModelConfig:
     tie_embeddings: bool = True
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    architecture: str = "llama"          # llama, gemma3 (models/build.py picks the model class)
+    sliding_window: int = 0              # local layers attend to the last this many positions; 0: none
+    sliding_window_pattern: int = 0      # every this many-th layer is global (Gemma 3: 6); 0: all global
+    rope_local_theta: float = 10000.0    # the RoPE base of local (sliding-window) layers
 
     def __post_init__(self):
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {self.architecture!r} (supported: {', '.join(ARCHITECTURES)})")
+        if self.sliding_window < 0 or self.sliding_window_pattern < 0:
+            raise ValueError("sliding_window and sliding_window_pattern must be >= 0")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} must be even for RoPE")
+
+    def is_local(self, layer: int) -> bool:
+        """Whether `layer` attends over the sliding window only (the others attend over everything)."""
+        return self.sliding_window > 0 and (self.sliding_window_pattern == 0
+                                            or (layer + 1) % self.sliding_window_pattern != 0)
+
+    def layer_window(self, layer: int) -> int:
+        """The attention window of `layer` in positions; 0: the whole context."""
+        return self.sliding_window if self.is_local(layer) else 0
+
+    def layer_rope_theta(self, layer: int) -> float:
+        return self.rope_local_theta if self.is_local(layer) else self.rope_theta
+
+    @property
+    def embed_scale(self) -> float:
+        """The factor on the embedding after the lookup (Gemma: sqrt(hidden); Llama: 1)."""
+        return float(self.hidden_size) ** 0.5 if self.architecture == "gemma3" else 1.0
 
     @property
     def q_size(self) -> int:
@@ -41,6 +67,16 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         if isinstance(eos, list):
             eos = eos[0]
+        gemma = cfg.get("model_type") in GEMMA3_MODEL_TYPES
+        if gemma and cfg.get("final_logit_softcapping") or gemma and cfg.get("attn_logit_softcapping"):
+            raise ValueError("Gemma 3 with logit soft-capping is not supported")
+        if gemma and cfg.get("query_pre_attn_scalar", cfg.get("head_dim")) != cfg.get("head_dim"):
+            raise ValueError("Gemma 3 with query_pre_attn_scalar other than head_dim is not supported")
+        extra = dict(
+            architecture="gemma3", sliding_window=int(cfg.get("sliding_window") or 0),
+            sliding_window_pattern=int(cfg.get("sliding_window_pattern", 6)),
+            rope_local_theta=float(cfg.get("rope_local_base_freq", 10000.0)),
+        ) if gemma else {}
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=hidden,
@@ -55,12 +91,19 @@ class ModelConfig:
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos,
+            **extra,
         )
 
     def to_hf(self) -> dict:
+        gemma = self.architecture == "gemma3"
+        extra = {
+            "sliding_window": self.sliding_window, "sliding_window_pattern": self.sliding_window_pattern,
+            "rope_local_base_freq": self.rope_local_theta, "query_pre_attn_scalar": self.head_dim,
+            "final_logit_softcapping": None, "attn_logit_softcapping": None,
+        } if gemma else {}
         return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "architectures": ["Gemma3ForCausalLM" if gemma else "LlamaForCausalLM"],
+            "model_type": "gemma3_text" if gemma else "llama",
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -74,5 +117,10 @@ class ModelConfig:
             "tie_word_embeddings": self.tie_embeddings,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
-            "hidden_act": "silu",
+            "hidden_act": "gelu_pytorch_tanh" if gemma else "silu",
+            **extra,
         }
+
+
+ARCHITECTURES = ("llama", "gemma3")
+GEMMA3_MODEL_TYPES = ("gemma3_text", "gemma3")

@@ -1,4 +1,8 @@
-"""Load a Llama-family GGUF file (through the `gguf` package) into ModelWeights."""
+"""Load a Llama-family or Gemma 3 GGUF file (through the `gguf` package) into ModelWeights.
+
+A tensor stored in a GGML type the engine has no kernel for is dequantized to float32 with the `gguf`
+package's own dequantization, so a file in any type the package reads loads and runs (more slowly).
+"""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -11,7 +15,7 @@ from gguf.gguf_reader import ReaderField
 from numba import njit
 
 from models.config import ModelConfig
-from models.quant import QuantTensor, format_of_ggml
+from models.quant import QuantTensor, UnsupportedFormat, format_of_ggml
 from models.weights import LayerWeights, ModelWeights
 
 _LAYER_TENSORS = {
@@ -19,6 +23,40 @@ _LAYER_TENSORS = {
     "q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
     "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down",
 }
+_GEMMA3_TENSORS = {
+    "q_norm": "attn_q_norm", "k_norm": "attn_k_norm",
+    "post_attn_norm": "post_attention_norm", "post_ffn_norm": "post_ffw_norm",
+}
+ARCHITECTURES = ("llama", "gemma3")
+# What llama.cpp takes as Gemma 3's defaults, absent from its GGUF files: every 6th layer is global,
+# and local layers rotate with base 1e4 (the file's rope.freq_base is the global layers').
+GEMMA3_SLIDING_WINDOW_PATTERN = 6
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
+
+
+def _swa_pattern(path: str, value) -> int:
+    """The file's sliding_window_pattern (every n-th layer global), else Gemma 3's default."""
+    if value is None:
+        return GEMMA3_SLIDING_WINDOW_PATTERN
+    if isinstance(value, int):
+        return value
+    raise ModelFileError(f"{path}: a per-layer sliding_window_pattern is not supported")
+
+
+def tensor_from_gguf(t) -> QuantTensor:
+    """A GGUF reader tensor as a QuantTensor [out, in]: kept in its stored format where the engine has
+    kernels for it, else dequantized to float32 by the `gguf` package."""
+    # gguf lists dims input-first; our matrices are [out, in]
+    shape = tuple(int(d) for d in reversed([int(x) for x in t.shape]))
+    try:
+        fmt = format_of_ggml(t.tensor_type)
+    except UnsupportedFormat:
+        try:
+            dense = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
+        except NotImplementedError:
+            raise UnsupportedFormat(f"tensor {t.name}: GGML type {t.tensor_type.name} cannot be read") from None
+        return QuantTensor("f32", shape, np.ascontiguousarray(dense.reshape(shape), dtype=np.float32))
+    return QuantTensor.from_raw(fmt, shape, t.data)
 
 
 class ModelFileError(ValueError):
@@ -192,8 +230,9 @@ def read_gguf(path: str) -> tuple[ModelWeights, Metadata]:
     reader = open_gguf(path)
 
     arch = _field(reader, "general.architecture")
-    if arch not in ("llama",):
-        raise ModelFileError(f"{path}: unsupported architecture {arch!r} (supported: llama)")
+    if arch not in ARCHITECTURES:
+        raise ModelFileError(f"{path}: unsupported architecture {arch!r} (supported: {', '.join(ARCHITECTURES)})")
+    gemma = arch == "gemma3"
 
     def meta(key, default=None):
         return _field(reader, f"{arch}.{key}", default)
@@ -206,16 +245,13 @@ def read_gguf(path: str) -> tuple[ModelWeights, Metadata]:
         t = tensors.get(name)
         if t is None:
             raise ModelFileError(f"{path}: tensor {name} is missing")
-        fmt = format_of_ggml(t.tensor_type)
-        # gguf lists dims input-first; our matrices are [out, in]
-        shape = tuple(int(d) for d in reversed([int(x) for x in t.shape]))
-        return QuantTensor.from_raw(fmt, shape, t.data)
+        return tensor_from_gguf(t)
 
     def vector(name: str) -> np.ndarray:
         t = tensors.get(name)
         if t is None:
             raise ModelFileError(f"{path}: tensor {name} is missing")
-        return QuantTensor.from_raw(format_of_ggml(t.tensor_type), (1, int(t.shape[0])), t.data).dequantize()[0].copy()
+        return tensor_from_gguf(t).dequantize().reshape(-1).copy()
 
     vocab = meta("vocab_size")
     embed = matrix("token_embd.weight")
@@ -234,16 +270,22 @@ def read_gguf(path: str) -> tuple[ModelWeights, Metadata]:
         tie_embeddings="output.weight" not in tensors,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        **(dict(architecture="gemma3", sliding_window=int(meta("attention.sliding_window", 0)),
+                sliding_window_pattern=_swa_pattern(path, meta("attention.sliding_window_pattern")),
+                rope_local_theta=GEMMA3_LOCAL_ROPE_THETA)
+           if gemma else {}),
     )
+    names = dict(_LAYER_TENSORS, **(_GEMMA3_TENSORS if gemma else {}))
     layers = []
     for i in range(config.num_layers):
         p = f"blk.{i}."
         parts = {}
-        for ours, theirs in _LAYER_TENSORS.items():
+        for ours, theirs in names.items():
             name = p + theirs + ".weight"
             parts[ours] = vector(name) if ours.endswith("norm") else matrix(name)
-        parts["q"] = unpermute_rope_rows(parts["q"], heads)
-        parts["k"] = unpermute_rope_rows(parts["k"], kv_heads)
+        if not gemma:   # Gemma's converter leaves q/k rows in Hugging Face's order
+            parts["q"] = unpermute_rope_rows(parts["q"], heads)
+            parts["k"] = unpermute_rope_rows(parts["k"], kv_heads)
         layers.append(LayerWeights(**parts))
     weights = ModelWeights(
         config=config,

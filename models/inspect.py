@@ -22,11 +22,14 @@ def check_quantization(quantization: str | None) -> str | None:
     return quantization
 
 
-def resolve_quantization(requested: str | None, stored_format: str) -> tuple[str, str | None]:
+def resolve_quantization(requested: str | None, stored_format: str,
+                         loads_dequantized: bool = False) -> tuple[str, str | None]:
     """(the label a model is served under, the format its weights are converted to or None to keep
-    the file's): a request without a quantization, or for the file's own, keeps the stored weights."""
+    the file's): a request without a quantization, or for the file's own, keeps the stored weights,
+    unless some of them load dequantized (a type without kernels), which a requested format re-encodes."""
     label = check_quantization(requested) or stored_format
-    return label, None if label == stored_format else label
+    keep = label == stored_format and not (loads_dequantized and requested is not None)
+    return label, None if keep else label
 
 
 @dataclass
@@ -35,8 +38,9 @@ class ModelFileInfo:
     stored_format: str
     matrix_weights: int          # elements of 2-D tensors (re-encoded by a quantization)
     vector_bytes: int            # 1-D tensors (norms) stay float32
-    stored_bytes: int            # tensor bytes as stored
+    stored_bytes: int            # tensor bytes as loaded with the stored formats kept
     version: str                 # a content fingerprint, the same on every node with the same file
+    loads_dequantized: bool = False   # some matrices are in a type without kernels: they load as float32
 
     def weight_bytes(self, convert_to: str | None) -> int:
         if convert_to is None:
@@ -50,32 +54,35 @@ def inspect_model(path: str) -> ModelFileInfo:
     kind, p = locate_model(path)
     if kind == "gguf":
         files = [p]
-        counts, matrix, vector_bytes, stored = _gguf_counts(p)
+        counts, matrix, vector_bytes, stored, dequantized = _gguf_counts(p)
     else:
         files = sorted(os.path.join(p, f) for f in os.listdir(p) if f.endswith(".safetensors"))
         counts, matrix, vector_bytes, stored = _safetensors_counts(files)
+        dequantized = False
     stored_format = min(counts, key=FORMAT_ORDER.index) if counts else "f32"
-    return ModelFileInfo(stored_format, matrix, vector_bytes, stored, _fingerprint(files))
+    return ModelFileInfo(stored_format, matrix, vector_bytes, stored, _fingerprint(files), dequantized)
 
 
-def _gguf_counts(path: str) -> tuple[dict[str, int], int, int, int]:
-    """(weights per format of the matrices, matrix weights, vector bytes as float32, stored bytes)."""
+def _gguf_counts(path: str) -> tuple[dict[str, int], int, int, int, bool]:
+    """(weights per format of the matrices, matrix weights, vector bytes as float32, bytes as loaded,
+    whether some matrices load dequantized to float32: a type the engine has no kernels for)."""
     from models.gguf_file import open_gguf
     counts: dict[str, int] = {}
-    matrix, vector_bytes, stored = 0, 0, 0
+    matrix, vector_bytes, stored, dequantized = 0, 0, 0, False
     for t in open_gguf(path).tensors:
         n = int(t.n_elements)
-        stored += int(t.n_bytes)
         if len(t.shape) >= 2 and int(min(t.shape)) > 1:
             matrix += n
             try:
                 fmt = format_of_ggml(t.tensor_type)
-                counts[fmt] = counts.get(fmt, 0) + n
             except ValueError:
-                pass
+                fmt, dequantized = "f32", True
+            counts[fmt] = counts.get(fmt, 0) + n
+            stored += 4 * n if fmt == "f32" else int(t.n_bytes)
         else:
+            stored += int(t.n_bytes)
             vector_bytes += 4 * n
-    return counts, matrix, vector_bytes, stored
+    return counts, matrix, vector_bytes, stored, dequantized
 
 
 def _safetensors_counts(files: list[str]) -> tuple[dict[str, int], int, int, int]:

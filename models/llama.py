@@ -22,6 +22,13 @@ class StepInput:
     slot_mapping: np.ndarray    # [T] int64 cache slot (block * block_size + offset) for token t's K/V
     block_tables: np.ndarray    # [S, max_blocks] int32
     logits_indices: np.ndarray  # [S'] int32 tokens whose next-token logits are wanted
+    # sliding-window models (models/gemma3.py): the slots and tables of each group of local layers
+    window_slot_mapping: np.ndarray | None = None   # [G, T] int64
+    window_block_tables: np.ndarray | None = None   # [G, S, max_blocks] int32 (blocks out of the window: 0)
+
+    def arrays(self) -> tuple:
+        """The fields in order, None for those a model without sliding windows leaves out."""
+        return tuple(vars(self).values())
 
 
 class RunState:
@@ -38,6 +45,8 @@ class RunState:
 
 
 class LlamaModel:
+    window_groups = 0   # groups of sliding-window layers with K/V blocks of their own (models/gemma3.py)
+
     def __init__(self, weights: ModelWeights, backend):
         cfg = self.config = weights.config
         b = self.backend = backend
@@ -69,13 +78,19 @@ class LlamaModel:
                 seen[id(m)] = m
         return seen.values()
 
+    @property
+    def group_size(self) -> int:
+        """Layers whose K/V one pool block holds (every layer here; a group of them in models/gemma3.py)."""
+        return self.config.num_layers
+
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         c = self.config
-        return (c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        return (self.group_size, num_blocks, block_size, c.num_kv_heads, c.head_dim)
 
     def kv_bytes_per_block(self, block_size: int) -> int:
+        """Bytes of one pool block: its layers' K and V for block_size positions."""
         c = self.config
-        return 2 * 4 * c.num_layers * block_size * c.num_kv_heads * c.head_dim
+        return 2 * 4 * self.group_size * block_size * c.num_kv_heads * c.head_dim
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int):
         shape = self.kv_cache_shape(num_blocks, block_size)

@@ -1,4 +1,4 @@
-"""Read and write Llama-family models as a Hugging Face directory: config.json + safetensors weights.
+"""Read and write Llama-family and Gemma 3 models as a Hugging Face directory: config.json + safetensors weights.
 
 Reading takes model.safetensors or the shards named by model.safetensors.index.json, with the Hugging Face
 tensor names, in F32 / F16 / BF16. Writing stores float formats as plain tensors (loadable by transformers)
@@ -29,7 +29,7 @@ WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
 QUANT_METADATA_KEY = "zen.quant"
-SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "gemma3_text")
 
 _FLOAT_DTYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
 _LAYER_NAMES = {
@@ -37,6 +37,16 @@ _LAYER_NAMES = {
     "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj",
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
 }
+_GEMMA3_LAYER_NAMES = dict(
+    _LAYER_NAMES, ffn_norm="pre_feedforward_layernorm", post_attn_norm="post_attention_layernorm",
+    post_ffn_norm="post_feedforward_layernorm", q_norm="self_attn.q_norm", k_norm="self_attn.k_norm",
+)
+# Hugging Face's Gemma multiplies by (1 + w) and stores w; ModelWeights holds the factor (1 + w)
+_GEMMA_NORM_OFFSET = 1.0
+
+
+def _norm_offset(config: ModelConfig) -> float:
+    return _GEMMA_NORM_OFFSET if config.architecture == "gemma3" else 0.0
 
 
 def hf_tensor_names(config: ModelConfig) -> dict[str, tuple]:
@@ -46,12 +56,14 @@ def hf_tensor_names(config: ModelConfig) -> dict[str, tuple]:
         "q": (config.q_size, d), "k": (config.kv_size, d), "v": (config.kv_size, d), "o": (d, config.q_size),
         "gate": (config.intermediate_size, d), "up": (config.intermediate_size, d),
         "down": (d, config.intermediate_size), "attn_norm": (d,), "ffn_norm": (d,),
+        "post_attn_norm": (d,), "post_ffn_norm": (d,), "q_norm": (config.head_dim,), "k_norm": (config.head_dim,),
     }
+    layer_names = _GEMMA3_LAYER_NAMES if config.architecture == "gemma3" else _LAYER_NAMES
     names = {"model.embed_tokens.weight": (("embed",), (v, d)), "model.norm.weight": (("final_norm",), (d,))}
     if not config.tie_embeddings:
         names["lm_head.weight"] = (("lm_head",), (v, d))
     for i in range(config.num_layers):
-        for ours, theirs in _LAYER_NAMES.items():
+        for ours, theirs in layer_names.items():
             names[f"model.layers.{i}.{theirs}.weight"] = (("layer", i, ours), shapes[ours])
     return names
 
@@ -101,8 +113,10 @@ def _read_config(directory: str) -> tuple[ModelConfig, dict]:
     for flag in ("attention_bias", "mlp_bias"):
         if raw.get(flag):
             raise ModelFileError(f"{path}: {flag} is not supported")
-    if raw.get("hidden_act", "silu") != "silu":
-        raise ModelFileError(f"{path}: hidden_act {raw.get('hidden_act')!r} is not supported (silu)")
+    act = raw.get("hidden_activation") or raw.get("hidden_act", "silu")
+    want = "gelu_pytorch_tanh" if model_type == "gemma3_text" else "silu"
+    if act != want:
+        raise ModelFileError(f"{path}: activation {act!r} is not supported for {model_type} ({want})")
     try:
         return ModelConfig.from_hf(raw), raw
     except KeyError as e:
@@ -191,7 +205,8 @@ def read_safetensors_dir(directory: str | os.PathLike) -> ModelWeights:
             fmt = _FLOAT_DTYPES[info["dtype"]]
             raw = arrays[name] if name in arrays else _raw(file, header, name)
             if len(want) == 1:
-                loaded[name] = QuantTensor.from_raw(fmt, (1, want[0]), raw).dequantize()[0].astype(np.float32)
+                vec = QuantTensor.from_raw(fmt, (1, want[0]), raw).dequantize()[0].astype(np.float32)
+                loaded[name] = vec + np.float32(_norm_offset(config))
             else:
                 loaded[name] = QuantTensor.from_raw(fmt, want, raw)
 
@@ -243,7 +258,8 @@ def _tensors_of(weights: ModelWeights) -> tuple[dict[str, tuple[str, tuple, np.n
             else:
                 out[name] = (_DTYPE_NAME[obj.format], obj.shape, np.ascontiguousarray(obj.data))
         else:
-            out[name] = ("F32", np.shape(obj), np.ascontiguousarray(obj, dtype=np.float32))
+            vec = np.asarray(obj, dtype=np.float32) - np.float32(_norm_offset(weights.config))
+            out[name] = ("F32", np.shape(obj), np.ascontiguousarray(vec))
     return out, quant
 
 

@@ -1,5 +1,6 @@
-"""Tokenizer: byte-level BPE on the `tokenizers` library, built from a GGUF file's vocabulary or a
-Hugging Face tokenizer.json, with the model's chat template rendered by Jinja2 (models/chat_template.py).
+"""Tokenizer: byte-level BPE or SentencePiece BPE (models/tokenizer_spm.py) on the `tokenizers` library, built
+from a GGUF file's vocabulary or a Hugging Face tokenizer.json, with the model's chat template rendered by
+Jinja2 (models/chat_template.py).
 
 Also IncrementalDetokenizer, which turns a stream of sampled token ids into text deltas that never end
 in half a UTF-8 character and that add up to exactly the decoding of the whole sequence.
@@ -16,9 +17,10 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
 
 from models.chat_template import TemplateError, compile_chat_template, normalize_messages
-
-# GGUF token types (llama.cpp's llama_token_type)
-TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
+from models.tokenizer_spm import (  # noqa: F401 (the token types are re-exported)
+    TOKEN_BYTE, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_UNUSED, TOKEN_USER_DEFINED, spm_piece_bytes,
+    spm_tokenizer,
+)
 
 # Tokens that end an assistant turn in the chat formats we know; any that the vocabulary holds as a
 # special token stops generation, like llama.cpp's end-of-generation set.
@@ -113,6 +115,7 @@ class Tokenizer:
         self.add_bos_token, self.add_eos_token = bool(add_bos_token), bool(add_eos_token)
         self.chat_template = chat_template
         self.pre = pre
+        self.spm = _is_spm(hf)   # a SentencePiece vocabulary: pieces with ▁ and <0xXX>, not byte-level
         self._template = None
         self._bos_id = self._id_of(bos_token)
         self._eos_id = self._id_of(eos_token)
@@ -140,8 +143,11 @@ class Tokenizer:
     def from_gguf(cls, fields: Mapping[str, Any]) -> "Tokenizer":
         """From a GGUF file's `tokenizer.*` metadata (keys without the `tokenizer.` prefix)."""
         model = fields.get("ggml.model")
+        if model == "llama":
+            return cls._from_gguf_spm(fields)
         if model != "gpt2":
-            raise ValueError(f"unsupported GGUF tokenizer model {model!r} (supported: gpt2 byte-level BPE)")
+            raise ValueError(f"unsupported GGUF tokenizer model {model!r} "
+                             "(supported: gpt2 byte-level BPE, llama SentencePiece)")
         tokens = fields.get("ggml.tokens")
         merges = fields.get("ggml.merges")
         if not tokens or merges is None:
@@ -168,7 +174,6 @@ class Tokenizer:
         }
         hf = tokenizers.Tokenizer.from_str(json.dumps(doc))
         hf.pre_tokenizer = _pre_tokenizer(family)
-        hf.decoder = decoders.ByteLevel()
         added = []
         for i, (t, ty) in enumerate(zip(tokens, types)):
             if ty == TOKEN_CONTROL:
@@ -179,11 +184,23 @@ class Tokenizer:
             hf.add_special_tokens([a for a in added if a.special])
             hf.add_tokens([a for a in added if not a.special])
 
+        hf.decoder = decoders.ByteLevel()
+        return cls._with_gguf_specials(hf, fields, bool(fields.get("ggml.add_bos_token", False)), pre)
+
+    @classmethod
+    def _from_gguf_spm(cls, fields: Mapping[str, Any]) -> "Tokenizer":
+        """A SentencePiece vocabulary (Gemma's); it adds BOS unless the file says otherwise."""
+        return cls._with_gguf_specials(spm_tokenizer(fields), fields, bool(fields.get("ggml.add_bos_token", True)),
+                                       None)
+
+    @classmethod
+    def _with_gguf_specials(cls, hf, fields: Mapping[str, Any], add_bos: bool, pre: str | None) -> "Tokenizer":
+        tokens = fields["ggml.tokens"]
+
         def tok(key):
             i = fields.get(key)
             return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
 
-        add_bos = bool(fields.get("ggml.add_bos_token", False))
         add_eos = bool(fields.get("ggml.add_eos_token", False))
         extra = [fields.get("ggml.eot_token_id"), fields.get("ggml.eom_token_id")]
         template = fields.get("chat_template")
@@ -323,6 +340,8 @@ class Tokenizer:
         piece = self.hf.id_to_token(token_id) or ""
         if token_id in self._added_ids:  # added tokens are literal text
             return piece.encode("utf-8")
+        if self.spm:
+            return spm_piece_bytes(piece)
         try:
             return bytes(UNICODE_TO_BYTE[c] for c in piece)
         except KeyError:  # not a byte-level vocabulary entry
@@ -424,6 +443,12 @@ def _read_json(path: str):
             return json.load(f)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
+def _is_spm(hf: tokenizers.Tokenizer) -> bool:
+    """Whether a tokenizer decodes SentencePiece pieces (its decoder turns ▁ into spaces)."""
+    dec = hf.decoder
+    return dec is not None and "\u2581" in dec.__getstate__().decode("utf-8", "replace")
 
 
 def _guess_pre(hf: tokenizers.Tokenizer) -> str | None:

@@ -1,7 +1,11 @@
-"""ModelWeights: a Llama-family model's tensors in Hugging Face orientation and RoPE layout."""
+"""ModelWeights: a decoder model's tensors (Llama family, Gemma 3) in Hugging Face orientation and RoPE layout.
+
+Norm weights are the factors the normalized activations are multiplied by: Gemma's (1 + w) is stored with
+the 1 added, as its GGUF files store it (the safetensors reader adds it to a Hugging Face file's w).
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -20,6 +24,17 @@ class LayerWeights:
     gate: QuantTensor      # [F, D]
     up: QuantTensor        # [F, D]
     down: QuantTensor      # [D, F]
+    # Gemma 3 only (None for Llama): RMSNorm of each q and k head, and of the attention and MLP outputs
+    q_norm: np.ndarray | None = None          # [Dh] float32
+    k_norm: np.ndarray | None = None          # [Dh] float32
+    post_attn_norm: np.ndarray | None = None  # [D] float32
+    post_ffn_norm: np.ndarray | None = None   # [D] float32
+
+    NORMS = ("attn_norm", "ffn_norm", "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm")
+
+    def norms(self) -> dict[str, np.ndarray]:
+        """The norm vectors this layer has."""
+        return {n: getattr(self, n) for n in self.NORMS if getattr(self, n) is not None}
 
     def matrices(self) -> dict[str, QuantTensor]:
         return {n: getattr(self, n) for n in ("q", "k", "v", "o", "gate", "up", "down")}
@@ -40,7 +55,7 @@ class ModelWeights:
         if self.lm_head is not None:
             total += self.lm_head.nbytes
         for lw in self.layers:
-            total += lw.attn_norm.nbytes + lw.ffn_norm.nbytes + sum(m.nbytes for m in lw.matrices().values())
+            total += sum(v.nbytes for v in lw.norms().values()) + sum(m.nbytes for m in lw.matrices().values())
         return total
 
     def formats(self) -> set[str]:
@@ -53,13 +68,7 @@ class ModelWeights:
         """The same model with every matrix re-encoded in `fmt` (norms stay float32)."""
         if fmt is None:
             return self
-        layers = [
-            LayerWeights(
-                attn_norm=lw.attn_norm, ffn_norm=lw.ffn_norm,
-                **{n: m.convert(fmt) for n, m in lw.matrices().items()},
-            )
-            for lw in self.layers
-        ]
+        layers = [replace(lw, **{n: m.convert(fmt) for n, m in lw.matrices().items()}) for lw in self.layers]
         return ModelWeights(
             config=self.config, embed=self.embed.convert(fmt), layers=layers, final_norm=self.final_norm,
             lm_head=None if self.lm_head is None else self.lm_head.convert(fmt), metadata=dict(self.metadata),

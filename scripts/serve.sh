@@ -10,7 +10,15 @@ export NODE_SECRET=${NODE_SECRET:-zen-development-node-secret}
 export ZEN_NODES=${ZEN_NODES:-http://127.0.0.1:$NODE_PORT}
 export PORT=${PORT:-8000}
 
-$VPY -m engine serve --host 127.0.0.1 --port "$NODE_PORT" --models "$MODEL" &
+# Gemma 3 (`make model-gemma`) joins the default model when its file is there: listed, loaded on the
+# first request for it (the catalog's zen-gemma), while SmolLM2 alone is loaded at start.
+GEMMA=models/weights/gemma-3-270m-q4_k_m.gguf
+MODELS=("$MODEL")
+if [ -z "${ZEN_MODEL_PATH:-}" ] && [ -f "$GEMMA" ]; then
+    MODELS+=("$GEMMA=gemma-3-270m" --preload SmolLM2-135M-Instruct)
+fi
+
+$VPY -m engine serve --host 127.0.0.1 --port "$NODE_PORT" --models "${MODELS[@]}" &
 node=$!
 trap 'kill $node 2>/dev/null; wait $node 2>/dev/null' EXIT INT TERM
 

@@ -11,7 +11,7 @@ from tests.tiny_model import make_tiny_tokenizer, make_tiny_weights, write_tiny_
 
 # The simulator replaces numba.cuda for the whole process, so its tests run in a process of their own
 # (make test-sim); elsewhere their file is not collected at all.
-collect_ignore = [] if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" else ["test_cuda_kernels.py"]
+collect_ignore = [] if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" else ["test_cuda_kernels.py", "test_gemma3_cuda.py"]
 
 
 @pytest.fixture(scope="session")

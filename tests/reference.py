@@ -1,4 +1,4 @@
-"""numpy float64 reference of every op and of the whole Llama forward pass.
+"""numpy float64 reference of every op and of the whole Llama and Gemma 3 forward passes.
 
 Every op also runs in another dtype (`dtype=np.float32`): the same math rounded as a plain float32
 evaluation rounds it, to tell how much float32 error an input brings by itself.
@@ -46,8 +46,15 @@ def silu_mul(gate_up, dtype=np.float64):
     return g / (dtype(1) + np.exp(-g)) * u
 
 
-def causal_attention(q, k, v, scale, dtype=np.float64):
-    """q: [Tq, H, Dh] at the last Tq positions of k/v: [Tk, Hkv, Dh]."""
+def gelu_tanh_mul(gate_up, dtype=np.float64):
+    """gate_up: [T, 2F] = [gate | up] -> gelu(gate) * up, GELU in its tanh approximation."""
+    g, u = np.split(np.asarray(gate_up, dtype), 2, axis=-1)
+    return dtype(0.5) * g * (dtype(1) + np.tanh(dtype(np.sqrt(2 / np.pi)) * (g + dtype(0.044715) * g ** 3))) * u
+
+
+def causal_attention(q, k, v, scale, dtype=np.float64, window=0):
+    """q: [Tq, H, Dh] at the last Tq positions of k/v: [Tk, Hkv, Dh]. window > 0: a query at position p
+    sees the keys at p - window < position <= p only (a sliding window)."""
     q, k, v = (np.asarray(a, dtype) for a in (q, k, v))
     scale = dtype(scale)
     tq, h, _ = q.shape
@@ -58,13 +65,15 @@ def causal_attention(q, k, v, scale, dtype=np.float64):
         kh, vh = k[:, head // group], v[:, head // group]
         s = q[:, head] @ kh.T * scale  # [Tq, Tk]
         qpos = np.arange(tk - tq, tk)[:, None]
-        s = np.where(np.arange(tk)[None, :] <= qpos, s, -np.inf)
+        kpos = np.arange(tk)[None, :]
+        visible = (kpos <= qpos) & ((kpos > qpos - window) if window > 0 else True)
+        s = np.where(visible, s, -np.inf)
         s = np.exp(s - s.max(axis=1, keepdims=True))
         out[:, head] = (s / s.sum(axis=1, keepdims=True)) @ vh
     return out
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale):
+def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window=0):
     """The paged form: gathers each sequence's K/V through its block table."""
     q = np.asarray(q, np.float64)
     out = np.zeros_like(q)
@@ -76,7 +85,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
         k = k_cache[blocks].reshape(-1, *k_cache.shape[2:])[:n]
         v = v_cache[blocks].reshape(-1, *v_cache.shape[2:])[:n]
         a, b = query_start_loc[s], query_start_loc[s + 1]
-        out[a:b] = causal_attention(q[a:b], k, v, scale)
+        out[a:b] = causal_attention(q[a:b], k, v, scale, window=window)
     return out
 
 
@@ -167,6 +176,46 @@ def forward(weights, tokens, positions=None, dtype=np.float64):
         gu = np.concatenate([m @ dense(lw.gate).T, m @ dense(lw.up).T], axis=-1)
         x = x + silu_mul(gu, dtype) @ dense(lw.down).T
     x = rmsnorm(x, weights.final_norm, cfg.rms_norm_eps, dtype)
+    head = weights.lm_head if weights.lm_head is not None else weights.embed
+    return x @ dense(head).T
+
+
+def gemma3_forward(weights, tokens, dtype=np.float64, window=None, pattern=None, local_theta=None,
+                   last_only=False):
+    """Reference Gemma 3 forward for one sequence from position 0; returns logits [T, V] (in dtype), or
+    [1, V] for the last token only (last_only: a long prompt's logits cost more than the rest).
+
+    From the architecture (Gemma 3's technical report and the Hugging Face modeling code): the embedding
+    times sqrt(hidden); per layer x += postnorm(attention(prenorm(x))), x += postnorm(mlp(prenorm(x)))
+    with q and k normalized per head before RoPE; layer i is global when (i + 1) % pattern == 0, else it
+    attends over the last `window` positions with RoPE base `local_theta`; GELU-tanh gating; tied head.
+    Norm weights are the factors (1 + w). window / pattern / local_theta default to the config's.
+    """
+    cfg = weights.config
+    window = cfg.sliding_window if window is None else window
+    pattern = cfg.sliding_window_pattern if pattern is None else pattern
+    local_theta = cfg.rope_local_theta if local_theta is None else local_theta
+    tokens = np.asarray(tokens)
+    t = len(tokens)
+    positions = np.arange(t)
+    dense = lambda qt: np.asarray(qt.dequantize(), dtype=dtype)  # noqa: E731
+    eps = cfg.rms_norm_eps
+    h, hkv, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    x = dense(weights.embed)[tokens] * dtype(np.sqrt(cfg.hidden_size))
+    for i, lw in enumerate(weights.layers):
+        is_global = pattern > 0 and (i + 1) % pattern == 0 or window == 0
+        theta = cfg.rope_theta if is_global else local_theta
+        a = rmsnorm(x, lw.attn_norm, eps, dtype)
+        q = rmsnorm((a @ dense(lw.q).T).reshape(t, h, dh), lw.q_norm, eps, dtype)
+        k = rmsnorm((a @ dense(lw.k).T).reshape(t, hkv, dh), lw.k_norm, eps, dtype)
+        v = (a @ dense(lw.v).T).reshape(t, hkv, dh)
+        q, k = rope(q, positions, theta, dtype), rope(k, positions, theta, dtype)
+        o = causal_attention(q, k, v, dh ** -0.5, dtype, window=0 if is_global else window).reshape(t, h * dh)
+        x = x + rmsnorm(o @ dense(lw.o).T, lw.post_attn_norm, eps, dtype)
+        m = rmsnorm(x, lw.ffn_norm, eps, dtype)
+        gu = np.concatenate([m @ dense(lw.gate).T, m @ dense(lw.up).T], axis=-1)
+        x = x + rmsnorm(gelu_tanh_mul(gu, dtype) @ dense(lw.down).T, lw.post_ffn_norm, eps, dtype)
+    x = rmsnorm(x[-1:] if last_only else x, weights.final_norm, eps, dtype)
     head = weights.lm_head if weights.lm_head is not None else weights.embed
     return x @ dense(head).T
 

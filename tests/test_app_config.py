@@ -185,7 +185,7 @@ def test_catalog_resolves_aliases_and_enforces_tiers():
         assert err.value.status == 404 and err.value.code == "model_not_found"
         assert err.value.param == "model"
     assert [m.alias for m in cat.visible_to(free)] == ["zen-small"]
-    assert [m.alias for m in cat.visible_to(pro)] == ["zen-small", "zen-small-q8", "zen-small-f16"]
+    assert [m.alias for m in cat.visible_to(pro)] == ["zen-small", "zen-small-q8", "zen-small-f16", "zen-gemma"]
 
 
 def test_the_gateway_does_not_load_the_engine_kernels():

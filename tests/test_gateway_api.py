@@ -165,6 +165,22 @@ def test_models_endpoints(client, auth):
     assert_error(client.get("/v1/models/gpt-4", headers=auth), 404, "model", "model_not_found")
 
 
+def test_models_lists_what_the_nodes_can_serve(client, auth, node):
+    client.post(COMPLETIONS, headers=auth, json={"model": "zen-small", "prompt": "hi"})   # the node is known now
+    listed = [m["id"] for m in client.get("/v1/models", headers=auth).get_json()["data"]]
+    # the stand-in node serves SmolLM2 only: zen-gemma (in the pro tier's catalog) is not listed
+    assert listed == ["zen-small", "zen-small-q8", "zen-small-f16"]
+    assert client.get("/v1/models/zen-gemma", headers=auth).get_json()["chat"] is False
+
+
+def test_chat_to_a_model_without_a_template_is_a_400(client, auth, node):
+    sent = len(node.received)
+    err = assert_error(client.post(CHAT, headers=auth, json=chat_body(model="zen-gemma")), 400, "messages",
+                       "chat_not_supported")
+    assert "completions" in err["message"]
+    assert len(node.received) == sent   # refused at the gateway, never forwarded
+
+
 # -- streaming -----------------------------------------------------------------------------------
 
 def test_chat_streaming_with_usage(client, auth, node):

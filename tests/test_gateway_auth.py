@@ -202,9 +202,9 @@ def test_org_scopes_what_the_caller_sees(client):
     free = client.get("/v1/models", headers=bearer(cfg, "globex")).get_json()
     pro = client.get("/v1/models", headers=bearer(cfg, "acme")).get_json()
     assert [m["id"] for m in free["data"]] == ["zen-small"]
-    assert len(pro["data"]) == 3
+    assert len(pro["data"]) == 4
     # an org not in the config: its tier claim (or the default tier)
-    assert len(client.get("/v1/models", headers=bearer(cfg, "newco", "pro")).get_json()["data"]) == 3
+    assert len(client.get("/v1/models", headers=bearer(cfg, "newco", "pro")).get_json()["data"]) == 4
     assert len(client.get("/v1/models", headers=bearer(cfg, "newco2")).get_json()["data"]) == 1
     # a configured org cannot raise its tier through the claim
     assert len(client.get("/v1/models", headers=bearer(cfg, "globex", "enterprise")).get_json()["data"]) == 1

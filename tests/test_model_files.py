@@ -15,6 +15,7 @@ from safetensors.numpy import save_file
 from models import convert
 from models.gguf_file import FastGGUFReader, ModelFileError, open_gguf, read_gguf, unpermute_rope_rows
 from models.loader import default_model_path, load_model, load_tokenizer, read_gguf_fields
+from models.inspect import inspect_model, resolve_quantization
 from models.quant import BLOCK_FORMATS, FORMATS, QuantTensor, UnsupportedFormat, bytes_per_weight
 from models.safetensors_file import QUANT_METADATA_KEY, read_safetensors_dir, write_safetensors_dir
 from models.weights import ModelWeights
@@ -353,14 +354,33 @@ def test_not_a_model(tmp_path):
         load_model(d)
 
 
-def test_unsupported_gguf_tensor_type(tmp_path):
+def test_gguf_tensor_without_kernels_loads_dequantized(tmp_path):
     w = make_tiny_weights(0, "q8_0")
-    q5_0 = np.zeros((w.embed.shape[0], w.embed.shape[1] // 32 * 22), np.uint8)  # Q5_0: 22 bytes per 32
+    dense = np.random.default_rng(5).standard_normal(w.embed.shape).astype(np.float32)
+    q5_0 = gguf.quants.quantize(dense, gguf.GGMLQuantizationType.Q5_0)
     path = write_tiny_gguf(tmp_path / "q5.gguf", w,
                            raw_tensors={"token_embd.weight": (q5_0, gguf.GGMLQuantizationType.Q5_0)})
+    loaded, _ = load_model(path)
+    assert loaded.embed.format == "f32" and loaded.formats() == {"f32", "q8_0"}
+    want = gguf.quants.dequantize(q5_0, gguf.GGMLQuantizationType.Q5_0)
+    np.testing.assert_array_equal(loaded.embed.dequantize(), want)
+    assert np.abs(want - dense).max() < 0.05 * np.abs(dense).max()   # a real Q5_0 encoding of `dense`
+    info = inspect_model(path)
+    assert info.loads_dequantized and info.stored_format == "q8_0"
+    # asked for its stored format, such a file is re-encoded rather than kept half float32
+    assert resolve_quantization("q8_0", info.stored_format, info.loads_dequantized) == ("q8_0", "q8_0")
+    assert resolve_quantization(None, info.stored_format, info.loads_dequantized) == ("q8_0", None)
+
+
+def test_unreadable_gguf_tensor_type(tmp_path):
+    w = make_tiny_weights(0, "q8_0")
+    block, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_1]
+    q8_1 = np.zeros((w.embed.shape[0], w.embed.shape[1] // block * nbytes), np.uint8)
+    path = write_tiny_gguf(tmp_path / "q81.gguf", w,
+                           raw_tensors={"token_embd.weight": (q8_1, gguf.GGMLQuantizationType.Q8_1)})
     with pytest.raises(UnsupportedFormat) as e:
         load_model(path)
-    assert "Q5_0" in str(e.value) and path in str(e.value) and "\n" not in str(e.value)
+    assert "Q8_1" in str(e.value) and path in str(e.value) and "\n" not in str(e.value)
 
 
 def test_unsupported_safetensors_dtype(tmp_path):

@@ -24,6 +24,7 @@ METRIC_NAMES = [
     "zen_node_iteration_batch_size", "zen_node_prompt_tokens", "zen_node_generation_tokens",
     "zen_node_request_success", "zen_node_accelerator_memory_used_bytes", "zen_node_accelerator_memory_total_bytes",
     "zen_node_accelerator_utilization_ratio", "zen_node_model_load_time_seconds", "zen_node_models_resident",
+    "zen_node_kv_cache_window_saved_bytes",
 ]
 
 

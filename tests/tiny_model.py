@@ -146,17 +146,8 @@ def write_tiny_gguf(path, weights: ModelWeights, tokenizer: Tokenizer | None = N
     w = gguf.GGUFWriter(path, "llama")
     w.add_name(weights.metadata.get("name") or "tiny-llama")
     w.add_vocab_size(cfg.vocab_size)
-    w.add_context_length(cfg.max_position)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_heads)
-    w.add_head_count_kv(cfg.num_kv_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
+    add_shape_metadata(w, cfg)
     w.add_rope_dimension_count(cfg.head_dim)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
 
     f = tokenizer.to_gguf_fields()
     w.add_tokenizer_model(f["ggml.model"])
@@ -193,6 +184,20 @@ def write_tiny_gguf(path, weights: ModelWeights, tokenizer: Tokenizer | None = N
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def add_shape_metadata(w: gguf.GGUFWriter, cfg: ModelConfig) -> None:
+    """The `{arch}.*` keys of a model's shape, as llama.cpp's converter writes them."""
+    w.add_context_length(cfg.max_position)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
 
 
 def write_tiny_safetensors(directory, weights: ModelWeights, tokenizer: Tokenizer | None = None) -> str:

@@ -32,7 +32,7 @@ def paged_attention(rows: int, chunk: int, dh_max: int):
 
     @cuda.jit(fastmath=True)
     def paged_attention_kernel(qkv, k_cache, v_cache, block_tables, positions, token_seq, tile_tok0, tile_len,
-                               num_heads, num_kv_heads, scale, split_size, out, part_acc, part_ml):
+                               num_heads, num_kv_heads, scale, split_size, window, out, part_acc, part_ml):
         """Causal attention of a tile's query rows over their sequence's paged K/V (see the module doc)."""
         q_s = cuda.shared.array(q_size, float32)
         acc_s = cuda.shared.array(q_size, float32)
@@ -86,7 +86,8 @@ def paged_attention(rows: int, chunk: int, dh_max: int):
                 j = e - r * jn
                 kp = c0 + j
                 sc = NEG
-                if kp <= positions[tok0 + r // group]:
+                qpos = positions[tok0 + r // group]
+                if kp <= qpos and (window == 0 or kp > qpos - window):   # causal, and in a sliding window
                     sc = F0
                     for d in range(dh):
                         sc += q_s[r * dh_max + d] * kv_s[j * kv_stride + d]

@@ -1,4 +1,5 @@
-"""Row-wise and elementwise ops: embedding gather, RMSNorm, RoPE + KV-cache write, SwiGLU, row gather.
+"""Row-wise and elementwise ops: embedding gather, RMSNorm, RoPE + KV-cache write, SwiGLU, row gather, and
+Gemma 3's: a scale, RMSNorm per q/k head, an RMSNorm'd branch added to the residual, GELU-tanh gating.
 
 Launch: one block per token row (grid = T) unless noted, any power-of-two block size <= 1024; threads stride
 over the row's features. Layouts: tests/reference.py.
@@ -11,6 +12,8 @@ import math
 from numba import cuda, float32
 
 from cuda.kernels.common import F0, F1, LOADERS, MAX_BLOCK, block_sum, silu
+
+GELU_C = math.sqrt(2.0 / math.pi)
 
 
 @functools.lru_cache(maxsize=None)
@@ -29,18 +32,24 @@ def embedding(family: str):
     return embedding_kernel
 
 
+@cuda.jit(device=True, fastmath=True)
+def inv_rms(x, t, c0, d, eps, buf):
+    """1 / sqrt(mean(x[t, c0:c0+d]^2) + eps), to every thread of the block (buf: shared scratch)."""
+    ss = F0
+    for i in range(cuda.threadIdx.x, d, cuda.blockDim.x):
+        v = x[t, c0 + i]
+        ss += v * v
+    ss = block_sum(ss, buf)   # every thread has read its values before any writes after this
+    return F1 / math.sqrt(ss / float32(d) + eps)
+
+
 @cuda.jit(fastmath=True)
 def rmsnorm(x, w, eps, out):
     """out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w; grid = T. out may alias x."""
     buf = cuda.shared.array(MAX_BLOCK, float32)
     t = cuda.blockIdx.x
     d = x.shape[1]
-    ss = F0
-    for i in range(cuda.threadIdx.x, d, cuda.blockDim.x):
-        v = x[t, i]
-        ss += v * v
-    ss = block_sum(ss, buf)
-    inv = F1 / math.sqrt(ss / float32(d) + eps)
+    inv = inv_rms(x, t, 0, d, eps, buf)
     for i in range(cuda.threadIdx.x, d, cuda.blockDim.x):
         out[t, i] = x[t, i] * inv * w[i]
 
@@ -98,3 +107,49 @@ def gather_rows(src, index, out):
     row = index[r]
     for k in range(cuda.threadIdx.x, out.shape[1], cuda.blockDim.x):
         out[r, k] = src[row, k]
+
+
+@cuda.jit(fastmath=True)
+def scale_rows(x, factor):
+    """x *= factor; grid = T."""
+    t = cuda.blockIdx.x
+    for i in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
+        x[t, i] *= factor
+
+
+@cuda.jit(fastmath=True)
+def head_rmsnorm(qkv, q_w, k_w, num_heads, num_kv_heads, eps):
+    """Each q head of qkv[t] = rmsnorm(head) * q_w, each k head * k_w, in place; grid = (T, H + Hkv)."""
+    buf = cuda.shared.array(MAX_BLOCK, float32)
+    t = cuda.blockIdx.x
+    h = cuda.blockIdx.y
+    dh = q_w.shape[0]
+    inv = inv_rms(qkv, t, h * dh, dh, eps, buf)
+    for i in range(cuda.threadIdx.x, dh, cuda.blockDim.x):
+        w = q_w[i] if h < num_heads else k_w[i]
+        qkv[t, h * dh + i] = qkv[t, h * dh + i] * inv * w
+
+
+@cuda.jit(fastmath=True)
+def rmsnorm_add(x, w, eps, out):
+    """out[t] += x[t] / sqrt(mean(x[t]^2) + eps) * w; grid = T."""
+    buf = cuda.shared.array(MAX_BLOCK, float32)
+    t = cuda.blockIdx.x
+    d = x.shape[1]
+    inv = inv_rms(x, t, 0, d, eps, buf)
+    for i in range(cuda.threadIdx.x, d, cuda.blockDim.x):
+        out[t, i] += x[t, i] * inv * w[i]
+
+
+@cuda.jit(fastmath=True)
+def gelu_mul(gate_up, out):
+    """out = gelu_tanh(gate) * up with gate_up = [gate | up]; a grid-stride loop over T * F."""
+    f = out.shape[1]
+    n = out.shape[0] * f
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    for e in range(start, n, stride):
+        t = e // f
+        i = e - t * f
+        g = gate_up[t, i]
+        inner = float32(GELU_C) * (g + float32(0.044715) * g * g * g)
+        out[t, i] = float32(0.5) * g * (F1 + math.tanh(inner)) * gate_up[t, f + i]

@@ -1,4 +1,4 @@
-"""The backend contract: every op that the model (models/llama.py) and the runner call on a backend,
+"""The backend contract: every op that the models (models/llama.py, models/gemma3.py) and the runner call on a backend,
 and the types that cross the boundary. Implemented by `cpu` (engine/backends/cpu.py) and `cuda`
 (cuda/backend.py); cuda/ imports from engine this module only.
 """
@@ -64,14 +64,28 @@ class Backend(Protocol):
 
     def rope_attention(self, qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables, token_seq,
                        num_heads: int, num_kv_heads: int, scale: float, out,
-                       next_linear: StackedLinear | None = None) -> None:
-        """RoPE on q and k inside qkv, k and v into the paged cache, out = causal attention over it."""
+                       next_linear: StackedLinear | None = None, window: int = 0) -> None:
+        """RoPE on q and k inside qkv, k and v into the paged cache, out = causal attention over it
+        (window > 0: a query at position p attends to positions p - window + 1 .. p only)."""
 
     def matmul(self, x, lin: StackedLinear, out, accumulate: bool = False) -> None:
         """out (+)= x @ W.T"""
 
     def silu_mul_matmul(self, gate_up, lin: StackedLinear, out, accumulate: bool = False) -> None:
         """out (+)= (silu(gate) * up) @ W.T with gate_up = [gate | up]"""
+
+    # --- what Gemma 3 adds
+    def scale(self, x, factor: float) -> None:
+        """x *= factor, in place (Gemma's embedding scale)."""
+
+    def head_rmsnorm(self, qkv, q_w, k_w, num_heads: int, num_kv_heads: int, eps: float) -> None:
+        """In place: every q head inside qkv = rmsnorm(head) * q_w, every k head = rmsnorm(head) * k_w."""
+
+    def rmsnorm_add(self, x, w, eps: float, out) -> None:
+        """out += rmsnorm(x) * w (x may be overwritten): a post-norm branch into the residual stream."""
+
+    def gelu_mul_matmul(self, gate_up, lin: StackedLinear, out, accumulate: bool = False) -> None:
+        """out (+)= (gelu_tanh(gate) * up) @ W.T with gate_up = [gate | up]"""
 
     def layer_stack(self, layers: list) -> LayerLoop | None:
         """The layer loop as one call for these layers, or None (not supported): the forward then runs it op by op."""
@@ -83,7 +97,7 @@ class Backend(Protocol):
 
 class ComposedOps:
     """The contract's fused ops composed from a backend's basic ones, for a backend without fused kernels:
-    rmsnorm then matmul, rope_store_kv then attention, silu_mul then matmul. The intermediate goes into
+    rmsnorm then matmul, rope_store_kv then attention, silu_mul (gelu_mul) then matmul. The intermediate goes into
     a grow-only scratch of the backend's own."""
 
     def _composed_scratch(self, name: str, rows: int, cols: int):
@@ -99,12 +113,17 @@ class ComposedOps:
         self.matmul(normed, lin, out, accumulate=accumulate)
 
     def rope_attention(self, qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables, token_seq,
-                       num_heads, num_kv_heads, scale, out, next_linear=None) -> None:
+                       num_heads, num_kv_heads, scale, out, next_linear=None, window: int = 0) -> None:
         self.rope_store_kv(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
         self.attention(qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads,
-                       scale, out)
+                       scale, out, window=window)
 
     def silu_mul_matmul(self, gate_up, lin, out, accumulate: bool = False) -> None:
         mlp = self._composed_scratch("mlp", gate_up.shape[0], gate_up.shape[1] // 2)
         self.silu_mul(gate_up, mlp)
+        self.matmul(mlp, lin, out, accumulate=accumulate)
+
+    def gelu_mul_matmul(self, gate_up, lin, out, accumulate: bool = False) -> None:
+        mlp = self._composed_scratch("mlp", gate_up.shape[0], gate_up.shape[1] // 2)
+        self.gelu_mul(gate_up, mlp)
         self.matmul(mlp, lin, out, accumulate=accumulate)

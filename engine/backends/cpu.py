@@ -6,6 +6,7 @@ import numpy as np
 
 from engine.backends import cpu_dequant as dq
 from engine.backends import cpu_matmul as mm
+from engine.backends import cpu_norm_act as norm_act
 from engine.backends import cpu_ops as ops
 from engine.backends.cpu_layers import LayerStack
 from engine.backends.cpu_repack import TILE, repack
@@ -167,6 +168,7 @@ class CpuBackend:
         self.int8 = INT8_DEFAULT if int8_activations is None else bool(int8_activations)
         self.int8_passes = int8_passes
         self._scratch = _Scratch()
+        self._mlp_scratch = _Scratch()   # gelu_mul's output (the linears share the other)
 
     # --- weights and buffers
     def linear(self, tensors: list[QuantTensor]) -> CpuLinear:
@@ -214,12 +216,24 @@ class CpuBackend:
         ops.rope_store_kv(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
 
     def attention(self, qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads,
-                  scale, out):
+                  scale, out, window: int = 0):
         ops.paged_attention(qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads,
-                            np.float32(scale), out)
+                            np.float32(scale), out, np.int64(window))
 
     def silu_mul(self, gate_up, out) -> None:
         ops.silu_mul(gate_up, out)
+
+    def gelu_mul(self, gate_up, out) -> None:
+        norm_act.gelu_mul(gate_up, out)
+
+    def scale(self, x, factor) -> None:
+        norm_act.scale(x, np.float32(factor))
+
+    def head_rmsnorm(self, qkv, q_w, k_w, num_heads, num_kv_heads, eps) -> None:
+        norm_act.head_rmsnorm(qkv, q_w, k_w, num_heads, num_kv_heads, np.float32(eps))
+
+    def rmsnorm_add(self, x, w, eps, out) -> None:
+        norm_act.rmsnorm_add(x, w, np.float32(eps), out)
 
     # --- fused ops (one kernel call where the list of ops has two)
     def rmsnorm_matmul(self, x, w, eps, lin: CpuLinear, out, accumulate: bool = False) -> None:
@@ -230,13 +244,20 @@ class CpuBackend:
         """out (+)= (silu(gate) * up) @ W.T"""
         lin(gate_up, out, accumulate, silu_mul=True)
 
+    def gelu_mul_matmul(self, gate_up, lin: CpuLinear, out, accumulate: bool = False) -> None:
+        """out (+)= (gelu_tanh(gate) * up) @ W.T: gelu_mul into a scratch, then the product."""
+        mlp = self._mlp_scratch.get(gate_up.shape[0], gate_up.shape[1] // 2)
+        norm_act.gelu_mul(gate_up, mlp)
+        lin(mlp, out, accumulate)
+
     def rope_attention(self, qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables, token_seq,
-                       num_heads, num_kv_heads, scale, out, next_linear: CpuLinear | None = None) -> None:
+                       num_heads, num_kv_heads, scale, out, next_linear: CpuLinear | None = None,
+                       window: int = 0) -> None:
         """rope_store_kv, then attention. next_linear: the matmul that comes next, whose weights an idle
         thread reads into the caches while a short decode attention runs."""
         wa, wb = next_linear.warm if next_linear is not None else (ops._NOTHING, ops._NOTHING)
         ops.rope_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables, token_seq,
-                           num_heads, num_kv_heads, np.float32(scale), out, wa, wb)
+                           num_heads, num_kv_heads, np.float32(scale), out, wa, wb, np.int64(window))
 
     def sample(self, logits: np.ndarray, batch: SamplingBatch) -> SampleResult:
         return sample(logits, batch)

@@ -54,7 +54,7 @@ def run_layers(h, qkv, attn, gate_up, positions, cos, sin, k_cache, v_cache, slo
     for i in range(attn_norm.shape[0]):
         _linear(h, qkv_qs[i], qkv_sc[i], qkv, rows[0], False, passes, X_RMSNORM, attn_norm[i], eps)
         ops.rope_attention(qkv, positions, cos, sin, k_cache[i], v_cache[i], slot_mapping, block_tables, token_seq,
-                           num_heads, num_kv_heads, scale, attn, warm_a[i], warm_b[i])
+                           num_heads, num_kv_heads, scale, attn, warm_a[i], warm_b[i], np.int64(0))
         _linear(attn, o_qs[i], o_sc[i], h, rows[1], True, passes, X_PLAIN, no_aux, eps)
         _linear(h, gu_qs[i], gu_sc[i], gate_up, rows[2], False, passes, X_RMSNORM, ffn_norm[i], eps)
         _linear(gate_up, down_qs[i], down_sc[i], h, rows[3], True, passes, X_SILU_MUL, no_aux, eps)

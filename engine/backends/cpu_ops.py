@@ -30,6 +30,13 @@ def rmsnorm(x, w, eps, out):
         cpu_transforms.rmsnorm_row(addr(x), U(t) * U(d), addr(w), d, eps, addr(out), U(t) * U(d))
 
 
+@njit(cache=True, nogil=True, inline="always")
+def first_key(position, window):
+    """The first position a query at `position` attends to: 0, or the start of its sliding window
+    (window > 0: the window holds the query's own position and the window - 1 before it)."""
+    return max(0, position + 1 - window) if window > 0 else 0
+
+
 @njit(cache=True, nogil=True, fastmath=True, inline="always")
 def _rotate(v, off, cos, sin, p, half):
     """Rotate-half RoPE of v[off : off + 2*half] at table row p, in place."""
@@ -85,9 +92,10 @@ def _softmax_numerators(sp, so, n, n16):
 
 @njit(cache=True, nogil=True, fastmath=True)
 def _attend_items(c, stride, qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads,
-                  scale, out, scores, o):
+                  scale, out, scores, o, window):
     """Items c, c + stride, ... of the (token, kv head) grid: the `group` query heads sharing kv head kvh
-    attend over the token's positions 0..positions[t] through its sequence's block table.
+    attend over the token's positions first_key(p, window)..p (p = positions[t]) through its sequence's
+    block table.
     Needs head_dim % 16 == 0. (Raw addresses in the loops: see cpu_int8's note on reference counts.)"""
     bs, dh = k_cache.shape[1], k_cache.shape[3]
     group = num_heads // num_kv_heads
@@ -101,14 +109,16 @@ def _attend_items(c, stride, qkv, k_cache, v_cache, block_tables, positions, tok
         t = item // num_kv_heads
         kvh = item % num_kv_heads
         s = token_seq[t]
-        n = positions[t] + 1
+        end = positions[t] + 1
+        lo = first_key(positions[t], window)
+        n = end - lo
         q0 = U(t) * qld + U(kvh * group * dh)
-        # scores = q . k_j * scale
-        for jb in range((n + bs - 1) // bs):
+        # scores = q . k_j * scale, j counted from the first key in the window
+        for jb in range(lo // bs, (end + bs - 1) // bs):
             base = U(block_tables[s, jb]) * U(bs) * pos_stride + U(kvh * dh)
-            for off in range(min(bs, n - jb * bs)):
+            for off in range(max(0, lo - jb * bs), min(bs, end - jb * bs)):
                 ko = base + U(off) * pos_stride
-                j = U(jb * bs + off)
+                j = U(jb * bs + off - lo)
                 for gi in range(U(group)):
                     qo = q0 + gi * U(dh)
                     acc = vmul(vload_f(qp, qo), vload_f(kp, ko))
@@ -123,11 +133,11 @@ def _attend_items(c, stride, qkv, k_cache, v_cache, block_tables, positions, tok
             for v in range(nv):
                 vstore_f(opp, gi * U(dh) + U(16) * v, vzero_f())
         # o = p @ V
-        for jb in range((n + bs - 1) // bs):
+        for jb in range(lo // bs, (end + bs - 1) // bs):
             base = U(block_tables[s, jb]) * U(bs) * pos_stride + U(kvh * dh)
-            for off in range(min(bs, n - jb * bs)):
+            for off in range(max(0, lo - jb * bs), min(bs, end - jb * bs)):
                 vo = base + U(off) * pos_stride
-                j = U(jb * bs + off)
+                j = U(jb * bs + off - lo)
                 for gi in range(U(group)):
                     p = vbcast_f(ld_f(sp, gi * U(sld) + j))
                     oo = gi * U(dh)
@@ -172,7 +182,7 @@ def _scores16(qp, qo, kp, kop, j0, nc):
 
 @njit(cache=True, nogil=True, fastmath=True)
 def _attend_items64(c, stride, qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads,
-                    scale, out, scores, kofs):
+                    scale, out, scores, kofs, window):
     """_attend_items for head sizes that are multiples of 64: scores 16 keys at a time, and the
     weighted sum of V with its 64-wide output chunk in registers."""
     bs, dh = k_cache.shape[1], k_cache.shape[3]
@@ -188,13 +198,15 @@ def _attend_items64(c, stride, qkv, k_cache, v_cache, block_tables, positions, t
         t = item // num_kv_heads
         kvh = item % num_kv_heads
         s = token_seq[t]
-        n = positions[t] + 1
+        end = positions[t] + 1
+        lo = first_key(positions[t], window)
+        n = end - lo
         n16 = (n + 15) // 16 * 16
-        # item offsets of each position's k (and v) in the cache; the padding repeats the last one
+        # item offsets of each key's k (and v) in the cache, from the window's first; the padding repeats the last
         j = 0
-        for jb in range((n + bs - 1) // bs):
+        for jb in range(lo // bs, (end + bs - 1) // bs):
             base = block_tables[s, jb] * bs * pos_stride + kvh * dh
-            for off in range(min(bs, n - j)):
+            for off in range(max(0, lo - jb * bs), min(bs, end - jb * bs)):
                 kofs[j] = base + off * pos_stride
                 j += 1
         for j in range(n, n16):
@@ -228,9 +240,10 @@ def _attend_items64(c, stride, qkv, k_cache, v_cache, block_tables, positions, t
 
 @njit(cache=True, nogil=True, fastmath=True, inline="always")
 def _paged_attention(qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads, scale, out,
-                     warm_a, warm_b, sink):
+                     warm_a, warm_b, sink, window):
     """Causal attention over the paged cache: query token t of sequence token_seq[t] at positions[t]
-    attends to that sequence's positions 0..positions[t], found through its block table.
+    attends to that sequence's positions 0..positions[t] (the last `window` of them when window > 0),
+    found through its block table.
     Items (token, kv head) run on one thread when the step's attention is small (short decodes), else
     spread over threads round-robin (a prefill's later tokens see longer contexts). While one thread
     does a small attention, another reads warm_a and warm_b (the next matmul's weights) into the
@@ -238,36 +251,37 @@ def _paged_attention(qkv, k_cache, v_cache, block_tables, positions, token_seq, 
     max_n = 0
     work = 0
     for t in range(qkv.shape[0]):
-        max_n = max(max_n, positions[t] + 1)
-        work += positions[t] + 1
+        keys = positions[t] + 1 - first_key(positions[t], window)
+        max_n = max(max_n, keys)
+        work += keys
     nitems = qkv.shape[0] * num_kv_heads
     # the helpers get exactly one signature each (a prange index is unsigned; literals are not)
-    i0, i1, mx, sc = np.int64(0), np.int64(1), np.int64(max_n), F(scale)
+    i0, i1, mx, sc, win = np.int64(0), np.int64(1), np.int64(max_n), F(scale), np.int64(window)
     if k_cache.shape[3] % 16:
         for it in prange(nitems):
             _attend_scalar(np.int64(it), qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads,
-                           num_kv_heads, sc, out)
+                           num_kv_heads, sc, out, win)
     elif work * num_heads < ATTN_PARALLEL_MIN_WORK or nitems == 1:
         if warm_a.shape[0] + warm_b.shape[0] > 0:
             for task in prange(2):
                 if task == 0:
                     _attend(i0, i1, qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads,
-                            num_kv_heads, sc, out, mx)
+                            num_kv_heads, sc, out, mx, win)
                 else:
                     _touch(warm_a, warm_b, sink)
         else:
             _attend(i0, i1, qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads,
-                    sc, out, mx)
+                    sc, out, mx, win)
     else:
         nch = np.int64(min(nitems, 16))
         for c in prange(nch):
             _attend(np.int64(c), nch, qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads,
-                    num_kv_heads, sc, out, mx)
+                    num_kv_heads, sc, out, mx, win)
 
 
 @njit(cache=True, nogil=True, fastmath=True)
 def _attend(c, stride, qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads,
-            scale, out, max_n):
+            scale, out, max_n, window):
     """The scratch lives here, not in the items functions: they use it only through raw addresses,
     which would not keep it alive (see cpu_simd.addr)."""
     group = num_heads // num_kv_heads
@@ -276,29 +290,31 @@ def _attend(c, stride, qkv, k_cache, v_cache, block_tables, positions, token_seq
     if k_cache.shape[3] % 64 == 0:
         kofs = np.empty(sld, np.int64)
         _attend_items64(c, stride, qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads,
-                        num_kv_heads, scale, out, scores, kofs)
+                        num_kv_heads, scale, out, scores, kofs, window)
     else:
         o = np.empty(group * k_cache.shape[3], np.float32)
         _attend_items(c, stride, qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads,
-                      num_kv_heads, scale, out, scores, o)
+                      num_kv_heads, scale, out, scores, o, window)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
-def paged_attention(qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads, scale, out):
+def paged_attention(qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads, scale, out,
+                    window=0):
     """Causal attention over the paged cache: query token t of sequence token_seq[t] at positions[t]
-    attends to that sequence's positions 0..positions[t], found through its block table."""
+    attends to that sequence's positions 0..positions[t] (the last `window` of them when window > 0),
+    found through its block table."""
     _paged_attention(qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads, scale, out,
-                     _NOTHING, _NOTHING, np.zeros(1, np.int64))
+                     _NOTHING, _NOTHING, np.zeros(1, np.int64), window)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
 def rope_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables, token_seq, num_heads,
-                   num_kv_heads, scale, out, warm_a, warm_b):
+                   num_kv_heads, scale, out, warm_a, warm_b, window=0):
     """rope_store_kv then paged_attention, in one call; warm_a, warm_b (uint8 views, may be empty): the
     next matmul's weights, read into the caches by an otherwise idle thread during a small attention."""
     rope_store_kv(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
     _paged_attention(qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads, scale, out,
-                     warm_a, warm_b, np.zeros(1, np.int64))
+                     warm_a, warm_b, np.zeros(1, np.int64), window)
 
 
 @njit(cache=True, nogil=True)
@@ -314,20 +330,21 @@ def _touch(a, b, sink):
 
 @njit(cache=True, nogil=True, fastmath=True)
 def _attend_scalar(item, qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads,
-                   scale, out):
+                   scale, out, window):
     """The plain form of one (token, kv head) item, for head sizes that are not multiples of 16."""
     bs, dh = k_cache.shape[1], k_cache.shape[3]
     group = num_heads // num_kv_heads
     t = item // num_kv_heads
     kvh = item % num_kv_heads
     s = token_seq[t]
-    n = positions[t] + 1
+    lo = first_key(positions[t], window)
+    n = positions[t] + 1 - lo
     scores = np.empty(n, np.float32)
     o = np.empty(dh, np.float32)
     for h in range(kvh * group, (kvh + 1) * group):
         mx = F(-np.inf)
         for j in range(n):
-            blk, off = block_tables[s, j // bs], j % bs
+            blk, off = block_tables[s, (lo + j) // bs], (lo + j) % bs
             acc = F(0.0)
             for i in range(dh):
                 acc += qkv[t, h * dh + i] * k_cache[blk, off, kvh, i]
@@ -339,7 +356,7 @@ def _attend_scalar(item, qkv, k_cache, v_cache, block_tables, positions, token_s
             total += scores[j]
         o[:] = 0.0
         for j in range(n):
-            blk, off = block_tables[s, j // bs], j % bs
+            blk, off = block_tables[s, (lo + j) // bs], (lo + j) % bs
             for i in range(dh):
                 o[i] += scores[j] * v_cache[blk, off, kvh, i]
         for i in range(dh):

@@ -52,6 +52,9 @@ def prompt_token_ids(tok, prompt: str | None, messages: list | None, add_special
     try:
         if prompt is not None:
             return tok.encode(prompt, add_special_tokens=add_special_tokens)
+        if not tok.chat_template:
+            raise bad_value("This model has no chat template: it serves completions only (send a `prompt` to "
+                            "/v1/completions)", "messages", "chat_not_supported")
         if not uses_tools(messages, tools):
             text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
         elif tok.supports_tools:

@@ -41,6 +41,7 @@ class ModelSnapshot:
     bytes: int
     load_time_s: float
     utilization: float
+    kv_window_saved_bytes: int = 0   # local layers' K/V out of the sliding window, not held (Gemma 3)
 
 
 @dataclass
@@ -198,6 +199,9 @@ class _StateCollector:
                                       labels=ml)
         util = GaugeMetricFamily(p + "engine_utilization_ratio", "Share of recent time the model's engine "
                                  "loop spent computing steps (0..1).", labels=ml)
+        window_saved = GaugeMetricFamily(p + "kv_cache_window_saved_bytes", "KV-cache bytes the running "
+                                         "sequences do not hold because their local layers' positions left the "
+                                         "sliding window.", labels=ml)
         for m in snap.models:
             key = [m.model, m.quantization]
             running.add_metric(key, m.running)
@@ -206,9 +210,10 @@ class _StateCollector:
             hit_rate.add_metric(key, m.prefix_hit_tokens / m.prefix_query_tokens if m.prefix_query_tokens else 0.0)
             resident_bytes.add_metric(key, m.bytes)
             util.add_metric(key, m.utilization)
+            window_saved.add_metric(key, m.kv_window_saved_bytes)
         for (model, quant), seconds in sorted(snap.last_load_s.items()):
             load_time.add_metric([model, quant], seconds)
-        yield from (running, waiting, kv, hit_rate, resident_bytes, load_time, util)
+        yield from (running, waiting, kv, hit_rate, resident_bytes, load_time, util, window_saved)
         yield GaugeMetricFamily(p + "models_resident", "Models resident on this node.", value=len(snap.models))
         yield GaugeMetricFamily(p + "memory_budget_bytes", "Memory the resident models may take.",
                                 value=snap.memory_budget_bytes)

@@ -136,7 +136,8 @@ class ModelRegistry:
 
     def resolve(self, model_id: str, quantization: str | None) -> tuple[str, str | None]:
         """(the label a load with `quantization` is served under, the format its weights convert to)."""
-        return resolve_quantization(quantization, self.info(model_id).stored_format)
+        info = self.info(model_id)
+        return resolve_quantization(quantization, info.stored_format, info.loads_dequantized)
 
     def estimate_bytes(self, model_id: str, quantization: str | None) -> int:
         label, convert_to = self.resolve(model_id, quantization)

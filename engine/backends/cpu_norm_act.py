@@ -1,0 +1,62 @@
+"""The ops Gemma 3 adds to the Llama forward pass, as numba kernels for the CPU (layouts: tests/reference.py):
+RMSNorm of each q and k head inside qkv, an RMSNorm'd branch added into the residual stream, GELU-tanh
+gating, and a scale of the activations. Serial, as cpu_ops' rmsnorm and silu_mul: a few thousand values
+a token, less than a parallel region's start-up costs."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+from engine.backends import cpu_simd, cpu_transforms
+from engine.backends.cpu_cache import flush_stale_caches
+from engine.backends.cpu_simd import U, addr
+
+_GELU_C = math.sqrt(2.0 / math.pi)
+
+
+@njit(cache=True, nogil=True, fastmath=True)
+def head_rmsnorm(qkv, q_w, k_w, num_heads, num_kv_heads, eps):
+    """In place: each q head of qkv = rmsnorm(head) * q_w, each k head = rmsnorm(head) * k_w (v untouched)."""
+    dh = q_w.shape[0]
+    ld = U(qkv.shape[1])
+    heads = num_heads + num_kv_heads
+    for item in range(qkv.shape[0] * heads):
+        t, h = item // heads, item % heads
+        off = U(t) * ld + U(h * dh)
+        w = addr(q_w) if h < num_heads else addr(k_w)
+        cpu_transforms.rmsnorm_row(addr(qkv), off, w, dh, eps, addr(qkv), off)
+
+
+@njit(cache=True, nogil=True, fastmath=True)
+def rmsnorm_add(x, w, eps, out):
+    """out[t] += rmsnorm(x[t]) * w (x is scratch: it is normalized in place first)."""
+    d = x.shape[1]
+    for t in range(x.shape[0]):
+        cpu_transforms.rmsnorm_row(addr(x), U(t) * U(d), addr(w), d, eps, addr(x), U(t) * U(d))
+        for i in range(d):
+            out[t, i] += x[t, i]
+
+
+@njit(cache=True, nogil=True, fastmath=True)
+def gelu_mul(gate_up, out):
+    """out = gelu_tanh(gate) * up, with gate_up = [gate | up]."""
+    f = out.shape[1]
+    c = np.float32(_GELU_C)
+    for t in range(gate_up.shape[0]):
+        for i in range(f):
+            g = gate_up[t, i]
+            inner = c * (g + np.float32(0.044715) * g * g * g)
+            out[t, i] = np.float32(0.5) * g * (np.float32(1.0) + np.tanh(inner)) * gate_up[t, f + i]
+
+
+@njit(cache=True, nogil=True, fastmath=True)
+def scale(x, factor):
+    """x *= factor, in place."""
+    for t in range(x.shape[0]):
+        for i in range(x.shape[1]):
+            x[t, i] *= factor
+
+
+flush_stale_caches(globals(), "cpu_norm_act", cpu_simd.__file__, cpu_transforms.__file__)
