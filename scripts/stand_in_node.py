@@ -19,6 +19,7 @@ from typing import Any
 
 from app.config import load_config
 from app.devtoken import mint_token
+from engine.protocol import STATE_FIELD, STATE_HEADER, NodeState
 from scripts.local_processes import free_port
 
 NODE_SECRET = "test-node-secret"
@@ -82,6 +83,10 @@ class StandInNode:
         return f"http://127.0.0.1:{self.port}"
 
     # -- protocol ------------------------------------------------------------------------
+
+    def state_brief(self) -> dict:
+        """The state in brief, as a node sends it with every /v1/ answer."""
+        return NodeState.from_json(self.state_body()).to_brief()
 
     def state_body(self) -> dict:
         body = {
@@ -152,6 +157,8 @@ class StandInNode:
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
+                if self.path.startswith("/v1/") and status != 401:
+                    self.send_header(STATE_HEADER, json.dumps(node.state_brief(), separators=(",", ":")))
                 for k, v in (headers or {}).items():
                     self.send_header(k, v)
                 self.end_headers()
@@ -250,6 +257,7 @@ class StandInNode:
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.send_header("Transfer-Encoding", "chunked")
+                self.send_header(STATE_HEADER, json.dumps(node.state_brief(), separators=(",", ":")))
                 self.end_headers()
                 sent = 0
                 try:
@@ -281,7 +289,7 @@ class StandInNode:
                                 time.sleep(node.token_delay_s)
                     self._event({"type": "done", "choices": [
                         {"index": i, "finish_reason": fin} for i, (_, fin) in enumerate(choices)],
-                        "usage": usage, "timings": timings})
+                        "usage": usage, "timings": timings, STATE_FIELD: node.state_brief()})
                     if node.trailer_delay_s:
                         time.sleep(node.trailer_delay_s)
                     self._chunk(b"")

@@ -222,3 +222,62 @@ def test_a_state_brief_updates_the_view_at_once(two_nodes):
         assert pool.state_of(empty.url).available_models == polled.available_models
     finally:
         pool.close()
+
+
+# -- through the gateway: the node's answers update the view and settle the records ---------------
+
+@pytest.fixture
+def gateway_two_nodes(two_nodes):
+    from app import close_app, create_app
+    from tests.test_gateway_support import make_config
+    warm, empty = two_nodes
+    config = make_config([warm.url, empty.url], nodes={"poll_interval_s": 60.0, "state_ttl_s": 120.0})
+    app = create_app(config)
+    yield app, config, warm, empty
+    close_app(app)
+
+
+def _post(app, config, alias: str, stream: bool = False):
+    from tests.test_gateway_support import bearer
+    r = app.test_client().post("/v1/chat/completions", headers=bearer(config), json={
+        "model": alias, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": stream})
+    r.get_data()
+    return r
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_answer_updates_the_view_without_a_poll(gateway_two_nodes, stream):
+    app, config, warm, empty = gateway_two_nodes
+    pool = app.extensions["zen.nodes"].pool
+    assert _post(app, config, "zen-small", stream).status_code == 200     # the first use polls
+    polls = warm.state_polls
+    warm.state = {"utilization": 0.75}
+    assert _post(app, config, "zen-small", stream).status_code == 200
+    assert pool.state_of(warm.url).utilization == 0.75 and warm.state_polls == polls
+
+
+def _records(pool) -> dict:
+    """Every record of q8, as another worker that has seen none would meet them."""
+    return pool.records.claim(KEY, "http://elsewhere", 3.0, frozenset()).records
+
+
+def test_a_load_the_node_took_is_recorded_as_resident_there(gateway_two_nodes):
+    app, config, warm, empty = gateway_two_nodes
+    pool = app.extensions["zen.nodes"].pool
+    assert _post(app, config, "zen-small-q8").status_code == 200
+    records = _records(pool)
+    served = [n for n in (warm, empty) if any(p["quantization"] == "q8_0" for p in n.received)]
+    assert len(served) == 1 and set(records) == {served[0].url} and records[served[0].url].done_at is not None
+
+
+def test_a_node_that_drops_the_request_loses_its_record_and_the_next_one_loads(gateway_two_nodes):
+    app, config, warm, empty = gateway_two_nodes
+    pool = app.extensions["zen.nodes"].pool
+    first = pool.rank(Q8, 10, 10)[0].url
+    pool.records.drop(KEY, first)
+    pool._seen.clear()
+    dropping = warm if first == warm.url else empty
+    dropping.drop_requests = 1      # reads the request and closes the connection: a node that died
+    assert _post(app, config, "zen-small-q8").status_code == 200
+    records = _records(pool)
+    assert first not in records and len(records) == 1 and next(iter(records.values())).done_at is not None
