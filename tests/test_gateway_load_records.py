@@ -11,7 +11,7 @@ from app.catalog import ResolvedModel
 from app.limit_store import LimitStore
 from app.load_records import (LOAD_EXPIRY_FACTOR, LOAD_EXPIRY_SLACK_S, EmbeddedLoadRecords, LoadRecord,
                               LoadRecords, LoadRecordStore, MemoryLoadRecords, RedisLoadRecords)
-from app.router import NodePool
+from app.router import NodePool, rank_nodes
 from engine.protocol import NodeState
 from scripts.local_processes import RedisProcess
 from tests.test_gateway_router import WEIGHTS, _nodes_config
@@ -163,6 +163,28 @@ def test_two_workers_route_a_model_no_node_holds_to_one_node(two_nodes, tmp_path
         pools[0].load_result(KEY, chosen, state, served=True)
         ranked = pools[1].rank(Q8, 10, 10)
         assert ranked[0].url == chosen and ranked[0].cold_load_s == 0.0
+    finally:
+        for pool in pools:
+            pool.close()
+        for store in stores:
+            store.close()
+
+
+def test_a_worker_whose_view_prefers_another_node_still_joins_the_load(two_nodes, tmp_path):
+    """The report's duplicate: the second worker's view (polled while the first load ran) made the
+    loading node look worse, so it loaded the model a second time elsewhere. The record keeps it on
+    the loading node, whose remaining load serves it sooner than a new one."""
+    stores = [LimitStore(str(tmp_path)) for _ in range(2)]
+    pools = [_pool(two_nodes, LoadRecords(EmbeddedLoadRecords(s, HOLD_S), HOLD_S)) for s in stores]
+    try:
+        chosen = pools[0].rank(Q8, 10, 10)[0].url
+        loading_node = next(n for n in two_nodes if n.url == chosen)
+        loading_node.state = {"utilization": 0.9}      # busy while it loads
+        pools[1].refresh()
+        usable = [(v.url, v.state) for v in pools[1].snapshot()]
+        assert rank_nodes(usable, Q8, 10, 10, WEIGHTS)[0].url != chosen     # the view alone: a second load
+        ranked = pools[1].rank(Q8, 10, 10)
+        assert ranked[0].url == chosen and ranked[0].loading and ranked[1].duplicate_load
     finally:
         for pool in pools:
             pool.close()
