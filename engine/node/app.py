@@ -55,7 +55,10 @@ def _state_header(response: Response) -> Response:
     """Every /v1/ answer (a stream's as it starts, errors too) carries the node's state in brief: the
     gateway routes its next request on it at once, without waiting for its next poll of /state."""
     if request.path.startswith("/v1/") and response.status_code != 401:
-        response.headers[STATE_HEADER] = the_node().state().to_header()
+        try:
+            response.headers[STATE_HEADER] = the_node().state().to_header()
+        except Exception:   # best effort: a state that cannot be read costs the answer nothing
+            log.exception("the node state could not be read for the state header")
     return response
 
 
