@@ -88,9 +88,12 @@ class NodeStream:
                     self._client.pool.load_result(self._req.model.key, url, None)
                 self._failover(url, "connect_error")
                 continue
-            state = self._client.observe(url, resp.headers.get(STATE_HEADER))
-            if url in self._needs_load:
-                self._client.pool.load_result(self._req.model.key, url, state, served=resp.status == 200)
+            if url in self._needs_load or resp.status != 200:
+                # the node's state now: what a load changed, or why it refused (a stream that starts on a
+                # node holding the model reports its state in its last event, read once there)
+                state = self._client.observe(url, resp.headers.get(STATE_HEADER))
+                if url in self._needs_load:
+                    self._client.pool.load_result(self._req.model.key, url, state, served=resp.status == 200)
             if resp.status == 200:
                 self.node, self.response, self._conn, self._lines = url, resp, conn, _lines(resp)
                 return
