@@ -4,7 +4,8 @@ Each node's state σ_g = (M_g, U_g, Q_g, T_g), engine/protocol.py's NodeState, i
 GET {node}/state in the background (per worker process, started on first use) and expires after a
 short TTL; a node whose poll fails, or that refuses a connection, is down until a poll succeeds.
 Between polls every answer of a node carries its state in brief (a header, and a field of a stream's
-last event), which replaces the worker's view of that node at once (`observe`).
+last event), which replaces the worker's view of that node (`observe`): as the answer starts where it
+settles a load or refuses the request, else at the stream's end.
 
 A request r for model m goes to
 
