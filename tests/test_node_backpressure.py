@@ -28,8 +28,10 @@ def test_queue_full_503_and_leaving_while_waiting(start_node, tiny_models):
     conn_b, resp_b = open_stream(url, {"model": "tiny-a", "prompt_token_ids": [7, 8], "org": "leaver",
                                        "sampling": {"max_tokens": 5}}, SECRET)
     wait_for(lambda: state(url)["queue"]["waiting"] == 1, what="B waiting")
-    # A runs and has its first token: only B is admitted without one (what max_waiting bounds)
-    assert state(url)["queue"] == {"waiting": 1, "running": 1, "admitted": 1, "max_waiting": 1}
+    # A runs and has its first token: only B is admitted without one (what max_waiting bounds), a standard
+    # request of 2 prompt tokens
+    assert state(url)["queue"] == {"waiting": 1, "running": 1, "admitted": 1, "max_waiting": 1, "max_running": 1,
+                                   "admitted_by_class": [0, 1, 0], "admitted_tokens_by_class": [0, 2, 0]}
     r = post(url, {"model": "tiny-a", "prompt": "c", "sampling": {"max_tokens": 2}})
     err = assert_openai_error(r, 503, "queue_full")
     assert int(r.headers["Retry-After"]) >= 1 and err["type"] == "server_error"
