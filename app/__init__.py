@@ -18,9 +18,10 @@ from app.config import GatewayConfig, load_config
 def create_app(config: GatewayConfig | Mapping[str, Any] | None = None) -> Flask:
     from app import api, auth, health, limits, metrics, openapi, tokenizer_api, tracing
     from app.errors import register_error_handlers
+    from app.load_records import open_load_records
     from app.logs import configure_logging, init_request_logging
     from app.node_client import NodeClient
-    from app.router import NodePool
+    from app.router import NodePool, load_record_hold_s
 
     cfg = config if isinstance(config, GatewayConfig) else load_config(overrides=config or None)
     app = Flask(__name__)
@@ -37,7 +38,10 @@ def create_app(config: GatewayConfig | Mapping[str, Any] | None = None) -> Flask
     limits.init_limits(app, cfg)        # 4. requests per minute, token bucket
     gateway_metrics = metrics.init_metrics(app, cfg)
 
-    pool = NodePool(cfg.nodes, cfg.routing)
+    # the router records the loads it starts where the limits live: every worker and replica sees them
+    records = open_load_records(cfg.limits.storage_url, app.extensions.get(limits.STORE_KEY),
+                                load_record_hold_s(cfg.nodes), cfg.limits.redis_timeout_s)
+    pool = NodePool(cfg.nodes, cfg.routing, records=records)
     client = NodeClient(pool, pool_size=max(8, cfg.server.threads * 2))
     client.on_failover = gateway_metrics.failover
     client.tracing = tracer

@@ -1,5 +1,8 @@
 """The embedded limits store: one SQLite file shared by every worker process of a gateway.
 
+It also holds the router's records of model loads in progress (app/load_records.py), so that every
+worker routes on the loads the others started.
+
 With `[limits] storage_url = "embedded://"` (the shipped default) both limits live here: the
 requests-per-minute windows (EmbeddedStorage, a `limits` storage, so the configured strategy keeps
 its meaning) and the token buckets (EmbeddedTokenBuckets). Every change is one `BEGIN IMMEDIATE`
@@ -47,6 +50,9 @@ CREATE TABLE IF NOT EXISTS window_totals (
     key TEXT PRIMARY KEY, held INTEGER NOT NULL, newest REAL NOT NULL, expiry REAL NOT NULL) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS buckets (
     key TEXT PRIMARY KEY, tokens REAL NOT NULL, updated REAL NOT NULL, expires_at REAL NOT NULL) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS model_loads (
+    model TEXT NOT NULL, node TEXT NOT NULL, started_at REAL NOT NULL, expected_s REAL NOT NULL,
+    done_at REAL, expires_at REAL NOT NULL, PRIMARY KEY (model, node)) WITHOUT ROWID;
 """
 
 
@@ -154,6 +160,7 @@ class LimitStore:
         self._next_sweep = now + SWEEP_S
         conn.execute("DELETE FROM counters WHERE expires_at < ?", (now,))
         conn.execute("DELETE FROM buckets WHERE expires_at < ?", (now,))
+        conn.execute("DELETE FROM model_loads WHERE expires_at < ?", (now,))
         idle = "SELECT key FROM window_totals WHERE newest < ?1 - expiry"     # every entry out of its window
         conn.execute(f"DELETE FROM window_entries WHERE key IN ({idle})", (now,))
         conn.execute("DELETE FROM window_totals WHERE newest < ?1 - expiry", (now,))

@@ -26,7 +26,7 @@ from app.inference import InferenceRequest
 from app.router import TRANSPORT_ERRORS, NodePool
 from app.tracing import end_node_span, start_node_span, traced_rank
 from engine.client_socket import ClientGone
-from engine.protocol import REQUEST_ID_HEADER, SECRET_HEADER, APIError
+from engine.protocol import REQUEST_ID_HEADER, SECRET_HEADER, STATE_FIELD, STATE_HEADER, APIError, NodeState
 
 if TYPE_CHECKING:
     from engine.tracing import Tracing
@@ -49,11 +49,13 @@ class NodeStream:
     node when that one fails. `node` and `attempts` say where it is now."""
 
     def __init__(self, client: "NodeClient", req: InferenceRequest, candidates: list[str],
-                 on_sent: Callable[["NodeStream"], None] | None = None) -> None:
+                 on_sent: Callable[["NodeStream"], None] | None = None, needs_load: frozenset[str] = frozenset()
+                 ) -> None:
         self._client = client
         self._on_sent = on_sent
         self._req = req
         self._candidates = iter(candidates[: client.config.max_attempts])
+        self._needs_load = needs_load     # the candidates that do not hold the model: their answer settles a load
         self._body = json.dumps(req.generate_request(stream=True).to_json()).encode()
         self._headers = {SECRET_HEADER: client.config.secret, REQUEST_ID_HEADER: req.node_request_id,
                          "Accept": "text/event-stream", "Content-Type": "application/json"}
@@ -83,8 +85,16 @@ class NodeStream:
             except TRANSPORT_ERRORS as exc:
                 self._last = f"{url}: {exc.__class__.__name__}"
                 self._client.pool.mark_down(url, self._last)
+                if url in self._needs_load:
+                    self._client.pool.load_result(self._req.model.key, url, None)
                 self._failover(url, "connect_error")
                 continue
+            if url in self._needs_load or resp.status != 200:
+                # the node's state now: what a load changed, or why it refused (a stream that starts on a
+                # node holding the model reports its state in its last event, read once there)
+                state = self._client.observe(url, resp.headers.get(STATE_HEADER))
+                if url in self._needs_load:
+                    self._client.pool.load_result(self._req.model.key, url, state, served=resp.status == 200)
             if resp.status == 200:
                 self.node, self.response, self._conn, self._lines = url, resp, conn, _lines(resp)
                 return
@@ -144,6 +154,8 @@ class NodeStream:
                     if event is not PING and event.get("type") in ("token", "done"):
                         self.started = True
                         self.finished = event["type"] == "done"
+                        if self.finished and STATE_FIELD in event:
+                            self._client.observe(self.node, event[STATE_FIELD])
                     yield event
                 return
             except NodeStreamError as exc:
@@ -345,6 +357,22 @@ class NodeClient:
             # duplicate_request_id: an error, never a second run.
             conn, kept_alive = connections.connect(), False
 
+    def observe(self, url: str, brief: str | dict | None) -> NodeState | None:
+        """The node's state from the brief its answer carried (a header's text, or the dict of a stream's
+        last event), given to the router at once; None without one (or with a bad one)."""
+        if brief is None:
+            return None
+        base = self.pool.state_of(url)
+        try:
+            state = (NodeState.from_header(brief, base) if isinstance(brief, str)
+                     else NodeState.from_brief(brief, base))
+        except ValueError:
+            log.warning("a node sent a state brief the gateway cannot read", extra={
+                "event": "bad_state_brief", "node": url})
+            return None
+        self.pool.observe(url, state)
+        return state
+
     def release(self, url: str, conn: http.client.HTTPConnection, resp: http.client.HTTPResponse,
                 reuse: bool = True) -> None:
         """Done with a request: its connection goes back for reuse when its response was read to the
@@ -396,13 +424,15 @@ class NodeClient:
         client the whole time and close the node's stream — which aborts the sequence — when nobody
         is left to read it."""
         if self.tracing is None:
-            ranked = self.pool.rank(req.model, req.inputs.estimated_tokens, req.params.max_tokens, req.inputs)
+            ranked = self.pool.rank(req.model, req.inputs.estimated_tokens, req.params.max_tokens,
+                                    req.latency_class, req.inputs)
         else:
             ranked = traced_rank(self.tracing, self.pool, req)
         if not ranked:
             raise APIError(503, "No engine node is available to serve this request; retry shortly.",
                            code="no_node_available", headers={"Retry-After": "1"})
-        stream = NodeStream(self, req, [score.url for score in ranked], on_sent)
+        stream = NodeStream(self, req, [score.url for score in ranked], on_sent,
+                            frozenset(score.url for score in ranked if score.needs_load))
         try:
             stream.open_next()
         except BaseException as exc:

@@ -133,7 +133,8 @@ def traced_rank(tracing: Tracing, pool, req) -> list:
     with tracing.tracer.start_as_current_span("routing", attributes={
             "zen.model": model.alias, "gen_ai.request.model": model.model,
             "zen.quantization": model.quantization}) as span:
-        ranked = pool.rank(model, req.inputs.estimated_tokens, req.params.max_tokens, req.inputs)
+        ranked = pool.rank(model, req.inputs.estimated_tokens, req.params.max_tokens, req.latency_class,
+                           req.inputs)
         span.set_attribute("zen.routing.candidates", len(ranked))
         if ranked:
             best = ranked[0]

@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 
 SECRET_HEADER = "X-Node-Secret"       # every node endpoint but /health, /ready and /metrics needs it
 REQUEST_ID_HEADER = "X-Request-Id"
+STATE_HEADER = "X-Node-State"         # the node's state in brief (NodeState.to_header) on its /v1/ answers
+STATE_FIELD = "state"                 # the same, in the final event of a /v1/generate stream
 
 
 # -------------------------------------------------------------------------- development node secret
@@ -371,6 +373,8 @@ class ModelState:
     prefill_tokens_per_s: float = 0.0
     decode_tokens_per_s: float = 0.0         # per sequence, as one stream sees it
     batch_decode_tokens_per_s: float = 0.0   # the whole batch's
+    decode_step_s: float = 0.0               # a decode step's time ~ decode_step_s + decode_step_per_seq_s * batch
+    decode_step_per_seq_s: float = 0.0
     running: int = 0
     waiting: int = 0                         # in the engine loop, not running yet
     admitted: int = 0                        # without a first token yet, running or not
@@ -394,30 +398,59 @@ class ModelState:
             prefill_tokens_per_s=max(0.0, _num(m.get("prefill_tokens_per_s"))),
             decode_tokens_per_s=max(0.0, _num(m.get("decode_tokens_per_s"))),
             batch_decode_tokens_per_s=max(0.0, _num(m.get("batch_decode_tokens_per_s"))),
+            decode_step_s=max(0.0, _num(m.get("decode_step_s"))),
+            decode_step_per_seq_s=max(0.0, _num(m.get("decode_step_per_seq_s"))),
             running=int(_num(m.get("running"))), waiting=int(_num(m.get("waiting"))),
             admitted=_count(m.get("admitted")), kv_cache_usage=_fraction(m.get("kv_cache_usage")),
             kv_cache_blocks=_count(m.get("kv_cache_blocks")), utilization=_fraction(m.get("utilization")),
             max_model_len=_count(m.get("max_model_len")), formats=m.get("formats"), idle_s=_num(m.get("idle_s")))
 
 
+def _per_class(value: Any) -> tuple[int, int, int]:
+    """Three counts, one per latency class (realtime, standard, batch)."""
+    if not isinstance(value, (list, tuple)) or len(value) != len(LatencyClass):
+        return (0, 0, 0)
+    return tuple(_count(v) for v in value)  # type: ignore[return-value]
+
+
 @dataclass(frozen=True)
 class QueueState:
     """running and waiting do not overlap (a sequence in its prefill runs); admitted, what max_waiting
-    bounds, counts the sequences without a first token, running or not."""
+    bounds, counts the sequences without a first token, running or not; admitted_by_class splits them
+    by latency class (realtime, standard, batch) and admitted_tokens_by_class sums their prompt tokens:
+    the prefill work ahead of a new request of each class. max_running: the engine's batch size."""
     waiting: int = 0
     running: int = 0
     admitted: int = 0
     max_waiting: int = 0
+    max_running: int = 0
+    admitted_by_class: tuple[int, int, int] = (0, 0, 0)
+    admitted_tokens_by_class: tuple[int, int, int] = (0, 0, 0)
 
     @classmethod
     def from_json(cls, q: Mapping) -> "QueueState":
         return cls(waiting=_count(q.get("waiting")), running=_count(q.get("running")),
-                   admitted=_count(q.get("admitted")), max_waiting=_count(q.get("max_waiting")))
+                   admitted=_count(q.get("admitted")), max_waiting=_count(q.get("max_waiting")),
+                   max_running=_count(q.get("max_running")),
+                   admitted_by_class=_per_class(q.get("admitted_by_class")),
+                   admitted_tokens_by_class=_per_class(q.get("admitted_tokens_by_class")))
+
+    def to_json(self) -> dict:
+        out = vars(self).copy()
+        out["admitted_by_class"] = list(self.admitted_by_class)
+        out["admitted_tokens_by_class"] = list(self.admitted_tokens_by_class)
+        return out
 
     @property
     def full(self) -> bool:
         """No room for another admitted sequence: the router sends the request elsewhere first."""
         return self.max_waiting > 0 and self.admitted >= self.max_waiting
+
+    def ahead_of(self, latency_class: LatencyClass) -> tuple[int, int]:
+        """(sequences, prompt tokens) admitted and served before a new request of `latency_class`:
+        those of its class and the more urgent ones (the scheduler orders by class, then arrival)."""
+        rank = int(latency_class) + 1
+        return sum(self.admitted_by_class[:rank]), sum(self.admitted_tokens_by_class[:rank])
 
 
 @dataclass(frozen=True)
@@ -447,6 +480,33 @@ class AcceleratorState:
         return cls(device=str(a.get("device") or ""), utilization=_opt_num(a.get("utilization")))
 
 
+# The brief's positional fields (NodeState.to_brief): the queue's counts, then each model's after its id
+# and quantization.
+_BRIEF_QUEUE = ("waiting", "running", "admitted", "max_waiting", "max_running")
+_BRIEF_MODEL = ("load_time_s", "prefill_tokens_per_s", "decode_tokens_per_s", "batch_decode_tokens_per_s",
+                "decode_step_s", "decode_step_per_seq_s", "running", "waiting", "admitted", "kv_cache_usage",
+                "utilization")
+
+
+@dataclass(frozen=True)
+class LoadingState:
+    """A load in progress on a node: how long it has run, and how long the node expects it to take
+    (its last load of the same model; 0: never loaded it)."""
+    id: str
+    quantization: str
+    elapsed_s: float = 0.0
+    expected_s: float = 0.0
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.id, self.quantization)
+
+    @classmethod
+    def from_json(cls, x: Mapping) -> "LoadingState":
+        return cls(x["id"], str(x.get("quantization") or ""), max(0.0, _num(x.get("elapsed_s"))),
+                   max(0.0, _num(x.get("expected_s"))))
+
+
 @dataclass(frozen=True)
 class NodeState:
     """σ_g: the body of GET /state. The node writes it with to_json; the router reads it with
@@ -462,7 +522,7 @@ class NodeState:
     kv_cache_usage: float = 0.0
     ready: bool = False                                # takes traffic: start-up models in, not draining
     draining: bool = False                             # shutting down: finishes what it has, takes nothing new
-    loading: tuple[tuple[str, str], ...] = ()          # (model id, quantization) of loads in progress
+    loading: tuple[LoadingState, ...] = ()             # loads in progress
     memory: MemoryState = field(default_factory=MemoryState)
     accelerator: AcceleratorState = field(default_factory=AcceleratorState)
     uptime_s: float = 0.0
@@ -474,6 +534,9 @@ class NodeState:
     def resident(self, key: tuple[str, str]) -> ModelState | None:
         return next((m for m in self.models if m.key == key), None)
 
+    def loading_of(self, key: tuple[str, str]) -> LoadingState | None:
+        return next((x for x in self.loading if x.key == key), None)
+
     def can_load(self, model_id: str) -> bool:
         """Whether the node can serve the model at all (resident or loadable)."""
         return (not self.available_models or model_id in self.available_models
@@ -483,12 +546,52 @@ class NodeState:
         return {
             "node_id": self.node_id, "healthy": self.healthy, "ready": self.ready,
             "draining": self.draining, "models": [vars(m).copy() for m in self.models],
-            "loading": [{"id": i, "quantization": q} for i, q in self.loading],
+            "loading": [vars(x).copy() for x in self.loading],
             "available_models": list(self.available_models), "utilization": self.utilization,
-            "queue": vars(self.queue).copy(), "temperature_c": self.temperature_c, "power_w": self.power_w,
+            "queue": self.queue.to_json(), "temperature_c": self.temperature_c, "power_w": self.power_w,
             "kv_cache_usage": self.kv_cache_usage, "memory": vars(self.memory).copy(),
             "accelerator": vars(self.accelerator).copy(), "uptime_s": self.uptime_s,
         }
+
+    # -- the state in brief: a header on every /v1/ answer of the node, a field of a stream's last event
+
+    def to_brief(self) -> dict:
+        """What changes from one request to the next, in short keys and positional lists (a header is
+        read on each request's path); from_brief reads it over the last polled state."""
+        q = self.queue
+        return {"h": int(self.healthy), "r": int(self.ready), "d": int(self.draining), "u": self.utilization,
+                "t": self.temperature_c, "k": self.kv_cache_usage,
+                "q": [getattr(q, f) for f in _BRIEF_QUEUE] + list(q.admitted_by_class)
+                + list(q.admitted_tokens_by_class),
+                "m": [[m.id, m.quantization] + [getattr(m, f) for f in _BRIEF_MODEL] for m in self.models],
+                "l": [[x.id, x.quantization, x.elapsed_s, x.expected_s] for x in self.loading]}
+
+    def to_header(self) -> str:
+        return json.dumps(self.to_brief(), separators=(",", ":"))
+
+    @classmethod
+    def from_header(cls, text: str, base: "NodeState | None") -> "NodeState":
+        """The state a STATE_HEADER value describes (ValueError if it is not one)."""
+        return cls.from_brief(json.loads(text), base)
+
+    @classmethod
+    def from_brief(cls, data: Any, base: "NodeState | None") -> "NodeState":
+        """to_brief's dict over `base` (the node's last full state: what the brief leaves out, such as
+        available_models and memory, comes from it); ValueError if `data` is not a brief. Written out
+        field by field: it runs on each request's path."""
+        try:
+            q = [_count(v) for v in data["q"]]
+            queue = QueueState(q[0], q[1], q[2], q[3], q[4], (q[5], q[6], q[7]), (q[8], q[9], q[10]))
+            old = {m.key: m for m in base.models} if base is not None else {}
+            models = tuple(_brief_model(row, old.get((row[0], row[1]))) for row in data["m"])
+            loading = tuple(LoadingState(str(x[0]), str(x[1]), max(0.0, _num(x[2])), max(0.0, _num(x[3])))
+                            for x in data["l"])
+            b = base or _EMPTY_STATE
+            return cls(b.node_id, data["h"] == 1, models, b.available_models, _fraction(data["u"]), queue,
+                       _opt_num(data["t"]), b.power_w, _fraction(data["k"]), data["r"] == 1, data["d"] == 1,
+                       loading, b.memory, b.accelerator, b.uptime_s)
+        except (KeyError, TypeError, IndexError, ValueError, AttributeError) as exc:
+            raise ValueError(f"not a node state brief: {exc.__class__.__name__}") from None
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "NodeState":
@@ -496,7 +599,7 @@ class NodeState:
             raise ValueError("state is not an object")
         models = tuple(ModelState.from_json(m) for m in data.get("models") or []
                        if isinstance(m, Mapping) and isinstance(m.get("id"), str))
-        loading = tuple((x["id"], str(x.get("quantization") or "")) for x in data.get("loading") or []
+        loading = tuple(LoadingState.from_json(x) for x in data.get("loading") or []
                         if isinstance(x, Mapping) and isinstance(x.get("id"), str))
 
         def part(name: str) -> Mapping:
@@ -511,3 +614,16 @@ class NodeState:
             draining=data.get("draining") is True, loading=loading,
             memory=MemoryState.from_json(part("memory")), accelerator=AcceleratorState.from_json(part("accelerator")),
             uptime_s=_num(data.get("uptime_s")))
+
+
+_EMPTY_STATE = NodeState(node_id="", healthy=False)
+
+
+def _brief_model(row: list, old: ModelState | None) -> ModelState:
+    """One model of a brief (its fields in _BRIEF_MODEL order after id and quantization); what the brief
+    leaves out comes from the model's entry in the last full state."""
+    pos = [max(0.0, _num(v)) for v in row[3:8]]
+    return ModelState(str(row[0]), str(row[1]), old.version if old else "", old.bytes if old else 0,
+                      _opt_num(row[2]), pos[0], pos[1], pos[2], pos[3], pos[4], _count(row[8]), _count(row[9]),
+                      _count(row[10]), _fraction(row[11]), old.kv_cache_blocks if old else 0, _fraction(row[12]),
+                      old.max_model_len if old else 0, old.formats if old else None, old.idle_s if old else 0.0)

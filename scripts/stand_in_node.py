@@ -19,6 +19,7 @@ from typing import Any
 
 from app.config import load_config
 from app.devtoken import mint_token
+from engine.protocol import STATE_FIELD, STATE_HEADER, NodeState
 from scripts.local_processes import free_port
 
 NODE_SECRET = "test-node-secret"
@@ -67,6 +68,7 @@ class StandInNode:
         self.response_delay_s = 0.0
         self.trailer_delay_s = 0.0   # between the done event and the end of the body
         self.close_after_stream = False
+        self._brief: str | None = None
         self.state: dict[str, Any] = {}
         self.received: list[dict] = []
         self.client_disconnects = 0
@@ -83,6 +85,21 @@ class StandInNode:
         return f"http://127.0.0.1:{self.port}"
 
     # -- protocol ------------------------------------------------------------------------
+
+    @property
+    def state(self) -> dict[str, Any]:
+        return self._state
+
+    @state.setter
+    def state(self, value: dict[str, Any]) -> None:
+        self._state, self._brief = value, None
+
+    def state_brief(self) -> str:
+        """The state in brief, as a node sends it with every /v1/ answer (made again when `state` is set:
+        the stand-in's own work stays off the measured gateway's path in the benchmarks)."""
+        if self._brief is None:
+            self._brief = json.dumps(NodeState.from_json(self.state_body()).to_brief(), separators=(",", ":"))
+        return self._brief
 
     def state_body(self) -> dict:
         body = {
@@ -153,6 +170,8 @@ class StandInNode:
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
+                if self.path.startswith("/v1/") and status != 401:
+                    self.send_header(STATE_HEADER, node.state_brief())
                 for k, v in (headers or {}).items():
                     self.send_header(k, v)
                 self.end_headers()
@@ -266,6 +285,7 @@ class StandInNode:
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.send_header("Transfer-Encoding", "chunked")
+                self.send_header(STATE_HEADER, node.state_brief())
                 self.end_headers()
                 sent = 0
                 try:
@@ -297,7 +317,7 @@ class StandInNode:
                                 time.sleep(node.token_delay_s)
                     self._event({"type": "done", "choices": [
                         {"index": i, "finish_reason": fin} for i, (_, fin) in enumerate(choices)],
-                        "usage": usage, "timings": timings})
+                        "usage": usage, "timings": timings, STATE_FIELD: json.loads(node.state_brief())})
                     if node.trailer_delay_s:
                         time.sleep(node.trailer_delay_s)
                     self._chunk(b"")

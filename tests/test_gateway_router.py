@@ -1,5 +1,6 @@
-"""The router: node state parsing, the score α·L̂ + β·U + γ·1[m∉M]·C_load on crafted node
-states, which nodes are skipped, and the live pool against stand-in nodes."""
+"""The router: node state parsing, the latency estimate L̂ (latency class, queue, measured rates), the
+score α·L̂ + β·U + γ·1[m∉M]·C_load on crafted node states with loads in progress, which nodes are
+skipped, and the live pool against stand-in nodes."""
 from __future__ import annotations
 
 import time
@@ -8,8 +9,9 @@ import pytest
 
 from app.catalog import ResolvedModel
 from app.config import NodesConfig, RoutingConfig
-from app.router import NodePool, estimate_latency, rank_nodes, skip_reason
-from engine.protocol import NodeState
+from app.latency import ServiceRates, estimate_latency
+from app.router import NodePool, rank_nodes, skip_reason
+from engine.protocol import LatencyClass, NodeState
 from tests.test_gateway_support import MODEL_ID, NODE_SECRET, StandInNode
 
 SMALL = ResolvedModel("zen-small", MODEL_ID, "q4_1", 8192, 512, cold_load_s=2.0)
@@ -19,15 +21,19 @@ WEIGHTS = RoutingConfig(alpha=1.0, beta=1.0, gamma=1.0, default_prefill_tokens_p
 
 def state(*, resident=True, waiting=0, running=0, max_waiting=64, utilization=0.1,
           healthy=True, temperature=None, prefill=1000.0, decode=50.0, available=(MODEL_ID,),
-          quant="q4_1", admitted=None, ready=True, draining=False):
+          quant="q4_1", admitted=None, ready=True, draining=False, by_class=None, tokens_by_class=(0, 0, 0),
+          max_running=64, step=(0.0, 0.0), loading=()):
     models = [{"id": MODEL_ID, "version": "v1", "quantization": quant, "bytes": 100,
                "load_time_s": 0.5, "prefill_tokens_per_s": prefill, "decode_tokens_per_s": decode,
+               "decode_step_s": step[0], "decode_step_per_seq_s": step[1],
                "running": running, "waiting": waiting}] if resident else []
+    admitted = waiting if admitted is None else admitted
     return NodeState.from_json({
         "node_id": "n", "healthy": healthy, "ready": ready, "draining": draining, "models": models, "available_models": list(available),
-        "utilization": utilization,
-        "queue": {"waiting": waiting, "running": running, "max_waiting": max_waiting,
-                  "admitted": waiting if admitted is None else admitted},
+        "utilization": utilization, "loading": list(loading),
+        "queue": {"waiting": waiting, "running": running, "max_waiting": max_waiting, "admitted": admitted,
+                  "max_running": max_running, "admitted_by_class": list(by_class or (0, admitted, 0)),
+                  "admitted_tokens_by_class": list(tokens_by_class)},
         "temperature_c": temperature, "power_w": None, "kv_cache_usage": 0.2,
         "memory": {"used_bytes": 1, "total_bytes": 2}})
 
@@ -51,20 +57,59 @@ def test_parse_state_tolerates_junk():
         NodeState.from_json([1, 2])
 
 
-def test_latency_estimate_is_queue_wait_plus_prefill_plus_decode():
-    s = state(waiting=10, running=2)
-    service = 100 / 1000 + 50 / 50                 # prefill 0.1 s + decode 1.0 s
-    assert estimate_latency(s, 100, 50, 1000, 50) == pytest.approx(service + 10 * service / 2)
-    assert estimate_latency(state(), 100, 50, 1000, 50) == pytest.approx(service)
+RATES = ServiceRates(1000.0, 1 / 50)     # 1000 prefill tokens/s, a 20 ms decode step at any batch
+
+
+def test_latency_estimate_is_prefill_plus_decode_on_an_idle_node():
+    assert estimate_latency(state(), 100, 50, RATES) == pytest.approx(100 / 1000 + 50 / 50)
+
+
+def test_latency_estimate_counts_only_the_work_ahead_of_the_latency_class():
+    """Admitted work is served by class, then arrival: a realtime request overtakes the queued standard
+    and batch work (its prompt alone is prefilled before it), a batch request waits for all of it."""
+    s = state(waiting=8, running=2, admitted=8, by_class=(0, 3, 5), tokens_by_class=(0, 300, 5000))
+    realtime = estimate_latency(s, 100, 50, RATES, LatencyClass.REALTIME)
+    standard = estimate_latency(s, 100, 50, RATES, LatencyClass.STANDARD)
+    batch = estimate_latency(s, 100, 50, RATES, LatencyClass.BATCH)
+    assert realtime == pytest.approx(100 / 1000 + 50 / 50)
+    assert standard == pytest.approx((300 + 100) / 1000 + 50 / 50)
+    assert batch == pytest.approx((5300 + 100) / 1000 + 50 / 50)
+    assert realtime < standard < batch
+
+
+def test_latency_estimate_uses_the_decode_step_at_the_batch_it_joins():
+    """The node's fitted step line: 10 ms + 2 ms per sequence; the request joins the 2 running and the
+    3 standard requests ahead of it (a batch of 6), a realtime one only the running (a batch of 3)."""
+    rates = ServiceRates(1000.0, 0.010, 0.002)
+    s = state(waiting=3, running=2, admitted=3, by_class=(0, 3, 0), tokens_by_class=(0, 0, 0))
+    assert estimate_latency(s, 0, 100, rates) == pytest.approx(100 * (0.010 + 0.002 * 6))
+    assert estimate_latency(s, 0, 100, rates, LatencyClass.REALTIME) == pytest.approx(100 * (0.010 + 0.002 * 3))
+
+
+def test_latency_estimate_waits_for_a_slot_in_a_full_batch():
+    full = state(waiting=0, running=4, admitted=0, max_running=4)
+    decode = 50 / 50
+    # one sequence over the engine's batch of 4: a quarter of a decode's length to wait for a slot
+    assert estimate_latency(full, 0, 50, RATES) == pytest.approx(decode + decode / 4)
+    assert estimate_latency(state(running=3, admitted=0, max_running=4), 0, 50, RATES) == pytest.approx(decode)
+
+
+def test_measured_rates_prefer_the_step_line_over_the_stream_rate():
+    m = state(prefill=800.0, decode=40.0, step=(0.01, 0.001)).models[0]
+    assert ServiceRates.measured(m) == ServiceRates(800.0, 0.01, 0.001)
+    m = state(prefill=800.0, decode=40.0).models[0]
+    assert ServiceRates.measured(m) == ServiceRates(800.0, 1 / 40)
+    assert ServiceRates.measured(state(prefill=0.0).models[0]) is None
 
 
 def test_a_request_in_its_prefill_counts_once():
     """The node counts a sequence in its prefill as running, not also as waiting (it once did: the
     estimate doubled its service time); admitted, the sequences without a first token that max_waiting
     bounds, is a count of its own and decides whether the queue is full."""
-    busy = state(waiting=0, running=1, admitted=1, max_waiting=2)
-    service = 100 / 1000 + 50 / 50
-    assert estimate_latency(busy, 100, 50, 1000, 50) == pytest.approx(service)
+    busy = state(waiting=0, running=1, admitted=1, max_waiting=2, tokens_by_class=(0, 0, 0))
+    rates = ServiceRates(1000.0, 0.0, 0.01)
+    # the batch it joins: the one running (in its prefill, also admitted) and itself
+    assert estimate_latency(busy, 100, 50, rates) == pytest.approx(100 / 1000 + 50 * 0.02)
     assert busy.queue.admitted == 1 and not busy.queue.full
     assert state(waiting=0, running=2, admitted=2, max_waiting=2).queue.full
 
@@ -79,13 +124,13 @@ def test_resident_model_wins_when_queues_are_equal():
 
 
 def test_long_queue_loses_to_a_cold_load():
-    busy_warm = state(waiting=10, running=2)
+    busy_warm = state(waiting=10, running=2, tokens_by_class=(0, 5000, 0))   # 5 s of prefill ahead
     idle_cold = state(resident=False)
     ranked = rank_nodes([("busy", busy_warm), ("idle", idle_cold)], SMALL, 100, 50, WEIGHTS)
     assert ranked[0].url == "idle"
     # measured rates and load times from other nodes replace the defaults for the cold node
     ranked = rank_nodes([("busy", busy_warm), ("idle", idle_cold)], SMALL, 100, 50, WEIGHTS,
-                        known_rates={SMALL.key: (1000.0, 50.0)}, known_load_s={SMALL.key: 0.5})
+                        known_rates={SMALL.key: RATES}, known_load_s={SMALL.key: 0.5})
     idle = next(s for s in ranked if s.url == "idle")
     assert idle.latency_s == pytest.approx(1.1) and idle.cold_load_s == 0.5
 
@@ -98,7 +143,7 @@ def test_weights_change_the_choice():
     assert rank_nodes([("a", a), ("b", b)], SMALL, 10, 10, heavy_u)[0].url == "b"
     no_cold = RoutingConfig(alpha=1.0, beta=1.0, gamma=0.0)
     ranked = rank_nodes([("a", state(utilization=0.5)), ("b", state(resident=False, utilization=0.0))],
-                        SMALL, 10, 10, no_cold, known_rates={SMALL.key: (1000.0, 50.0)})
+                        SMALL, 10, 10, no_cold, known_rates={SMALL.key: RATES})
     assert ranked[0].url == "b"
 
 
@@ -114,6 +159,46 @@ def test_full_queues_go_last():
     ranked = rank_nodes([("full", state(waiting=64, max_waiting=64, running=64)),
                          ("cold", state(resident=False, utilization=1.0))], SMALL, 10, 10, WEIGHTS)
     assert [s.url for s in ranked] == ["cold", "full"]
+
+
+def test_a_load_in_progress_counts_its_remaining_time_not_a_full_cold_load():
+    """A node loading the model is "holding it soon": its cold term is what is left of the load."""
+    a, b = state(resident=False, utilization=0.5), state(resident=False, utilization=0.0)
+    ranked = rank_nodes([("a", a), ("b", b)], SMALL, 10, 10, WEIGHTS, loads_in_progress={"a": 0.5})
+    assert [s.url for s in ranked] == ["a", "b"]
+    assert ranked[0].loading and ranked[0].cold_load_s == 0.5 and ranked[0].needs_load
+    assert ranked[1].cold_load_s == 2.0 and ranked[1].duplicate_load
+
+
+def test_no_second_load_while_the_first_serves_sooner():
+    """Even where utilization favours another node, a second cold load goes after the node already
+    loading the model — while that node's wait (L̂ + what is left of its load) is not longer."""
+    loading = state(resident=False, utilization=1.0)
+    idle = state(resident=False, utilization=0.0)
+    ranked = rank_nodes([("loading", loading), ("idle", idle)], SMALL, 10, 10, WEIGHTS,
+                        loads_in_progress={"loading": 1.9})
+    assert ranked[0].url == "loading" and ranked[1].duplicate_load
+    assert ranked[1].total < ranked[0].total       # the score alone would have loaded a second copy
+
+
+def test_a_second_load_when_the_loading_node_would_serve_later():
+    swamped = state(resident=False, waiting=40, admitted=40, tokens_by_class=(0, 40_000, 0))   # 80 s of prefill
+    idle = state(resident=False)
+    ranked = rank_nodes([("swamped", swamped), ("idle", idle)], SMALL, 10, 10, WEIGHTS,
+                        loads_in_progress={"swamped": 1.0})
+    assert ranked[0].url == "idle" and not ranked[0].duplicate_load
+
+
+def test_a_resident_model_is_no_load_in_progress():
+    ranked = rank_nodes([("warm", state())], SMALL, 10, 10, WEIGHTS, loads_in_progress={"warm": 1.0})
+    assert not ranked[0].needs_load and not ranked[0].loading and ranked[0].cold_load_s == 0
+
+
+def test_the_latency_class_reaches_the_score():
+    queued = state(waiting=5, admitted=5, by_class=(0, 0, 5), tokens_by_class=(0, 0, 5000))
+    realtime = rank_nodes([("n", queued)], SMALL, 100, 10, WEIGHTS, latency_class=LatencyClass.REALTIME)[0]
+    batch = rank_nodes([("n", queued)], SMALL, 100, 10, WEIGHTS, latency_class=LatencyClass.BATCH)[0]
+    assert batch.latency_s - realtime.latency_s == pytest.approx(5000 / 1000)
 
 
 @pytest.mark.parametrize("kwargs, fresh, down, reason", [

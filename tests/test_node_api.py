@@ -113,7 +113,9 @@ def test_state_shape(node):
             assert key in m
         assert m["quantization"] == "f32" and m["bytes"] > 0 and m["load_time_s"] > 0
     assert 0.0 <= s["utilization"] <= 1.0 and 0.0 <= s["kv_cache_usage"] <= 1.0
-    assert set(s["queue"]) == {"waiting", "running", "admitted", "max_waiting"}
+    assert set(s["queue"]) == {"waiting", "running", "admitted", "max_waiting", "max_running", "admitted_by_class",
+                               "admitted_tokens_by_class"}
+    assert s["queue"]["admitted_by_class"] == [0, 0, 0] and s["loading"] == []
     assert s["memory"]["total_bytes"] >= s["memory"]["used_bytes"] > 0
     assert "temperature_c" in s and "power_w" in s   # None on hosts without sensors: never invented
     post(node, {"model": "tiny-a", "prompt": "abc", "sampling": {"max_tokens": 3}})

@@ -28,8 +28,10 @@ def test_queue_full_503_and_leaving_while_waiting(start_node, tiny_models):
     conn_b, resp_b = open_stream(url, {"model": "tiny-a", "prompt_token_ids": [7, 8], "org": "leaver",
                                        "sampling": {"max_tokens": 5}}, SECRET)
     wait_for(lambda: state(url)["queue"]["waiting"] == 1, what="B waiting")
-    # A runs and has its first token: only B is admitted without one (what max_waiting bounds)
-    assert state(url)["queue"] == {"waiting": 1, "running": 1, "admitted": 1, "max_waiting": 1}
+    # A runs and has its first token: only B is admitted without one (what max_waiting bounds), a standard
+    # request of 2 prompt tokens
+    assert state(url)["queue"] == {"waiting": 1, "running": 1, "admitted": 1, "max_waiting": 1, "max_running": 1,
+                                   "admitted_by_class": [0, 1, 0], "admitted_tokens_by_class": [0, 2, 0]}
     r = post(url, {"model": "tiny-a", "prompt": "c", "sampling": {"max_tokens": 2}})
     err = assert_openai_error(r, 503, "queue_full")
     assert int(r.headers["Retry-After"]) >= 1 and err["type"] == "server_error"
@@ -49,7 +51,9 @@ def test_queue_full_503_and_leaving_while_waiting(start_node, tiny_models):
     assert events[-1]["usage"]["completion_tokens"] == 2000
     assert sum(1 for e in events if e["type"] == "token") == 2000
     s = state(url)
-    assert s["queue"] == {"waiting": 0, "running": 0, "admitted": 0, "max_waiting": 1} and s["kv_cache_usage"] == 0.0
+    assert s["queue"] == {"waiting": 0, "running": 0, "admitted": 0, "max_waiting": 1, "max_running": 1,
+                          "admitted_by_class": [0, 0, 0], "admitted_tokens_by_class": [0, 0, 0]}
+    assert s["kv_cache_usage"] == 0.0
     m = wait_for(lambda: (lambda m: m if metric(m, "zen_node_generation_tokens_total") >= 2000 else None)(scrape(url)),
                  what="A's tokens counted")
     assert metric(m, "zen_node_request_success_total", finished_reason="abort") == 1            # B

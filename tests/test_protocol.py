@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
-from engine.protocol import (APIError, GenerateRequest, LatencyClass, ModelState, NodeState, QueueState,
-                             error_type_for, is_loopback_host)
+from engine.protocol import (APIError, GenerateRequest, LatencyClass, LoadingState, MemoryState, ModelState,
+                             NodeState, QueueState, error_type_for, is_loopback_host)
 from engine.sampling import SamplingParams
 from models.inspect import check_quantization
 
@@ -53,11 +54,46 @@ def test_generate_request_errors_name_the_parameter():
     assert err.value.param == "temperature" and err.value.type == "invalid_request_error"
 
 
+def _full_state() -> NodeState:
+    return NodeState("n", True, (ModelState("m", "q4_1", version="v", bytes=10, load_time_s=1.5, running=2,
+                                            decode_tokens_per_s=30.0, decode_step_s=0.01,
+                                            decode_step_per_seq_s=0.002, kv_cache_blocks=7, max_model_len=9),),
+                     ("m",), 0.5, QueueState(waiting=1, running=2, admitted=1, max_waiting=4, max_running=8,
+                                             admitted_by_class=(1, 0, 0), admitted_tokens_by_class=(12, 0, 0)),
+                     temperature_c=50.0, ready=True, loading=(LoadingState("m", "f16", 1.25, 3.0),),
+                     memory=MemoryState(budget_bytes=100), uptime_s=5.0)
+
+
 def test_node_state_round_trip():
-    state = NodeState("n", True, (ModelState("m", "q4_1", running=2, decode_tokens_per_s=30.0),),
-                      ("m",), 0.5, QueueState(waiting=1, running=2, admitted=1, max_waiting=4), ready=True,
-                      loading=(("m", "f16"),))
+    state = _full_state()
     assert NodeState.from_json(state.to_json()) == state
+
+
+def test_state_brief_round_trip_over_the_polled_state():
+    """The brief (a header, and a stream's last event) carries what changes per request; the rest
+    (available models, memory, a model's version and size) comes from the state it is read over."""
+    state = _full_state()
+    header = state.to_header()
+    assert header.isascii() and "\n" not in header
+    assert NodeState.from_header(header, state) == state
+    busier = replace(state, queue=replace(state.queue, admitted=3, admitted_by_class=(1, 2, 0)), loading=())
+    assert NodeState.from_header(busier.to_header(), state) == busier
+    bare = NodeState.from_brief(state.to_brief(), None)    # nothing polled yet: the brief alone
+    assert bare.queue == state.queue and bare.loading == state.loading and bare.available_models == ()
+    assert bare.models[0].decode_step_s == 0.01 and bare.models[0].version == ""
+
+
+@pytest.mark.parametrize("junk", ["", "[]", "{}", '{"q": [1], "m": [], "l": []}', "not json",
+                                  '{"h":1,"r":1,"d":0,"u":0,"t":null,"k":0,"q":[0,0,0,0,0,0,0,0,0,0,0],'
+                                  '"m":[["m"]],"l":[]}'])
+def test_a_bad_brief_is_a_value_error(junk):
+    with pytest.raises(ValueError):
+        NodeState.from_header(junk, _full_state())
+
+
+def test_queue_work_ahead_of_each_class():
+    q = QueueState(admitted_by_class=(1, 2, 3), admitted_tokens_by_class=(10, 20, 30))
+    assert [q.ahead_of(c) for c in LatencyClass] == [(1, 10), (3, 30), (6, 60)]
 
 
 def test_error_types_follow_the_status():

@@ -6,7 +6,7 @@ import hmac
 import logging
 import sys
 
-from flask import Flask, g, request
+from flask import Flask, Response, g, request
 from werkzeug.exceptions import HTTPException
 
 from engine.node.config import NodeConfig
@@ -14,7 +14,7 @@ from engine.node.node import Node
 from engine.node.telemetry import Telemetry
 from engine.node.tracing import init_tracing
 from engine.node.views import bp, the_node
-from engine.protocol import HTTP_ERROR_CODES, REQUEST_ID_HEADER, SECRET_HEADER, APIError
+from engine.protocol import HTTP_ERROR_CODES, REQUEST_ID_HEADER, SECRET_HEADER, STATE_HEADER, APIError
 
 log = logging.getLogger("engine.node")
 
@@ -33,6 +33,7 @@ def create_app(config: NodeConfig, telemetry: Telemetry | None = None, start: bo
     init_tracing(app, config.otlp_endpoint)
     register_error_handlers(app)
     app.before_request(_authenticate)
+    app.after_request(_state_header)
     app.register_blueprint(bp)
     if start:
         node.start()
@@ -48,6 +49,17 @@ def _authenticate():
         raise APIError(401, f"missing or wrong {SECRET_HEADER} header", code="invalid_node_secret",
                        type="authentication_error")
     return None
+
+
+def _state_header(response: Response) -> Response:
+    """Every /v1/ answer (a stream's as it starts, errors too) carries the node's state in brief: the
+    gateway routes its next request on it at once, without waiting for its next poll of /state."""
+    if request.path.startswith("/v1/") and response.status_code != 401:
+        try:
+            response.headers[STATE_HEADER] = the_node().state().to_header()
+        except Exception:   # best effort: a state that cannot be read costs the answer nothing
+            log.exception("the node state could not be read for the state header")
+    return response
 
 
 def register_error_handlers(app: Flask) -> None:

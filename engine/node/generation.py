@@ -22,7 +22,7 @@ from engine.node.admission import Ticket
 from engine.node.drain import RETRY_AFTER_S, NodeShutdown
 from engine.node.metrics import FinishedSequence
 from engine.node.registry import ResidentModel
-from engine.protocol import NODE_SHUTDOWN, APIError, GenerateRequest, bad_value, stream_error_event
+from engine.protocol import NODE_SHUTDOWN, STATE_FIELD, APIError, GenerateRequest, bad_value, stream_error_event
 from engine.request import EngineRequest
 from engine.tools import render_tool_prompt, template_messages, uses_tools
 
@@ -269,7 +269,8 @@ class SSEBody:
             outcome = "ok"
             yield self._event({"type": "done", "request_id": gen.req.request_id,
                                "choices": [{"index": c.index, "finish_reason": c.finish_reason} for c in gen.choices],
-                               "usage": gen.usage(), "timings": gen.timings()})
+                               "usage": gen.usage(), "timings": gen.timings(),
+                               STATE_FIELD: gen.node.state().to_brief()})
         except ClientGone:
             outcome = "client_closed"
         except NodeShutdown as e:

@@ -52,6 +52,37 @@ class HandOff:
             return self._cond.wait_for(lambda: self._left <= 0, timeout)
 
 
+class DecodeStepFit:
+    """A decode step's time as a line in the batch size, step_s ~ base_s + per_seq_s * batch, fitted by
+    exponentially weighted least squares over recent decode-only steps: what a request joining the batch
+    would see (the router's latency estimate). With one batch size seen so far the slope is 0."""
+
+    WEIGHT = 0.05   # of each new step: about the last 20 steps count
+
+    def __init__(self) -> None:
+        self._n = 0
+        self._b = self._t = self._bb = self._bt = 0.0
+
+    def add(self, batch: int, seconds: float) -> None:
+        a = self.WEIGHT if self._n else 1.0
+        self._n += 1
+        self._b += a * (batch - self._b)
+        self._t += a * (seconds - self._t)
+        self._bb += a * (batch * batch - self._bb)
+        self._bt += a * (batch * seconds - self._bt)
+
+    def line(self) -> tuple[float, float]:
+        """(base_s, per_seq_s); (0, 0) before any decode step."""
+        if not self._n:
+            return 0.0, 0.0
+        var = self._bb - self._b * self._b
+        slope = max(0.0, (self._bt - self._b * self._t) / var) if var > 1e-6 else 0.0
+        base = self._t - slope * self._b
+        if base < 0:   # a line through the origin fits no worse than a negative base
+            base, slope = 0.0, self._t / max(self._b, 1.0)
+        return base, slope
+
+
 class RequestStream:
     """The deltas of one request as the loop produces them; iterate, or call next_delta(timeout)."""
 
@@ -127,6 +158,7 @@ class EngineLoop:
         self._busy: deque = deque()       # (end time, seconds) of recent steps, for utilization
         self.prefill_tokens_per_s = 0.0   # moving averages the router estimates latency from
         self.decode_tokens_per_s = 0.0
+        self.decode_step = DecodeStepFit()
         self.step_listeners: list = []    # callables(engine, step_seconds, deltas) run on the step thread
         self.failed: BaseException | None = None
         self._share_cpu = False           # wanted: steps leave a core to a model loading beside
@@ -264,6 +296,7 @@ class EngineLoop:
             self.prefill_tokens_per_s = rate if not self.prefill_tokens_per_s else (1 - a) * self.prefill_tokens_per_s + a * rate
         else:
             self.decode_tokens_per_s = rate if not self.decode_tokens_per_s else (1 - a) * self.decode_tokens_per_s + a * rate
+            self.decode_step.add(eng.last_batch_size, dt)
 
 
 class StepThread:

@@ -121,7 +121,7 @@ class Node:
             ids, text = tokenize(call, m)
             req = EngineRequest(call.request_id, m.id, ids, call.sampling, call.latency_class, call.org,
                                 arrival_time=received, queue_timeout_s=call.queue_timeout_s, prompt_text=text)
-            ticket = self.admission.admit(m.key, call.sampling.n)
+            ticket = self.admission.admit(m.key, call.sampling.n, call.latency_class, len(ids))
             if ticket is None:
                 raise unavailable("the node's waiting queue is full", "queue_full")
             try:
@@ -152,7 +152,7 @@ class Node:
                             self.admission.waiting, self.config.max_waiting, dict(self.registry.last_load_s))
 
     def state(self) -> NodeState:
-        """σ_g, the body of GET /state."""
+        """σ_g, the body of GET /state (and, in brief, of the state header on every /v1/ answer)."""
         resident = self.registry.resident()
         tel = self.telemetry.sample()
         models, used_blocks, blocks = [], 0, 0
@@ -160,23 +160,28 @@ class Node:
             e, loop = m.engine, m.loop
             used_blocks += e.pool.num_blocks - e.pool.num_free_blocks
             blocks += e.pool.num_blocks
+            step_s, step_per_seq_s = loop.decode_step.line()
             models.append(ModelState(
                 id=m.id, version=m.version, quantization=m.quantization, bytes=m.bytes,
                 load_time_s=round(m.load_time_s, 4),
                 prefill_tokens_per_s=round(loop.prefill_tokens_per_s, 2),
                 decode_tokens_per_s=round(m.stream_decode_tokens_per_s, 2),
                 batch_decode_tokens_per_s=round(loop.decode_tokens_per_s, 2),
+                decode_step_s=round(step_s, 6), decode_step_per_seq_s=round(step_per_seq_s, 6),
                 running=e.num_running, waiting=loop.num_waiting, admitted=self.admission.by_model.get(m.key, 0),
                 kv_cache_usage=round(e.pool.usage, 4), kv_cache_blocks=e.pool.num_blocks,
                 utilization=round(loop.utilization(), 4), max_model_len=e.max_model_len,
                 formats=e.formats, idle_s=round(time.monotonic() - m.last_used, 1)))
+        by_class, tokens_by_class = self.admission.by_class_snapshot()
         return NodeState(
             node_id=self.config.node_id, healthy=self.healthy, ready=self.readiness() is None,
             draining=self.drain.draining, models=tuple(models),
             loading=tuple(self.registry.loading()), available_models=tuple(self.registry.available()),
-            utilization=round(max((m.loop.utilization() for m in resident), default=0.0), 4),
+            utilization=max((x.utilization for x in models), default=0.0),
             queue=QueueState(waiting=sum(x.waiting for x in models), running=sum(x.running for x in models),
-                             admitted=self.admission.waiting, max_waiting=self.config.max_waiting),
+                             admitted=self.admission.waiting, max_waiting=self.config.max_waiting,
+                             max_running=self.config.max_num_seqs, admitted_by_class=by_class,
+                             admitted_tokens_by_class=tokens_by_class),
             temperature_c=tel.temperature_c, power_w=tel.power_w,
             kv_cache_usage=round(used_blocks / blocks, 4) if blocks else 0.0,
             memory=MemoryState(used_bytes=tel.memory_used_bytes, total_bytes=tel.memory_total_bytes,

@@ -24,6 +24,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.node.config import ModelSpec
 from engine.node.loop import EngineLoop, StepThread
+from engine.protocol import LoadingState
 from models.inspect import ModelFileInfo, inspect_model, resolve_quantization
 from models.loader import load_tokenizer
 
@@ -118,9 +119,13 @@ class ModelRegistry:
         with self._lock:
             return list(self._resident.values())
 
-    def loading(self) -> list[tuple[str, str]]:
+    def loading(self) -> list[LoadingState]:
+        """The loads in progress: how long each has run, and how long the last load of its model took
+        (0: none yet)."""
+        now = time.monotonic()
         with self._lock:
-            return list(self._loading)
+            return [LoadingState(key[0], key[1], round(now - job.started, 3), round(self.last_load_s.get(key, 0.0), 3))
+                    for key, job in self._loading.items()]
 
     def info(self, model_id: str) -> ModelFileInfo:
         spec = self.spec(model_id)

@@ -1,0 +1,112 @@
+"""What a node tells the router besides GET /state: its state in brief on every /v1/ answer (a header,
+and a field of a stream's last event), the loads in progress with their elapsed and expected times, the
+admitted work by latency class, and the decode step's time fitted against the batch size."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from engine.node.admission import Admission
+from engine.node.app import create_app as create_node_app
+from engine.node.config import ModelSpec, NodeConfig
+from engine.node.loop import DecodeStepFit
+from engine.node.registry import _LoadJob
+from engine.protocol import SECRET_HEADER, STATE_FIELD, STATE_HEADER, LatencyClass, NodeState
+from tests.node_fixtures import tiny_models  # noqa: F401 (fixture)
+
+
+@pytest.fixture(scope="module")
+def node_app(tiny_models):  # noqa: F811
+    app = create_node_app(NodeConfig(models=[ModelSpec(tiny_models["a"], "tiny-a"),
+                                             ModelSpec(tiny_models["b"], "tiny-b")],
+                                     backend="cpu", kv_cache_bytes=4 << 20, max_num_seqs=16, preload=["tiny-a"]))
+    node = app.extensions["zen_node"]
+    assert node.ready.wait(120)
+    yield app
+    node.close()
+
+
+def _auth(app) -> dict:
+    return {SECRET_HEADER: app.extensions["zen_node"].config.secret}
+
+
+def _brief(resp, base: NodeState) -> NodeState:
+    return NodeState.from_header(resp.headers[STATE_HEADER], base)
+
+
+def test_a_json_answer_carries_the_state(node_app):
+    client = node_app.test_client()
+    polled = NodeState.from_json(client.get("/state", headers=_auth(node_app)).json)
+    r = client.post("/v1/generate", headers=_auth(node_app), json={
+        "model": "tiny-a", "prompt": "hello", "sampling": {"max_tokens": 3}})
+    assert r.status_code == 200
+    state = _brief(r, polled)
+    assert state.resident(("tiny-a", "f32")) is not None and state.takes_traffic
+    assert state.queue.max_running == 16 and state.queue.admitted == 0
+    assert state.available_models == ("tiny-a", "tiny-b")      # from the polled state it is read over
+
+
+def test_a_stream_carries_it_as_it_starts_and_in_its_last_event(node_app):
+    client = node_app.test_client()
+    r = client.post("/v1/generate", headers=_auth(node_app), buffered=True, json={
+        "model": "tiny-a", "prompt": "hello", "stream": True, "sampling": {"max_tokens": 3}})
+    assert r.status_code == 200 and STATE_HEADER in r.headers
+    events = [json.loads(line[6:]) for line in r.get_data().split(b"\n") if line.startswith(b"data: ")]
+    done = events[-1]
+    assert done["type"] == "done"
+    state = NodeState.from_brief(done[STATE_FIELD], None)
+    model = state.resident(("tiny-a", "f32"))
+    assert model is not None and model.prefill_tokens_per_s > 0 and model.decode_step_s > 0
+
+
+def test_errors_carry_it_and_a_caller_without_the_secret_gets_none(node_app):
+    client = node_app.test_client()
+    r = client.post("/v1/generate", headers=_auth(node_app), json={"model": "nope", "prompt": "x"})
+    assert r.status_code == 404 and NodeState.from_header(r.headers[STATE_HEADER], None).healthy
+    r = client.post("/v1/generate", json={"model": "tiny-a", "prompt": "x"})
+    assert r.status_code == 401 and STATE_HEADER not in r.headers
+    assert STATE_HEADER not in client.get("/health").headers
+
+
+def test_a_load_in_progress_is_reported_with_its_times(node_app):
+    registry = node_app.extensions["zen_node"].registry
+    key = ("tiny-b", "f32")
+    registry.last_load_s[key] = 3.5
+    with registry._lock:     # a load two seconds in (the job alone: no thread, nothing to wait for)
+        registry._loading[key] = _LoadJob(key, 0, time.monotonic() - 2.0)
+    try:
+        state = NodeState.from_json(node_app.test_client().get("/state", headers=_auth(node_app)).json)
+        loading = state.loading_of(key)
+        assert loading is not None and loading.expected_s == 3.5 and 2.0 <= loading.elapsed_s < 30
+    finally:
+        with registry._lock:
+            registry._loading.pop(key)
+            registry.last_load_s.pop(key)
+
+
+def test_admission_counts_work_by_latency_class():
+    admission = Admission(max_waiting=10)
+    a = admission.admit(("m", "q"), 2, LatencyClass.BATCH, prompt_tokens=100)
+    b = admission.admit(("m", "q"), 1, LatencyClass.REALTIME, prompt_tokens=7)
+    assert admission.by_class_snapshot() == ((1, 0, 2), (7, 0, 200))
+    a.started()                                    # one of the batch request's sequences has its token
+    assert admission.by_class_snapshot() == ((1, 0, 1), (7, 0, 100))
+    a.close()
+    b.close()
+    assert admission.by_class_snapshot() == ((0, 0, 0), (0, 0, 0)) and admission.waiting == 0
+
+
+def test_the_decode_step_line_is_fitted_from_steps_at_several_batch_sizes():
+    fit = DecodeStepFit()
+    assert fit.line() == (0.0, 0.0)
+    for _ in range(20):
+        for batch in (1, 4, 8, 16):
+            fit.add(batch, 0.010 + 0.002 * batch)
+    base, per_seq = fit.line()
+    assert base == pytest.approx(0.010, rel=1e-3) and per_seq == pytest.approx(0.002, rel=1e-3)
+    one = DecodeStepFit()
+    for _ in range(5):
+        one.add(4, 0.02)
+    assert one.line() == pytest.approx((0.02, 0.0))     # one batch size: no slope to see
