@@ -32,7 +32,7 @@ def sampling_params(**fields: Any) -> SamplingParams:
         raise bad_value(str(e), e.param, "invalid_value") from None
 
 
-def _text_of(message: dict) -> str:
+def message_text(message: dict) -> str:
     """What of a message (or a tool) the template writes out: its content, its calls, a tool's schema."""
     if "role" not in message:
         return json.dumps(message, ensure_ascii=False)
@@ -61,7 +61,7 @@ class PromptInput:
         if self.prompt is not None:
             return max(1, math.ceil(len(self.prompt.encode()) / _BYTES_PER_TOKEN))
         return _TOKENS_PER_CONVERSATION + sum(
-            _TOKENS_PER_MESSAGE + math.ceil(len(_text_of(m).encode()) / _BYTES_PER_TOKEN)
+            _TOKENS_PER_MESSAGE + math.ceil(len(message_text(m).encode()) / _BYTES_PER_TOKEN)
             for m in (*self.messages, *(self.tools or ())))
 
     def to_node(self) -> dict[str, Any]:

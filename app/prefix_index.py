@@ -23,20 +23,22 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable
 
+from app.inference import message_text
+
 NODES_PER_BLOCK = 4          # a hot prefix lands on a few nodes once load spreads it; older holders drop
 _MESSAGE = "\x1e"            # record separator before each chat message
 _FIELD = "\x1f"              # unit separator between a message's role and content
 
 
 def canonical_prompt(prompt: str | None = None, prompt_token_ids: Iterable[int] | None = None,
-                     messages: Iterable[tuple[str, str]] | None = None) -> str:
+                     messages: Iterable[dict] | None = None) -> str:
     """One string per input whose prefixes follow the prompt's: a conversation that grows by a turn keeps
     every character of its shorter form at the front."""
     if prompt is not None:
         return prompt
     if prompt_token_ids is not None:
         return ",".join(map(str, prompt_token_ids)) + ","
-    return "".join(f"{_MESSAGE}{role}{_FIELD}{content}" for role, content in messages or ())
+    return "".join(f"{_MESSAGE}{m['role']}{_FIELD}{message_text(m)}" for m in messages or ())
 
 
 def block_hashes(text: str, seed: str, block_chars: int) -> list[int]:

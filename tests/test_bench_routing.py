@@ -34,7 +34,7 @@ def test_trace_is_deterministic_and_mixes_models_prefixes_and_classes():
     turns = [rs for app, rs in by_app.items() if app.startswith("chat") and len(rs) > 1]
     assert turns
     for rs in turns:   # each turn's prompt starts with the one before it
-        texts = [canonical_prompt(messages=r.messages) for r in rs]
+        texts = [canonical_prompt(messages=[{"role": role, "content": c} for role, c in r.messages]) for r in rs]
         assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
 
 

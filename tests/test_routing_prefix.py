@@ -26,12 +26,20 @@ def words(n: int, seed: int) -> str:
     return " ".join("".join(rng.choices(string.ascii_lowercase, k=rng.randint(2, 8))) for _ in range(n))
 
 
+def chat(turns) -> tuple[dict, ...]:
+    """Chat messages as the gateway holds them (app/params.py)."""
+    return tuple({"role": role, "content": content} for role, content in turns)
+
+
 def node_state(waiting: int = 0, running: int = 0, resident: bool = True) -> NodeState:
     models = [{"id": MODEL_ID, "quantization": "q4_1", "prefill_tokens_per_s": 1000.0,
                "decode_tokens_per_s": 50.0}] if resident else []
     return NodeState.from_json({"node_id": "n", "healthy": True, "ready": True, "models": models,
-                                "utilization": 0.1, "queue": {"waiting": waiting, "running": running,
-                                                              "max_waiting": 64}})
+                                "utilization": 0.1, "queue": {
+                                    "waiting": waiting, "running": running, "max_waiting": 64, "admitted": waiting,
+                                    # the waiting requests are standard ones of 500 prompt tokens each
+                                    "admitted_by_class": [0, waiting, 0],
+                                    "admitted_tokens_by_class": [0, 500 * waiting, 0]}})
 
 
 # -- hashing and the index ---------------------------------------------------------------------------------
@@ -49,11 +57,11 @@ def test_shared_text_prefix_shares_leading_block_hashes():
 
 def test_a_conversation_keeps_its_history_as_prefix():
     history = (("system", words(100, 2)), ("user", "hello"), ("assistant", words(40, 3)))
-    shorter = canonical_prompt(messages=history)
-    longer = canonical_prompt(messages=history + (("user", "and then?"),))
+    shorter = canonical_prompt(messages=chat(history))
+    longer = canonical_prompt(messages=chat(history + (("user", "and then?"),)))
     assert longer.startswith(shorter)
     # the role is part of the text: the same content under another role is another prompt
-    assert canonical_prompt(messages=(("user", "abc"),)) != canonical_prompt(messages=(("system", "abc"),))
+    assert canonical_prompt(messages=chat((("user", "abc"),))) != canonical_prompt(messages=chat((("system", "abc"),)))
     assert canonical_prompt(prompt_token_ids=(1, 23)) == "1,23,"
 
 
@@ -185,7 +193,9 @@ def test_a_shared_400_token_prefix_lands_where_it_is_cached_until_that_node_is_o
         _chat(client, auth, system, f"Question number {k}: {words(5, k)}?")
         assert _holder(nodes, before) == [holder]
     # the holder is overloaded: four waiting behind one running; the next requests spread
-    nodes[holder].state = {"utilization": 0.4, "queue": {"waiting": 4, "running": 1, "max_waiting": 64}}
+    nodes[holder].state = {"utilization": 0.4, "queue": {
+        "waiting": 4, "running": 1, "max_waiting": 64, "admitted": 4,
+        "admitted_by_class": [0, 4, 0], "admitted_tokens_by_class": [0, 1600, 0]}}
     wait_for_state(pool, nodes[holder].url, lambda s: s.queue.waiting == 4)
     before = [len(n.received) for n in nodes]
     _chat(client, auth, system, "One more question while it is busy?")
