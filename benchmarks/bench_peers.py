@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))  # run as a script: benchmarks/ is a package of th
 
 from benchmarks.llama_cpp_build import LLAMA_CPP_PACKAGE, build  # noqa: E402
 from benchmarks.serving_report import fmt_ratio, log, machine_info  # noqa: E402
+from engine.backends import cpu_isa  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "models" / "weights" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_OUT = ROOT / "bench-results" / "peers.json"
@@ -55,6 +56,21 @@ def cpu_vector_flags() -> list[str]:
     except OSError:
         pass
     return []
+
+
+def levels_to_run(requested: list[str], features: set[str]) -> tuple[list[str], list[str]]:
+    """The requested levels this CPU runs, `native` first and a level equal to native's pick dropped;
+    and those it cannot run (an AVX2 level on ARM64, say), which are reported rather than failed."""
+    native = cpu_isa.best_level(features)
+    run, cannot = [], []
+    for isa in dict.fromkeys(requested):
+        if isa != "native" and isa not in cpu_isa.LEVELS:
+            raise SystemExit(f"error: --isa {isa}: expected native or one of {', '.join(cpu_isa.LEVELS)}")
+        if isa == "native" or (isa != native and cpu_isa.runs(isa, features)):
+            run.append(isa)
+        elif isa != native:
+            cannot.append(isa)
+    return sorted(run, key=lambda isa: isa != "native"), cannot
 
 
 def run_llama_bench(bench: Path, model: Path, threads: int, repetitions: int) -> dict:
@@ -142,7 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     if not model.exists():
         log(f"error: {model} is missing: run `make model` first")
         return 2
-    isas = [x.strip() for x in args.isa.split(",") if x.strip()]
+    isas, cannot = levels_to_run([x.strip() for x in args.isa.split(",") if x.strip()], cpu_isa.FEATURES)
+    if cannot:
+        log(f"note: this CPU cannot run our level(s) {', '.join(cannot)}: not measured")
     llama = build(args.package)
     load_before = os.getloadavg()
     rounds = []
@@ -164,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": model.name, "threads": args.threads,
         "machine": {**machine_info(), "vector_flags": cpu_vector_flags(),
                     "our_levels": {isa: rounds[0]["ours"][isa]["machine"]["cpu_isa"] for isa in isas},
+                    "levels_this_cpu_cannot_run": cannot,
                     "load_average_before": list(load_before), "load_average_after": list(os.getloadavg())},
         "llama_cpp": {"package": llama.package, "version": llama.version,
                       "build_commit": first_bench.get("build_commit"), "build_number": first_bench.get("build_number"),

@@ -114,3 +114,12 @@ def test_engine_table_takes_medians_over_rounds_and_targets_by_level():
     assert rows[("avx512vnni", "pp512")]["met"] is False                    # 0.9x < llama.cpp's prefill
     assert rows[("avx2", "tg128")]["target_ratio"] == 1.5 and rows[("avx2", "tg128")]["met"] is False
     assert rows[("avx2", "pp128")]["met"] is True                           # equal is "no lower"
+
+
+def test_levels_the_cpu_cannot_run_are_named_not_run():
+    avx512 = {"avx512f", "avx512bw", "avx512vnni", "avx2", "fma"}
+    assert bench_peers.levels_to_run(["avx2", "native"], avx512) == (["native", "avx2"], [])
+    assert bench_peers.levels_to_run(["native", "avx2"], {"avx2", "fma"}) == (["native"], [])  # avx2 is native
+    assert bench_peers.levels_to_run(["native", "avx2"], {"neon", "dotprod"}) == (["native"], ["avx2"])
+    with pytest.raises(SystemExit, match="expected native or one of"):
+        bench_peers.levels_to_run(["sse9"], avx512)
