@@ -29,6 +29,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script: benchmarks/ is a package of the repository
 
+from benchmarks.bench_engine import print_markdown_table  # noqa: E402
 from benchmarks.llama_cpp_build import LLAMA_CPP_PACKAGE, build  # noqa: E402
 from benchmarks.serving_report import fmt_ratio, log, machine_info  # noqa: E402
 from engine.backends import cpu_isa  # noqa: E402
@@ -134,12 +135,8 @@ def print_table(rows: list[dict], threads: int) -> None:
               f"{r['ours_tok_s']:.1f}", fmt_ratio(r["ratio"]),
               "-" if r["target_ratio"] is None else f">= {r['target_ratio']:g}x",
               "-" if r["met"] is None else ("yes" if r["met"] else "no")] for r in rows]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(head)]
     print(f"median over the rounds, {threads} threads on both sides")
-    print("| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |")
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for c in cells:
-        print("| " + " | ".join(x.ljust(w) for x, w in zip(c, widths)) + " |")
+    print_markdown_table(head, cells)
 
 
 def main(argv: list[str] | None = None) -> int:
