@@ -3,15 +3,28 @@ their code as JSON {kernel: text}: `python -m tests.isa_probe asm` (machine code
 
 The ISA tests run it in a subprocess with ZEN_CPU_ISA / NUMBA_CPU_NAME / NUMBA_CPU_FEATURES set, for
 targets this machine may not be able to run (AVX-VNNI on a CPU without it, ARM64 through the IR).
+
+ISA_PROBE_TRIPLE=<triple> compiles for another architecture altogether (aarch64-unknown-linux-gnu with
+NUMBA_CPU_NAME=neoverse-n1 and NUMBA_CPU_FEATURES=+neon,+dotprod): numba's JIT takes its target from
+llvmlite's get_process_triple, which is replaced here before numba builds its code generator; LLVM then
+compiles and links (never runs) the kernels as an ARM64 host's numba would.
 """
 from __future__ import annotations
 
 import json
+import os
 import sys
 
-from numba import types
+import llvmlite.binding as llvm
 
-from engine.backends import cpu_isa, cpu_matmul, cpu_ops, cpu_transforms
+if os.environ.get("ISA_PROBE_TRIPLE"):
+    llvm.initialize_all_targets()
+    llvm.initialize_all_asmprinters()
+    llvm.get_process_triple = lambda: os.environ["ISA_PROBE_TRIPLE"]
+
+from numba import types  # noqa: E402
+
+from engine.backends import cpu_isa, cpu_matmul, cpu_ops, cpu_transforms  # noqa: E402
 
 
 def _arr(dtype, ndim):
