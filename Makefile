@@ -116,7 +116,7 @@ bench: install model
 bench-peers: install model
 	$(VPY) benchmarks/bench_peers.py --isa native,avx2 --rounds 3 --out bench-results/peers.json
 	$(VPY) benchmarks/bench_serving.py --start --peer --lengths short --max-tokens 64 --concurrency 1,16 \
-		--request-rate none --no-overhead --no-plot --output bench-results/serving-peers.json
+		--request-rate none --no-overhead --no-constrained --no-plot --output bench-results/serving-peers.json
 
 # The gateway's own cost to the first token, against a stand-in node that computes for a fixed time.
 bench-gateway-hop: install
