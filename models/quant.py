@@ -48,6 +48,8 @@ BLOCK_VALUES = {f: gguf.GGML_QUANT_SIZES[t][0] for f, t in GGML_TYPE.items() if 
 CODE_ZERO = {"q8_0": 128, "q4_0": 8, "q5_0": 16, "q6_k": 32}
 # the scales are float16 per group as stored (else d * sub-block scale: exact in float32, not in float16)
 HALF_SCALES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+# what a K-quant becomes for a matrix whose rows are not a multiple of 256 (llama.cpp's own choice)
+K_FALLBACK = {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
 
 
 def bytes_per_weight(fmt: str) -> float:
@@ -177,6 +179,9 @@ class QuantTensor:
         return cls(fmt, shape, data)
 
     def convert(self, fmt: str | None) -> "QuantTensor":
+        """This matrix in `fmt` (a K-quant falls back as llama.cpp does where rows are not a multiple of 256)."""
+        if fmt in K_FALLBACK and self.shape[-1] % BLOCK_VALUES[fmt]:
+            fmt = K_FALLBACK[fmt]
         if fmt is None or fmt == self.format:
             return self
         return QuantTensor.from_float(self.dequantize(), fmt)
