@@ -46,3 +46,23 @@ def random_tensor(rng, fmt: str, n: int, k: int, scale: float = 0.5) -> QuantTen
     w = rng.standard_normal((n, k)).astype(np.float32) * np.float32(scale)
     w[w == 0] = scale
     return QuantTensor.from_float(w, fmt)
+
+
+# the per-matrix formats of a Q4_K_M file like Gemma 3's (q5_0 where rows are 640 long there)
+MIXED_LAYERS = (
+    {"q": "q5_0", "k": "q5_0", "v": "q8_0", "o": "q4_k", "gate": "q5_0", "up": "q5_0", "down": "q6_k"},
+    {"q": "q5_0", "k": "q5_0", "v": "q5_0", "o": "q4_k", "gate": "q5_0", "up": "q5_0", "down": "q4_k"},
+)
+
+
+def mixed_format_weights(w):
+    """The model `w` (float weights, rows of 256 multiples) with its matrices in a Q4_K_M-style mix:
+    q8_0 embedding, q5_0 / q8_0 / q4_k / q6_k layers (MIXED_LAYERS, cycled over the layers)."""
+    from models.weights import LayerWeights, ModelWeights
+    layers = []
+    for i, lw in enumerate(w.layers):
+        fmts = MIXED_LAYERS[i % len(MIXED_LAYERS)]
+        layers.append(LayerWeights(attn_norm=lw.attn_norm, ffn_norm=lw.ffn_norm,
+                                   **{n: m.convert(fmts[n]) for n, m in lw.matrices().items()}))
+    lm_head = None if w.lm_head is None else w.lm_head.convert("q6_k")
+    return ModelWeights(w.config, w.embed.convert("q8_0"), layers, w.final_norm, lm_head, dict(w.metadata))
