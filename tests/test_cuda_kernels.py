@@ -25,7 +25,7 @@ from models.llama import LlamaModel, StepInput  # noqa: E402
 from models.formats import BLOCK_FORMATS  # noqa: E402
 from models.quant import QuantTensor  # noqa: E402
 from tests import reference as R  # noqa: E402
-from tests.quant_blocks import random_tensor, row_length  # noqa: E402
+from tests.quant_blocks import mixed_format_weights, random_tensor, row_length  # noqa: E402
 from tests.tiny_model import make_tiny_weights  # noqa: E402
 
 SIM_CONFIG = dataclasses.replace(
@@ -240,11 +240,16 @@ def test_sample_draws_follow_the_seed():
     assert len(set(got.tolist())) > 3  # different seeds, different draws
 
 
-@pytest.mark.parametrize("fmt", ["q4_1"])  # the default model's layer format; the others: test_matmul
+@pytest.mark.parametrize("fmt", ["q4_1", "mixed"])  # the default model's layer format; the others: test_matmul
 def test_forward_tiny_llama(fmt):
     """The whole CudaBackend forward (prefill of 6 through the GEMM path, then one decode step through GEMV)
-    against tests.reference.forward on a tiny random Llama."""
-    weights = make_tiny_weights(seed=3, fmt=fmt, vocab=64, hidden=32, layers=2, heads=2, kv_heads=1, ffn=64)
+    against tests.reference.forward on a tiny random Llama; `mixed`: a Q4_K_M-style mix of q8_0, q5_0,
+    q4_k and q6_k matrices (tests.quant_blocks.MIXED_LAYERS), each linear in its own format."""
+    if fmt == "mixed":
+        weights = mixed_format_weights(make_tiny_weights(seed=3, fmt="f32", vocab=64, hidden=256, layers=2, heads=2,
+                                                         kv_heads=1, ffn=256, tie_embeddings=False))
+    else:
+        weights = make_tiny_weights(seed=3, fmt=fmt, vocab=64, hidden=32, layers=2, heads=2, kv_heads=1, ffn=64)
     be = CudaBackend(SIM_CONFIG)
     model = LlamaModel(weights, be)
     bs = 4
