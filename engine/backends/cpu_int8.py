@@ -145,16 +145,35 @@ def q4_tile_i8(qp, sp, ns, f32, xqp, xdp, xsp, k, passes, t, nb, i0, nrows):
 
 
 @njit(cache=True, fastmath=True)
-def _dot16_i8(w0, w1, w2, w3, xqp, xo, k, passes):
-    """As _dot_q4_i8, for 16 values in 4 byte groups of q8 codes: two independent vpdpbusd chains."""
+def _chains16(a, c, w0, w1, w2, w3, xqp, xo):
+    """16 values of q8 codes (4 byte groups) against x bytes at xo, continuing two independent vpdpbusd
+    chains a and c (one chain would wait on its latency when a tile runs a single row of x)."""
+    a = vdpbusd(vdpbusd(a, w0, vbcast4(xqp, xo)), w1, vbcast4(xqp, xo + U(4)))
+    c = vdpbusd(vdpbusd(c, w2, vbcast4(xqp, xo + U(8))), w3, vbcast4(xqp, xo + U(12)))
+    return a, c
+
+
+@njit(cache=True, fastmath=True)
+def _dot_q8_i8(w0, w1, w2, w3, w4, w5, w6, w7, xqp, xo, k, passes):
+    """As _dot_q4_i8, for the 8 byte groups of a q8 block."""
     z = vzero_i()
-    a = vdpbusd(vdpbusd(z, w0, vbcast4(xqp, xo)), w1, vbcast4(xqp, xo + U(4)))
-    c = vdpbusd(vdpbusd(z, w2, vbcast4(xqp, xo + U(8))), w3, vbcast4(xqp, xo + U(12)))
+    a, c = _chains16(z, z, w0, w1, w2, w3, xqp, xo)
+    a, c = _chains16(a, c, w4, w5, w6, w7, xqp, xo + U(16))
     if passes == 1:
         return vadd(a, c)
-    x1 = xo + U(k)
-    e = vdpbusd(vdpbusd(z, w0, vbcast4(xqp, x1)), w1, vbcast4(xqp, x1 + U(4)))
-    g = vdpbusd(vdpbusd(z, w2, vbcast4(xqp, x1 + U(8))), w3, vbcast4(xqp, x1 + U(12)))
+    e, g = _chains16(z, z, w0, w1, w2, w3, xqp, xo + U(k))
+    e, g = _chains16(e, g, w4, w5, w6, w7, xqp, xo + U(k + 16))
+    return vadd(vsll(vadd(a, c), 8), vadd(e, g))
+
+
+@njit(cache=True, fastmath=True)
+def _dot16_i8(w0, w1, w2, w3, xqp, xo, k, passes):
+    """As _dot_q8_i8, for one half of the block (16 values, 4 byte groups)."""
+    z = vzero_i()
+    a, c = _chains16(z, z, w0, w1, w2, w3, xqp, xo)
+    if passes == 1:
+        return vadd(a, c)
+    e, g = _chains16(z, z, w0, w1, w2, w3, xqp, xo + U(k))
     return vadd(vsll(vadd(a, c), 8), vadd(e, g))
 
 
@@ -163,13 +182,14 @@ def _q8_row(acc, w0, w1, w2, w3, w4, w5, w6, w7, d, m, halves, xqp, xdp, xsp, xo
     """acc + one block of codes u against one row of the int8 x.
     Whole block: d * xd * sum(u * xq) + m * (block sum of x).
     halves (d, m are the halves' scales): per half h, scale_h * (xd * sum_h(u * xq) - 128 * (its x sum))."""
-    lo = _dot16_i8(w0, w1, w2, w3, xqp, xo, k, passes)
-    hi = _dot16_i8(w4, w5, w6, w7, xqp, xo + U(16), k, passes)
     xd = vbcast_f(ld_f(xdp, so))
     if halves:
+        lo = _dot16_i8(w0, w1, w2, w3, xqp, xo, k, passes)
+        hi = _dot16_i8(w4, w5, w6, w7, xqp, xo + U(16), k, passes)
         acc = vfma(d, vfma(vcvt(lo), xd, vbcast_f(F(-128.0) * ld_f(xsp, U(2) * so))), acc)
         return vfma(m, vfma(vcvt(hi), xd, vbcast_f(F(-128.0) * ld_f(xsp, U(2) * so + U(1)))), acc)
-    return vfma(m, vbcast_f(ld_f(xsp, so)), vfma(vcvt(vadd(lo, hi)), vmul(d, xd), acc))
+    s = _dot_q8_i8(w0, w1, w2, w3, w4, w5, w6, w7, xqp, xo, k, passes)
+    return vfma(m, vbcast_f(ld_f(xsp, so)), vfma(vcvt(s), vmul(d, xd), acc))
 
 
 @njit(cache=True, fastmath=True)
