@@ -38,9 +38,9 @@ def _dequant_quant_tile(ap, sp, ns, f32, is_q4, halves, t, nb, wtp, ldw, col):
             mask = vbcast_i(0xFF)
             for g in range(U(8)):
                 w = vload_w(ap, (t * U(nb) + b) * U(512) + g * U(64))
-                if halves:   # u - 128 under the half's scale
+                if halves:   # u - 32 under the half's scale
                     s = d if g < U(4) else m
-                    off = vmul(s, vbcast_f(-128.0))
+                    off = vmul(s, vbcast_f(-32.0))
                 else:
                     s, off = d, m
                 for c in range(U(4)):
@@ -142,7 +142,7 @@ def gather_quant(a, sc, halves, rows, out):
                 for j in range(QK):
                     u = np.float32(a[t, b, j // 4, r, j % 4])
                     if halves:
-                        out[i, b * QK + j] = (u - np.float32(128.0)) * _scale(sc, t, b, j // 16, r)
+                        out[i, b * QK + j] = (u - np.float32(32.0)) * _scale(sc, t, b, j // 16, r)
                     elif sc.shape[2] == 2:
                         out[i, b * QK + j] = u * d + _scale(sc, t, b, 1, r)
                     else:

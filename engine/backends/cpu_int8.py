@@ -181,13 +181,13 @@ def _dot16_i8(w0, w1, w2, w3, xqp, xo, k, passes):
 def _q8_row(acc, w0, w1, w2, w3, w4, w5, w6, w7, d, m, halves, xqp, xdp, xsp, xo, so, k, passes):
     """acc + one block of codes u against one row of the int8 x.
     Whole block: d * xd * sum(u * xq) + m * (block sum of x).
-    halves (d, m are the halves' scales): per half h, scale_h * (xd * sum_h(u * xq) - 128 * (its x sum))."""
+    halves (d, m are the halves' scales): per half h, scale_h * (xd * sum_h(u * xq) - 32 * (its x sum))."""
     xd = vbcast_f(ld_f(xdp, so))
     if halves:
         lo = _dot16_i8(w0, w1, w2, w3, xqp, xo, k, passes)
         hi = _dot16_i8(w4, w5, w6, w7, xqp, xo + U(16), k, passes)
-        acc = vfma(d, vfma(vcvt(lo), xd, vbcast_f(F(-128.0) * ld_f(xsp, U(2) * so))), acc)
-        return vfma(m, vfma(vcvt(hi), xd, vbcast_f(F(-128.0) * ld_f(xsp, U(2) * so + U(1)))), acc)
+        acc = vfma(d, vfma(vcvt(lo), xd, vbcast_f(F(-32.0) * ld_f(xsp, U(2) * so))), acc)
+        return vfma(m, vfma(vcvt(hi), xd, vbcast_f(F(-32.0) * ld_f(xsp, U(2) * so + U(1)))), acc)
     s = _dot_q8_i8(w0, w1, w2, w3, w4, w5, w6, w7, xqp, xo, k, passes)
     return vfma(m, vbcast_f(ld_f(xsp, so)), vfma(vcvt(s), vmul(d, xd), acc))
 

@@ -11,16 +11,19 @@ Tiled layouts (N = rows, K = columns, nb = K // 32 blocks, nt = N / 16 row tiles
                    sc [nt, nb, S, 16]: scales d (and with S = 2 the offset m); w = d * nibble + m
                    (S = 1: m = -8 d)
   q8 (q8_0, q5_0, q5_1, q5_k)  qs uint8 [nt, nb, 8, 16, 4] of unsigned codes u (as the int8 dot wants them)
-                   sc [nt, nb, S, 16]: S = 1: w = d * (u - 128) (q8_0: u = q + 128, q5_0: u = q + 112);
-                   S = 2: (d, m), w = d * u + m (q5_1, q5_k: u = the 5-bit code)
-  q8h (q6_k)       qs as q8, u = q + 96; sc [nt, nb, 2, 16]: the scales of the block's two halves of 16
-                   values, w = d_half * (u - 128)
+                   sc [nt, nb, S, 16]: S = 1: w = d * (u - 128) (q8_0: u = q + 128);
+                   S = 2: (d, m), w = d * u + m (q5_0: m = -16 d; q5_1, q5_k: u = the 5-bit code)
+  q8h (q6_k)       qs as q8, u = the 6-bit code; sc [nt, nb, 2, 16]: the scales of the block's two halves of
+                   16 values, w = d_half * (u - 32)
+A code's offset stays near the middle of its range (m = -16 d for q5_0 rather than q5_0 as u - 128):
+the int8 kernels subtract the offset's product from the codes' product in float32, and an offset far
+larger than the codes' spread would cancel most of the result's digits.
   f32              w float32 [nt, K, 16]
   f16 / bf16       w uint16  [nt, K, 16], widened to float32 in the kernel
 Scales are IEEE halves (uint16) where the file stores them per block of 32 (the legacy formats), and
 float32 for the K-quants, whose scale per 32 (16) values is a half super-scale times a 6-bit (8-bit)
 integer: exact in float32, not in float16. Bytes per weight in these layouts: q8_0 1.0625, q4_0 0.5625,
-q4_1 0.625 (all as stored), q4_k 0.75 (stored 0.5625), q5_0 1.0625 (0.6875), q5_1 1.125 (0.75),
+q4_1 0.625 (all as stored), q4_k 0.75 (stored 0.5625), q5_0 1.125 (0.6875), q5_1 1.125 (0.75),
 q5_k 1.25 (0.6875), q6_k 1.25 (0.8203): 5- and 6-bit codes take a byte so that the q8 kernels serve them.
 The four bytes of one int32 lane are four consecutive values of one row: the layout of vpdpbusd
 (AVX-512 VNNI, AVX-VNNI), which vpmaddubsw + vpmaddwd (AVX2) read the same way.
@@ -65,14 +68,13 @@ def _repack_block(t: QuantTensor) -> tuple:
     codes = codes.reshape(n, k // 32, 32)
     half = t.format in HALF_SCALES
     if t.format == "q6_k":   # two scale groups of 16 per block
-        return ("q8h", _tile_bytes(codes + np.uint8(96)), _tile_scales(False, d[:, 0::2], d[:, 1::2]))
+        return ("q8h", _tile_bytes(codes), _tile_scales(False, d[:, 0::2], d[:, 1::2]))
     if t.format in ("q4_0", "q4_1", "q4_k"):
         nibbles = codes[:, :, :16] | (codes[:, :, 16:] << 4)
         scales = (d,) if t.format in CODE_ZERO else (d, m)
         return ("q4", _tile_bytes(nibbles), _tile_scales(half, *scales))
-    if t.format in CODE_ZERO:   # w = d * (code - zero) = d * (u - 128)
-        u = (codes.astype(np.int16) + (128 - CODE_ZERO[t.format])).astype(np.uint8)
-        return ("q8", _tile_bytes(u), _tile_scales(half, d))
+    if t.format == "q8_0":   # w = d * (u - 128), u = code
+        return ("q8", _tile_bytes(codes), _tile_scales(half, d))
     return ("q8", _tile_bytes(codes), _tile_scales(half, d, m))
 
 
