@@ -30,7 +30,7 @@ from cuda.kernels import attention as attn_k
 from cuda.kernels import linear as lin_k
 from cuda.kernels import rowwise as row_k
 from cuda.kernels import sampling as samp_k
-from cuda.kernels.common import FAMILIES
+from cuda.kernels.common import FAMILIES, Q8_GROUPS
 
 ARCHS = {"sm_80": (8, 0), "sm_90": (9, 0)}
 
@@ -50,7 +50,10 @@ INT, F32, BOOL = types.int64, types.float32, types.boolean
 
 WEIGHTS = {  # (wa, wb, wc) of each weight family (float families get float16 [1, 1] placeholders)
     "q4": (U32_2, F16_2, F16_2),
+    "q4k": (U32_2, F32_2, F32_2),
     "q8": (U32_2, F16_2, F16_2),
+    "q8m": (U32_2, F32_2, F32_2),
+    "q8h": (U32_2, F32_2, F16_2),
     "f16": (F16_2, F16_2, F16_2),
     "bf16": (U16_2, F16_2, F16_2),
     "f32": (F32_2, F16_2, F16_2),
@@ -81,10 +84,10 @@ def catalog(cfg: launch.LaunchConfig) -> list[Spec]:
     ]
     tok, thr = cfg.gemv_tokens, cfg.gemv_threads
     for fam in FAMILIES:
-        if fam == "q4":
+        if fam in ("q4", "q4k"):
             k = lin_k.gemv_q4(tok, thr)
-        elif fam == "q8":
-            k = lin_k.gemv_q8(tok, thr)
+        elif fam in Q8_GROUPS:
+            k = lin_k.gemv_q8(tok, thr, fam)
         else:
             k = lin_k.gemv_float(fam, tok, thr)
         specs.append(Spec(f"gemv_{fam}[tok={tok},threads={thr}]", k, (F32_2, *WEIGHTS[fam], F32_2, INT, BOOL)))

@@ -104,7 +104,7 @@ def test_avxvnni_compiles_to_vex_vpdpbusd_on_ymm(tmp_path):
     """Alder Lake: vpdpbusd on 256-bit registers in its VEX form ({vex}; no EVEX-only zmm), never run here."""
     code = _probe("asm", _env(**ALDERLAKE), tmp_path)
     assert code["isa"] == "avxvnni"
-    for name in ("rows_q4_i8", "rows_q8_i8"):
+    for name in ("rows_q4_i8", "rows_q8_i8", "rows_q4k_i8", "rows_q8h_i8"):
         dots = [line for line in code[name].splitlines() if "vpdpbusd" in line]
         assert dots, f"{name}: no vpdpbusd"
         assert all("{vex}" in line and "%ymm" in line for line in dots), f"{name}: {dots[:3]}"
@@ -116,7 +116,7 @@ def test_avx2_compiles_to_vpmaddubsw_on_ymm(tmp_path):
     """Haswell (AVX2, no VNNI): vpmaddubsw + vpmaddwd on 256-bit registers."""
     code = _probe("asm", _env(ZEN_CPU_ISA="avx2", **RUN_TARGET["avx2"]), tmp_path)
     assert code["isa"] == "avx2"
-    for name in ("rows_q4_i8", "rows_q8_i8"):
+    for name in ("rows_q4_i8", "rows_q8_i8", "rows_q4k_i8", "rows_q8h_i8"):
         assert re.search(r"vpmaddubsw\s+%ymm", code[name]) and re.search(r"vpmaddwd\s+", code[name]), name
         assert "vpdpbusd" not in code[name] and "%zmm" not in code[name]
 

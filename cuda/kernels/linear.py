@@ -17,7 +17,7 @@ import functools
 
 from numba import cuda, float32
 
-from cuda.kernels.common import F0, LOADERS
+from cuda.kernels.common import F0, LOADERS, Q8_GROUPS
 
 
 @functools.lru_cache(maxsize=None)
@@ -92,14 +92,17 @@ def gemv_q4(tok: int, threads: int):
 
 
 @functools.lru_cache(maxsize=None)
-def gemv_q8(tok: int, threads: int):
-    """GEMV on Q8_0 words (4 signed bytes: elements 4c..4c+3 of block w/8)."""
+def gemv_q8(tok: int, threads: int, family: str = "q8"):
+    """GEMV on q8-style words (4 signed bytes: elements 4c..4c+3 of scale group w >> (group_shift - 2)),
+    plus the group's min where the family has one (Q8_GROUPS)."""
     red_shape = (tok, threads)
     rows_per_block = threads // 32
+    group_shift, with_min = Q8_GROUPS[family]
+    word_shift = group_shift - 2
 
     @cuda.jit(fastmath=True)
     def gemv_q8_kernel(x, qs, d, m, out, col0, accumulate):
-        """out[t, col0 + n] (+)= sum_k x[t, k] (d q)[n, k]; one warp per row."""
+        """out[t, col0 + n] (+)= sum_k x[t, k] (d q + m)[n, k]; one warp per row."""
         red = cuda.shared.array(red_shape, float32)
         acc = cuda.local.array(tok, float32)
         tid = cuda.threadIdx.x
@@ -115,7 +118,7 @@ def gemv_q8(tok: int, threads: int):
                 for w in range(lane, nwords, 32):
                     k = w << 2
                     word = qs[n, w]
-                    dd = float32(d[n, w >> 3])
+                    dd = float32(d[n, w >> word_shift])
                     b0 = word & 255
                     b1 = (word >> 8) & 255
                     b2 = (word >> 16) & 255
@@ -127,7 +130,13 @@ def gemv_q8(tok: int, threads: int):
                     for i in range(tok):
                         t = t0 + i
                         if t < ntok:
-                            acc[i] += dd * (q0 * x[t, k] + q1 * x[t, k + 1] + q2 * x[t, k + 2] + q3 * x[t, k + 3])
+                            x0 = x[t, k]
+                            x1 = x[t, k + 1]
+                            x2 = x[t, k + 2]
+                            x3 = x[t, k + 3]
+                            acc[i] += dd * (q0 * x0 + q1 * x1 + q2 * x2 + q3 * x3)
+                            if with_min:
+                                acc[i] += float32(m[n, w >> word_shift]) * ((x0 + x1) + (x2 + x3))
             for i in range(tok):
                 red[i, tid] = acc[i]
             cuda.syncthreads()  # partials written
