@@ -73,7 +73,7 @@ serve-gateway: install
 	$(VPY) -m app serve
 
 # The full suite as CI runs it: fast tests, then the slow, fault and simulator tiers.
-test: install model
+test: install model model-gemma
 	$(VPY) -m pytest
 	$(VPY) -m pytest -m slow
 	$(VPY) -m pytest -m fault
@@ -83,7 +83,7 @@ test: install model
 test-fast: install model
 	$(VPY) -m pytest
 
-test-slow: install model
+test-slow: install model model-gemma
 	$(VPY) -m pytest -m slow
 
 test-fault: install model
