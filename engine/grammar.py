@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import threading
+import weakref
 from collections import OrderedDict
 from functools import lru_cache
 
@@ -93,6 +94,23 @@ class Grammar:
         return self.matcher.get_error() if self.matcher.is_error() else None
 
 
+_guidance_tokenizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_guidance_lock = threading.Lock()
+
+
+def guidance_tokenizer(tokenizer, vocab_size: int | None = None) -> llguidance.LLTokenizer:
+    """llguidance's view of a tokenizer over `vocab_size` logits (default: the tokenizer's own vocabulary),
+    built once per tokenizer: building it holds the GIL for a few hundred ms, so a node builds it at
+    start-up, where a cold load beside streaming models would stall them."""
+    n = int(vocab_size if vocab_size is not None else tokenizer.vocab_size)
+    with _guidance_lock:
+        built = _guidance_tokenizers.setdefault(tokenizer, {})
+        if n not in built:
+            built[n] = llguidance.LLTokenizer(tokenizer.hf.to_str(), n_vocab=n,
+                                              eos_token=list(tokenizer.stop_token_ids))
+        return built[n]
+
+
 class GrammarCompiler:
     """Constraints compiled against one model's tokenizer, with the compiled matchers cached by constraint."""
 
@@ -100,8 +118,7 @@ class GrammarCompiler:
         # the mask covers the logits' width, which may exceed the tokenizer's vocabulary (padding rows)
         self.vocab_size = int(vocab_size)
         self.words = (self.vocab_size + 31) // 32       # uint32 words per mask row
-        self.tokenizer = llguidance.LLTokenizer(tokenizer.hf.to_str(), n_vocab=self.vocab_size,
-                                                eos_token=list(tokenizer.stop_token_ids))
+        self.tokenizer = guidance_tokenizer(tokenizer, self.vocab_size)
         self.executor = llguidance.LLExecutor()
         self.cache_size = cache_size
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.grammar import GrammarCompiler, GrammarError, check_constraint, constraint_key
+from engine.grammar import GrammarCompiler, GrammarError, check_constraint, constraint_key, guidance_tokenizer
 from engine.sampling import SamplingParamError, SamplingParams
 from tests.tiny_model import make_tiny_tokenizer
 
@@ -28,6 +28,17 @@ def test_a_constraint_seen_before_costs_no_compile(compiler):
     same = c.compile({"type": "json", "value": {"properties": {"a": {"type": "integer"}}, "type": "object"}})
     assert first is same and c.num_compiles == before + 1
     assert constraint_key(spec) == constraint_key({"value": spec["value"], "type": "json"})
+
+
+def test_the_llguidance_tokenizer_is_built_once_per_tokenizer_and_width(compiler):
+    """A node builds it at start-up; a later engine on the same tokenizer reuses it (no GIL-holding build
+    beside streaming models), and a different logits width gets its own."""
+    c, tok = compiler
+    assert guidance_tokenizer(tok, tok.vocab_size + 5) is c.tokenizer
+    assert GrammarCompiler(tok, tok.vocab_size + 5).tokenizer is c.tokenizer
+    own = guidance_tokenizer(tok)
+    assert own is not c.tokenizer and own is guidance_tokenizer(tok, tok.vocab_size)
+    assert own.vocab_size == tok.vocab_size and c.tokenizer.vocab_size == tok.vocab_size + 5
 
 
 @pytest.mark.parametrize("spec, message", [

@@ -22,6 +22,7 @@ from typing import Callable
 
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.grammar import guidance_tokenizer
 from engine.node.config import ModelSpec
 from engine.node.loop import EngineLoop, StepThread
 from engine.protocol import LoadingState
@@ -311,7 +312,7 @@ class ModelRegistry:
         for spec in self.specs.values():
             # Built once here: building one holds the GIL, which a later cold load must not do beside streams.
             try:
-                load_tokenizer(spec.path)
+                guidance_tokenizer(load_tokenizer(spec.path))
             except Exception:  # an unloadable model reports its error when it is loaded
                 pass
         for model_id in (model_ids if model_ids is not None else self.order):
