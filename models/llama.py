@@ -114,25 +114,30 @@ class LlamaModel:
             self.layer_stack.run(h, qkv, attn, gate_up, step, k_cache, v_cache, self.rope_cos, self.rope_sin,
                                  H, Hkv, self.scale, eps)
         else:
-            self._layers(step, h, qkv, attn, gate_up, k_cache, v_cache)
+            for i in range(len(self.layers)):
+                self.layer(i, step, h, qkv, attn, gate_up, k_cache, v_cache)
 
-        last = h[step.logits_indices]
-        logits = b.zeros((len(step.logits_indices), cfg.vocab_size))
-        b.rmsnorm_matmul(last, self.final_norm, eps, self.lm_head, logits)        # logits = rmsnorm(h) E^T (tied)
+        return self.head(h[step.logits_indices])
+
+    def head(self, last):
+        """Logits of the last hidden states."""
+        logits = self.backend.zeros((len(last), self.config.vocab_size))
+        self.backend.rmsnorm_matmul(last, self.final_norm, self.config.rms_norm_eps, self.lm_head,
+                                    logits)                                        # logits = rmsnorm(h) E^T (tied)
         return logits
 
-    def _layers(self, step: StepInput, h, qkv, attn, gate_up, k_cache, v_cache) -> None:
-        b, cfg = self.backend, self.config
+    def layer(self, i: int, step: StepInput, h, qkv, attn, gate_up, k_cache, v_cache) -> None:
+        """Decoder layer i over the step's hidden states h, in place."""
+        b, cfg, ly = self.backend, self.config, self.layers[i]
         H, Hkv, eps = cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps
-        for i, ly in enumerate(self.layers):
-            b.rmsnorm_matmul(h, ly.attn_norm, eps, ly.qkv, qkv)                    # q|k|v = rmsnorm(h) Wqkv^T
-            b.rope_attention(qkv, step.positions, self.rope_cos, self.rope_sin,    # RoPE(q, k); cache k, v;
-                             k_cache[i], v_cache[i], step.slot_mapping,            # attn = softmax(q K^T / sqrt(d)) V
-                             step.block_tables, step.token_seq, H, Hkv, self.scale, attn,
-                             next_linear=ly.o)                                     # (a hint: Wo comes next)
-            b.matmul(attn, ly.o, h, accumulate=True)                               # h += attn Wo^T
-            b.rmsnorm_matmul(h, ly.ffn_norm, eps, ly.gate_up, gate_up)             # gate|up = rmsnorm(h) Wgu^T
-            b.silu_mul_matmul(gate_up, ly.down, h, accumulate=True)                # h += (silu(gate) * up) Wdown^T
+        b.rmsnorm_matmul(h, ly.attn_norm, eps, ly.qkv, qkv)                        # q|k|v = rmsnorm(h) Wqkv^T
+        b.rope_attention(qkv, step.positions, self.rope_cos, self.rope_sin,        # RoPE(q, k); cache k, v;
+                         k_cache[i], v_cache[i], step.slot_mapping,                # attn = softmax(q K^T / sqrt(d)) V
+                         step.block_tables, step.token_seq, H, Hkv, self.scale, attn,
+                         next_linear=ly.o)                                         # (a hint: Wo comes next)
+        b.matmul(attn, ly.o, h, accumulate=True)                                   # h += attn Wo^T
+        b.rmsnorm_matmul(h, ly.ffn_norm, eps, ly.gate_up, gate_up)                 # gate|up = rmsnorm(h) Wgu^T
+        b.silu_mul_matmul(gate_up, ly.down, h, accumulate=True)                    # h += (silu(gate) * up) Wdown^T
 
 
 @dataclass

@@ -157,27 +157,40 @@ def forward(weights, tokens, positions=None, dtype=np.float64):
 
     `weights` is models.weights.ModelWeights (or densify(weights)); matrices are used in dtype.
     """
-    cfg = weights.config
     tokens = np.asarray(tokens)
-    t = len(tokens)
-    positions = np.arange(t) if positions is None else np.asarray(positions)
-    dense = lambda qt: np.asarray(qt.dequantize(), dtype=dtype)  # noqa: E731
-    x = dense(weights.embed)[tokens]
-    h, hkv, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    positions = np.arange(len(tokens)) if positions is None else np.asarray(positions)
+    x = _matrix(weights.embed, dtype)[tokens]
     for lw in weights.layers:
-        a = rmsnorm(x, lw.attn_norm, cfg.rms_norm_eps, dtype)
-        q = (a @ dense(lw.q).T).reshape(t, h, dh)
-        k = (a @ dense(lw.k).T).reshape(t, hkv, dh)
-        v = (a @ dense(lw.v).T).reshape(t, hkv, dh)
-        q, k = rope(q, positions, cfg.rope_theta, dtype), rope(k, positions, cfg.rope_theta, dtype)
-        o = causal_attention(q, k, v, dh ** -0.5, dtype).reshape(t, h * dh)
-        x = x + o @ dense(lw.o).T
-        m = rmsnorm(x, lw.ffn_norm, cfg.rms_norm_eps, dtype)
-        gu = np.concatenate([m @ dense(lw.gate).T, m @ dense(lw.up).T], axis=-1)
-        x = x + silu_mul(gu, dtype) @ dense(lw.down).T
-    x = rmsnorm(x, weights.final_norm, cfg.rms_norm_eps, dtype)
-    head = weights.lm_head if weights.lm_head is not None else weights.embed
-    return x @ dense(head).T
+        x = layer(x, lw, weights.config, positions, dtype)
+    return head(x, weights, dtype)
+
+
+def _matrix(qt, dtype):
+    return np.asarray(qt.dequantize(), dtype=dtype)
+
+
+def layer(x, lw, cfg, positions, dtype=np.float64):
+    """One decoder layer over a whole sequence's hidden states x [T, D] (positions from 0)."""
+    t = len(x)
+    x = np.asarray(x, dtype)
+    h, hkv, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    a = rmsnorm(x, lw.attn_norm, cfg.rms_norm_eps, dtype)
+    q = (a @ _matrix(lw.q, dtype).T).reshape(t, h, dh)
+    k = (a @ _matrix(lw.k, dtype).T).reshape(t, hkv, dh)
+    v = (a @ _matrix(lw.v, dtype).T).reshape(t, hkv, dh)
+    q, k = rope(q, positions, cfg.rope_theta, dtype), rope(k, positions, cfg.rope_theta, dtype)
+    o = causal_attention(q, k, v, dh ** -0.5, dtype).reshape(t, h * dh)
+    x = x + o @ _matrix(lw.o, dtype).T
+    m = rmsnorm(x, lw.ffn_norm, cfg.rms_norm_eps, dtype)
+    gu = np.concatenate([m @ _matrix(lw.gate, dtype).T, m @ _matrix(lw.up, dtype).T], axis=-1)
+    return x + silu_mul(gu, dtype) @ _matrix(lw.down, dtype).T
+
+
+def head(x, weights, dtype=np.float64):
+    """Logits of the last hidden states: the final norm, then the LM head (the embedding when tied)."""
+    x = rmsnorm(x, weights.final_norm, weights.config.rms_norm_eps, dtype)
+    lm = weights.lm_head if weights.lm_head is not None else weights.embed
+    return x @ _matrix(lm, dtype).T
 
 
 def gemma3_forward(weights, tokens, dtype=np.float64, window=None, pattern=None, local_theta=None,
