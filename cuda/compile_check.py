@@ -27,6 +27,7 @@ from numba import cuda, types
 
 from cuda import launch
 from cuda.kernels import attention as attn_k
+from cuda.kernels import decode_step as step_k
 from cuda.kernels import linear as lin_k
 from cuda.kernels import rowwise as row_k
 from cuda.kernels import sampling as samp_k
@@ -47,6 +48,11 @@ U32_2 = types.Array(types.uint32, 2, "C")
 U16_2 = types.Array(types.uint16, 2, "C")
 F16_2 = types.Array(types.float16, 2, "C")
 INT, F32, BOOL = types.int64, types.float32, types.boolean
+F32_3 = types.Array(types.float32, 3, "C")
+U32_3 = types.Array(types.uint32, 3, "C")
+U16_3 = types.Array(types.uint16, 3, "C")
+F16_3 = types.Array(types.float16, 3, "C")
+F32_5 = types.Array(types.float32, 5, "C")
 
 WEIGHTS = {  # (wa, wb, wc) of each weight family (float families get float16 [1, 1] placeholders)
     "q4": (U32_2, F16_2, F16_2),
@@ -57,11 +63,40 @@ WEIGHTS = {  # (wa, wb, wc) of each weight family (float families get float16 [1
 }
 
 
+STACKED = {  # a role's weights stacked over layers (float families: float16 [L, 1, 1] placeholders)
+    "q4": (U32_3, F16_3, F16_3),
+    "q8": (U32_3, F16_3, F16_3),
+    "f16": (F16_3, F16_3, F16_3),
+    "bf16": (U16_3, F16_3, F16_3),
+    "f32": (F32_3, F16_3, F16_3),
+}
+# the decode step's argument tuples (cuda/kernels/decode_phases.py lists them)
+DECODE_INPUTS = types.Tuple((I32_1, I32_1, I64_1, I32_2, F32_1, F32_1, I32_1, F32_1, F32_1, F32_1, F32_1, U64_1,
+                             I64_1, I32_1, I64_1, I32_1, F32_1, I64_1, I32_1, I64_1, I32_1, I32_1))
+DECODE_STATE = types.Tuple((F32_2, F32_2, F32_2, F32_2, F32_2, F32_4, F32_4, F32_2, I32_2, F32_1, F32_1))
+DECODE_OUTPUTS = types.Tuple((I64_1, F32_1, I64_2, F32_2))
+
+
+def decode_weights_type(families: tuple) -> types.Tuple:
+    f_emb, f_qkv, f_o, f_gu, f_down, f_lm = families
+    return types.Tuple((*WEIGHTS[f_emb], F32_2, *STACKED[f_qkv], *STACKED[f_o], F32_2, *STACKED[f_gu],
+                        *STACKED[f_down], F32_1, *WEIGHTS[f_lm], F32_2, F32_2, F32_5, F32_5))
+
+
+def decode_argtypes(spec, per_phase: bool) -> tuple:
+    """Argument types of decode_step (per_phase False) or decode_phase for a DecodeSpec."""
+    head = (I32_2, INT) if per_phase else (I32_2,)
+    return head + (INT, INT, INT, INT, INT, F32, F32, DECODE_INPUTS, decode_weights_type(spec.families),
+                   DECODE_STATE, DECODE_OUTPUTS)
+
+
 @dataclass
 class Spec:
     name: str
     kernel: object
     argtypes: tuple
+    cooperative: bool = False   # syncs its grid: linked with the device runtime (libcudadevrt)
+    threads: int = 0            # threads per block it is launched with (0: not checked against the register file)
 
 
 def catalog(cfg: launch.LaunchConfig) -> list[Spec]:
@@ -162,8 +197,22 @@ def _parse_info(log: str, res: Result) -> None:
         res.shared = 0
 
 
-def _nvjitlink(arch: str, inputs: list[tuple[int, bytes, str]], lto: bool) -> str:
-    """Link inputs [(InputType, bytes, name)] for arch; returns the info log (ptxas resource lines)."""
+def cudadevrt_path() -> str:
+    """The toolkit's static device runtime, which a grid-syncing kernel's cudaCGSynchronize calls live in."""
+    ptxas = shutil.which("ptxas")
+    homes = [os.environ.get("CUDA_HOME"), ptxas and os.path.dirname(os.path.dirname(os.path.realpath(ptxas))),
+             "/usr/local/cuda"]
+    for home in filter(None, homes):
+        for sub in ("lib64", "lib", os.path.join("targets", "x86_64-linux", "lib")):
+            path = os.path.join(home, sub, "libcudadevrt.a")
+            if os.path.exists(path):
+                return path
+    raise RuntimeError("libcudadevrt.a not found in the CUDA toolkit (set CUDA_HOME)")
+
+
+def _nvjitlink(arch: str, inputs: list[tuple[int, bytes, str]], lto: bool, libraries: tuple = ()) -> str:
+    """Link inputs [(InputType, bytes, name)] and static libraries (paths) for arch; returns the info log
+    (ptxas resource lines)."""
     from cuda.bindings import nvjitlink
 
     opts = [f"-arch={arch}", "-verbose"] + (["-lto"] if lto else [])
@@ -172,6 +221,8 @@ def _nvjitlink(arch: str, inputs: list[tuple[int, bytes, str]], lto: bool) -> st
         try:
             for kind, data, name in inputs:
                 nvjitlink.add_data(handle, kind, data, len(data), name)
+            for path in libraries:
+                nvjitlink.add_file(handle, nvjitlink.InputType.LIBRARY, path)
             nvjitlink.complete(handle)
         except Exception as e:
             n = nvjitlink.get_error_log_size(handle)
@@ -214,8 +265,9 @@ def check(spec: Spec, arch: str) -> Result:
         with _offline_target(cc):
             ptx, _ = cuda.compile_ptx(spec.kernel.py_func, spec.argtypes, cc=cc, fastmath=fastmath)
             res.f64 = len(F64_RX.findall(ptx))
+            libs = (cudadevrt_path(),) if spec.cooperative else ()
             try:
-                log, res.path = _link_ptx(arch, ptx), "ptx"
+                log, res.path = _link_ptx(arch, ptx, libs), "ptx"
             except RuntimeError as e:
                 if "nresolved extern" not in str(e) and "undefined" not in str(e).lower():
                     raise
@@ -228,7 +280,7 @@ def check(spec: Spec, arch: str) -> Result:
                 for i, code in enumerate(codes):
                     data = bytes(getattr(code, "code", None) or getattr(code, "data", None) or code)
                     inputs.append((nvjitlink.InputType.LTOIR, data, f"part{i}"))
-                log, res.path = _nvjitlink(arch, inputs, lto=True), "ltoir"
+                log, res.path = _nvjitlink(arch, inputs, lto=True, libraries=libs), "ltoir"
         _parse_info(log, res)
         if res.registers is None:
             res.errors.append("no resource usage in the link log")
@@ -238,13 +290,15 @@ def check(spec: Spec, arch: str) -> Result:
     return res
 
 
-def _link_ptx(arch: str, ptx: str) -> str:
+def _link_ptx(arch: str, ptx: str, libraries: tuple = ()) -> str:
     try:
         from cuda.bindings import nvjitlink
     except ImportError:
+        if libraries:
+            raise
         return _ptxas(arch, ptx)
     data = ptx.encode()
-    return _nvjitlink(arch, [(nvjitlink.InputType.PTX, data, "kernel.ptx")], lto=False)
+    return _nvjitlink(arch, [(nvjitlink.InputType.PTX, data, "kernel.ptx")], lto=False, libraries=libraries)
 
 
 def _fmt(r: Result | None) -> str:

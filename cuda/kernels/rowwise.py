@@ -6,11 +6,10 @@ over the row's features. Layouts: tests/reference.py.
 from __future__ import annotations
 
 import functools
-import math
 
 from numba import cuda, float32
 
-from cuda.kernels.common import F0, F1, LOADERS, MAX_BLOCK, block_sum, silu
+from cuda.kernels.common import F0, LOADERS, MAX_BLOCK, block_sum, inv_rms, silu
 
 
 @functools.lru_cache(maxsize=None)
@@ -40,9 +39,15 @@ def rmsnorm(x, w, eps, out):
         v = x[t, i]
         ss += v * v
     ss = block_sum(ss, buf)
-    inv = F1 / math.sqrt(ss / float32(d) + eps)
+    inv = inv_rms(ss, d, eps)
     for i in range(cuda.threadIdx.x, d, cuda.blockDim.x):
         out[t, i] = x[t, i] * inv * w[i]
+
+
+@cuda.jit(device=True, fastmath=True)
+def rotate(a, b, c, s):
+    """RoPE of one (i, i + Dh/2) pair: (a c - b s, b c + a s)."""
+    return a * c - b * s, b * c + a * s
 
 
 @cuda.jit(fastmath=True)
@@ -63,10 +68,7 @@ def rope_store_kv(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_
         col = hh * dh + i
         a = qkv[t, col]
         b = qkv[t, col + half]
-        c = cos[p, i]
-        s = sin[p, i]
-        ra = a * c - b * s
-        rb = b * c + a * s
+        ra, rb = rotate(a, b, cos[p, i], sin[p, i])
         qkv[t, col] = ra
         qkv[t, col + half] = rb
         if hh >= num_heads and slot >= 0:
