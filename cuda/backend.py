@@ -8,6 +8,7 @@ for the GPU when the backend is created. Importing this module needs no driver; 
 """
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 
 import numpy as np
@@ -28,6 +29,7 @@ else:
     from numba.cuda.cudadrv.devicearray import DeviceNDArray as _DeviceArrayBase
 
 GATHER_THREADS = 128
+log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------- device arrays
@@ -232,6 +234,9 @@ class CudaBackend(ComposedOps):
     def zeros(self, shape, dtype=np.float32) -> DeviceTensor:
         return _zeros(shape, dtype)
 
+    def empty(self, shape, dtype=np.float32) -> DeviceTensor:
+        return _empty(shape, dtype)
+
     def upload(self, a: np.ndarray) -> DeviceTensor:
         if _is_device_array(a):
             return a
@@ -246,6 +251,27 @@ class CudaBackend(ComposedOps):
     def layer_stack(self, layers) -> None:
         """No one-call layer loop on this backend: the forward runs the layers op by op."""
         return None
+
+    def fused_decode(self, model, k_cache, v_cache, mode: str | None = None):
+        """The one-launch decode step for this model (cuda/fused_decode.py), or None where it cannot serve it:
+        a role whose layers mix weight formats, a head shape the kernel does not take, no cooperative launch
+        on this GPU. mode: "cooperative" (default) or "phased" (one launch per phase)."""
+        from cuda.fused_decode import FusedDecode, Unsupported
+
+        if mode is None:
+            mode = "cooperative" if self.cooperative_launch() else "phased"
+        try:
+            return FusedDecode(self, model, k_cache, v_cache, mode=mode)
+        except Unsupported as e:
+            log.info("fused decode step unavailable, the per-op path serves every step: %s", e)
+            return None
+
+    @staticmethod
+    def cooperative_launch() -> bool:
+        """Whether this GPU takes cooperative launches (always in the simulator, on a one-block grid)."""
+        if SIMULATOR:
+            return True
+        return bool(getattr(cuda.get_current_device(), "COOPERATIVE_LAUNCH", 0))
 
     def synchronize(self) -> None:
         cuda.synchronize()
@@ -337,7 +363,7 @@ class CudaBackend(ComposedOps):
         if group > c.attn_rows:
             raise ValueError(f"{group} query heads per KV head exceed attn_rows={c.attn_rows} of {c.arch}")
         tok0, tlen, ntiles, max_ctx = self._tiles(positions, token_seq, c.attn_rows // group)
-        nsplit, split = self._splits(ntiles * num_kv_heads, max_ctx)
+        nsplit, split = self.split_plan(ntiles * num_kv_heads, max_ctx)
         kern = attn_k.paged_attention(c.attn_rows, c.attn_chunk, 64 if dh <= 64 else launch.MAX_HEAD_DIM)
         pos = self._ints(positions, np.int32)
         args = (qkv, k_cache, v_cache, self._ints(block_tables, np.int32), pos, self._ints(token_seq, np.int32),
@@ -357,7 +383,7 @@ class CudaBackend(ComposedOps):
             return _to_device(starts), _to_device(lens), len(starts), max_ctx
         return self._cache.get(f"tiles{max_q}", (positions, token_seq), make)
 
-    def _splits(self, work_items: int, max_ctx: int) -> tuple[int, int]:
+    def split_plan(self, work_items: int, max_ctx: int) -> tuple[int, int]:
         return split_plan(self.config, work_items, max_ctx)
 
     def silu_mul(self, gate_up, out) -> None:

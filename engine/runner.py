@@ -15,6 +15,8 @@ class ModelRunner:
         self.block_size = block_size
         self.eos_token_ids = list(eos_token_ids)
         self.k_cache, self.v_cache = model.allocate_kv_cache(num_blocks, block_size)
+        # pure decode steps in one device call where the backend has one (None: forward + sample)
+        self.fused_decode = self.backend.fused_decode(model, self.k_cache, self.v_cache)
 
     def build_step(self, scheduled: list[tuple[Sequence, int]]) -> tuple[StepInput, list[Sequence]]:
         """Flatten the scheduled chunks into one token batch; the sequences whose chunk reaches their
@@ -43,8 +45,15 @@ class ModelRunner:
                          np.asarray(logits_indices, np.int32))
         return step, sampling
 
+    def takes_fused(self, scheduled: list[tuple[Sequence, int]]) -> bool:
+        """A pure decode step (every sequence one token, its last) that the fused decode step holds."""
+        return (self.fused_decode is not None and self.fused_decode.bucket(len(scheduled)) is not None
+                and all(n == 1 and s.num_computed_tokens + 1 == s.num_tokens for s, n in scheduled))
+
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], SampleResult | None]:
         step, sampling = self.build_step(scheduled)
+        if self.takes_fused(scheduled):
+            return sampling, self.fused_decode.run(step, self.sampling_batch(sampling))
         b = self.backend
         logits = self.model.forward(
             StepInput(*(b.upload(a) for a in (step.tokens, step.positions, step.token_seq, step.slot_mapping,
@@ -52,6 +61,10 @@ class ModelRunner:
             self.k_cache, self.v_cache)
         if not sampling:
             return [], None
+        return sampling, b.sample(logits, self.sampling_batch(sampling))
+
+    def sampling_batch(self, sampling: list[Sequence]) -> SamplingBatch:
+        """The sampler's arrays for the sequences that sample this step."""
         rows = []
         for s in sampling:
             p = s.request.sampling
@@ -60,4 +73,4 @@ class ModelRunner:
                                 prompt_token_ids=s.token_ids[:s.num_prompt_tokens] if history else (),
                                 output_token_ids=s.output_token_ids if history else (),
                                 eos_token_ids=self.eos_token_ids))
-        return sampling, b.sample(logits, SamplingBatch.build(rows))
+        return SamplingBatch.build(rows)
