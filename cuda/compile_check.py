@@ -32,6 +32,11 @@ from cuda.kernels import linear as lin_k
 from cuda.kernels import rowwise as row_k
 from cuda.kernels import sampling as samp_k
 from cuda.kernels.common import FAMILIES
+from cuda.kernels.decode_phases import DecodeSpec
+
+REGISTER_FILE = 64 * 1024  # 32-bit registers of one SM on sm_80 and sm_90
+# decode_step's role formats (embedding, qkv, o, gate_up, down, lm_head): the default model's, and every float one
+DECODE_FAMILIES = (("q8", "q4", "q4", "q4", "q4", "q8"), ("f16", "bf16", "f32", "f16", "bf16", "f32"))
 
 ARCHS = {"sm_80": (8, 0), "sm_90": (9, 0)}
 
@@ -97,10 +102,12 @@ class Spec:
     argtypes: tuple
     cooperative: bool = False   # syncs its grid: linked with the device runtime (libcudadevrt)
     threads: int = 0            # threads per block it is launched with (0: not checked against the register file)
+    blocks_per_sm: int = 1      # blocks of it the launch table expects on one SM at once
 
 
-def catalog(cfg: launch.LaunchConfig) -> list[Spec]:
-    """Every kernel variant a backend with this configuration launches, with its argument types."""
+def catalog(cfg: launch.LaunchConfig, own_row: bool = True) -> list[Spec]:
+    """Every kernel variant a backend with this configuration launches, with its argument types (decode_step:
+    the default model's formats, and on the architecture's own row a variant with every float format)."""
     specs = []
     for fam in FAMILIES:
         specs.append(Spec(f"embedding_{fam}", row_k.embedding(fam), (I32_1, *WEIGHTS[fam], F32_2)))
@@ -129,6 +136,15 @@ def catalog(cfg: launch.LaunchConfig) -> list[Spec]:
                           attn_k.paged_attention(cfg.attn_rows, cfg.attn_chunk, dh),
                           (F32_2, F32_4, F32_4, I32_2, I32_1, I32_1, I32_1, I32_1, INT, INT, F32, INT, F32_2,
                            F32_4, F32_4)))
+    for fams in DECODE_FAMILIES if own_row else DECODE_FAMILIES[:1]:
+        spec = DecodeSpec.for_config(cfg, fams, 64)
+        tag = f"[{','.join(fams)};threads={spec.threads},tok={spec.tok}]"
+        specs.append(Spec(f"decode_step{tag}", step_k.decode_step(spec), decode_argtypes(spec, False),
+                          cooperative=True, threads=spec.threads, blocks_per_sm=cfg.decode_blocks_per_sm))
+    if own_row:
+        spec = DecodeSpec.for_config(cfg, DECODE_FAMILIES[0], 64)
+        specs.append(Spec(f"decode_phase[{','.join(spec.families)};threads={spec.threads}]",
+                          step_k.decode_phase(spec), decode_argtypes(spec, True), threads=spec.threads))
     specs += [
         Spec("attention_reduce", attn_k.attention_reduce, (F32_4, F32_4, I32_1, INT, F32_2)),
         Spec("sample_rows", samp_k.sample_rows,
@@ -284,6 +300,9 @@ def check(spec: Spec, arch: str) -> Result:
         _parse_info(log, res)
         if res.registers is None:
             res.errors.append("no resource usage in the link log")
+        elif spec.threads and res.registers * spec.threads * spec.blocks_per_sm > REGISTER_FILE:
+            res.errors.append(f"{res.registers} registers x {spec.threads} threads x {spec.blocks_per_sm} blocks "
+                              f"exceed the SM's {REGISTER_FILE} registers")
     except Exception as e:  # a compile error of one kernel must not hide the others
         res.errors.append(f"{type(e).__name__}: {e}")
     res.seconds = time.perf_counter() - t0
@@ -330,7 +349,7 @@ def main(argv=None) -> int:
     for arch in archs:
         seen = set()
         for row in (arch, "fallback"):
-            for spec in catalog(launch.TABLE[row]):
+            for spec in catalog(launch.TABLE[row], own_row=row == arch):
                 if spec.name in seen or (args.only and args.only not in spec.name):
                     continue
                 seen.add(spec.name)

@@ -7,12 +7,26 @@ out again, larger) only when a step needs more room than any step before.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 from numba import cuda
 
 from cuda.kernels.common import SIMULATOR
 
 ALIGN = 8
+
+
+@dataclass
+class StepCounters:
+    """Device work counted since the last reset: kernel launches, host-to-device and device-to-host copies
+    (the fused step resets them every step; the backend's per-op counters run until reset())."""
+    launches: int = 0
+    uploads: int = 0
+    downloads: int = 0
+
+    def reset(self) -> None:
+        self.launches = self.uploads = self.downloads = 0
 
 
 class PackedBuffer:

@@ -14,12 +14,10 @@ are unavailable, and, in the simulator, the check of the phases on grids of many
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-
 import numpy as np
 
 from cuda import launch
-from cuda.decode_state import PackedBuffer, fill_inputs, input_fields, output_fields
+from cuda.decode_state import PackedBuffer, StepCounters, fill_inputs, input_fields, output_fields
 from cuda.kernels import decode_step as step_k
 from cuda.kernels.common import SIMULATOR
 from cuda.kernels.decode_phases import DecodeSpec, phase_plan
@@ -30,17 +28,6 @@ log = logging.getLogger(__name__)
 
 class Unsupported(Exception):
     """This model cannot take the fused decode step (the per-op path serves it)."""
-
-
-@dataclass
-class StepCounters:
-    """Device work of the last step: kernel launches, host-to-device and device-to-host copies."""
-    launches: int = 0
-    uploads: int = 0
-    downloads: int = 0
-
-    def reset(self) -> None:
-        self.launches = self.uploads = self.downloads = 0
 
 
 def _role_family(linears, role: str) -> str:
@@ -81,9 +68,7 @@ class FusedDecode:
                  "gate_up": [ly.gate_up for ly in layers], "down": [ly.down for ly in layers],
                  "lm_head": [model.lm_head]}
         families = tuple(_role_family(lins, role) for role, lins in roles.items())
-        self.spec = DecodeSpec(families=families, threads=c.decode_threads, tok=c.gemv_tokens,
-                               attn_rows=c.attn_rows, attn_chunk=c.attn_chunk,
-                               dh_max=64 if cfg.head_dim <= 64 else launch.MAX_HEAD_DIM)
+        self.spec = DecodeSpec.for_config(c, families, cfg.head_dim)
         vec = backend.vector
         self.weights = (
             *model.embed.parts[0].arrays, vec(np.stack([backend.download(ly.attn_norm) for ly in layers])),

@@ -111,6 +111,11 @@ class Engine:
             logits = self.model.forward(StepInput(*(b.upload(a) for a in vars(step).values())),
                                         self.runner.k_cache, self.runner.v_cache)
             b.sample(logits, SamplingBatch.build([RowSpec(SamplingParams(temperature=0.0), seed=0, step=0)]))
+        fused = self.runner.fused_decode
+        if fused is not None:  # the one-launch decode step builds its kernel on its first run
+            one = np.zeros(1, np.int32)
+            fused.run(StepInput(one, one, one, one.astype(np.int64), one[None, :], one),
+                      SamplingBatch.build([RowSpec(SamplingParams(temperature=0.0), seed=0, step=0)]))
 
     def release(self) -> None:
         """Drop the weights and the KV cache, once nothing steps this engine any more: their memory

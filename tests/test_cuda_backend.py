@@ -172,9 +172,26 @@ def test_compile_check_compiles_a_kernel_offline():
     names = [s.name for s in cc.catalog(launch.TABLE["sm_90"])]
     for want in ("embedding_q4", "rmsnorm", "rope_store_kv", "silu_mul", "gather_rows", "gemv_q4[tok=8,threads=256]",
                  "gemm_q8[64x64x32x4x4]", "paged_attention[rows=16,chunk=32,dh=128]", "attention_reduce",
-                 "sample_rows"):
+                 "sample_rows", "decode_step[q8,q4,q4,q4,q4,q8;threads=256,tok=8]",
+                 "decode_step[f16,bf16,f32,f16,bf16,f32;threads=256,tok=8]", "decode_phase[q8,q4,q4,q4,q4,q8;threads=256]"):
         assert want in names
     spec = next(s for s in cc.catalog(launch.TABLE["sm_90"]) if s.name == "silu_mul")
     res = cc.check(spec, "sm_90")
     assert res.ok, res.errors   # nvrtc/nvjitlink come with `pip install -e '.[cuda-offline]'` (make install)
     assert res.registers > 0 and res.f64 == 0 and res.spills == 0
+
+
+@pytest.mark.slow
+def test_compile_check_compiles_decode_step_offline():
+    """`make kernels` on the persistent kernel: linked with the device runtime (its grid sync), 0 spills, no
+    float64, and its registers x threads x blocks per SM within the register file; an impossible row fails."""
+    from cuda import compile_check as cc
+
+    spec = next(s for s in cc.catalog(launch.TABLE["sm_90"]) if s.name.startswith("decode_step[q8"))
+    assert spec.cooperative and spec.threads == 256
+    res = cc.check(spec, "sm_90")
+    assert res.ok, res.errors
+    assert res.registers * spec.threads <= cc.REGISTER_FILE and res.spills == 0 and res.f64 == 0
+    greedy = dataclasses.replace(spec, blocks_per_sm=cc.REGISTER_FILE // (res.registers * spec.threads) + 1)
+    bad = cc.check(greedy, "sm_90")
+    assert not bad.ok and "exceed the SM's" in bad.errors[0]

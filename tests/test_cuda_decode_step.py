@@ -19,6 +19,7 @@ pytestmark = pytest.mark.simulator
 # tests/conftest.py collects this file only in a process started with NUMBA_ENABLE_CUDASIM=1.
 from cuda import launch  # noqa: E402
 from cuda.backend import CudaBackend  # noqa: E402
+from cuda.fused_decode import FusedDecode  # noqa: E402
 from cuda.kernels.decode_phases import phase_plan  # noqa: E402
 from engine.backends.cpu import CpuBackend  # noqa: E402
 from engine.backends.sampling_batch import RowSpec, SamplingBatch  # noqa: E402
@@ -86,9 +87,7 @@ class Pair:
         want_logits = self.cpu.forward(step, self.kc, self.vc)
         want_h = self.cpu._state.h[:n].copy()
         want = cpu_sample(want_logits, batch)
-        fused = self.be.fused_decode(self.gpu, self.gkc, self.gvc, mode=mode)
-        assert fused is not None
-        fused._grid = grid
+        fused = FusedDecode(self.be, self.gpu, self.gkc, self.gvc, mode=mode, grid=grid)
         got = fused.run(step, batch)
         h = self.be.download(fused.state_arrays[0])[:n]
         logits = self.be.download(fused.state_arrays[4])[:n]
@@ -124,3 +123,52 @@ def test_cooperative_decode_step_on_one_block():
     pair = Pair("q4_1", TINY, ctx_lens=[7, 2], seed=3)
     fused = pair.check(2, "cooperative", grid=None)
     assert (fused.counters.launches, fused.counters.uploads, fused.counters.downloads) == (1, 1, 1)
+
+
+def test_runner_takes_the_fused_step_for_pure_decode_steps_only():
+    """Item 4: the runner gives pure decode steps to the fused step and steps with prompt work to the per-op
+    path; a runner without the fused step samples the same tokens step after step."""
+    from engine.request import EngineRequest
+    from engine.runner import ModelRunner
+    from engine.sequence import Sequence
+
+    weights = make_tiny_weights(seed=8, fmt="q4_1", **TINY)
+    fused_runner = ModelRunner(LlamaModel(weights, CudaBackend(SIM_DECODE)), BLOCK, 12, eos_token_ids=[2])
+    plain_runner = ModelRunner(LlamaModel(weights, CudaBackend(SIM_DECODE)), BLOCK, 12, eos_token_ids=[2])
+    assert fused_runner.fused_decode is not None
+    plain_runner.fused_decode = None  # the per-op path for every step: the fallback
+    params = [SamplingParams(temperature=0.0, max_tokens=8),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=8)]
+    prompts = [[5, 17, 3, 30, 41], [9, 60, 12]]
+
+    def sequences():
+        seqs = []
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            s = Sequence(i, EngineRequest(request_id=f"r{i}", model="tiny", prompt_token_ids=p, sampling=sp), 0,
+                         seed=77 + i)
+            s.block_table = [4 * i + j for j in range(4)]
+            seqs.append(s)
+        return seqs
+
+    runs = {"fused": (fused_runner, sequences()), "plain": (plain_runner, sequences())}
+    tokens = {name: [] for name in runs}
+    for step in range(4):
+        for name, (runner, seqs) in runs.items():
+            scheduled = [(s, s.num_tokens - s.num_computed_tokens) for s in seqs]
+            be = runner.backend
+            be.counters.reset()
+            fused = runner.takes_fused(scheduled)
+            assert fused == (name == "fused" and step > 0)  # step 0 prefills the prompts
+            sampled, res = runner.execute(scheduled)
+            if fused:
+                assert be.counters.launches == 0  # the per-op path stayed idle
+                counts = runner.fused_decode.counters
+                assert (counts.launches, counts.uploads, counts.downloads) == (1, 1, 1)
+            else:
+                assert be.counters.launches > 10
+            for s, n in scheduled:
+                s.num_computed_tokens += n
+            for s, t in zip(sampled, res.token_ids):
+                s.append_token(int(t))
+            tokens[name].append(res.token_ids.tolist())
+    assert tokens["fused"] == tokens["plain"]

@@ -60,6 +60,12 @@ class DecodeSpec:
     attn_chunk: int          # attention: context positions staged per step
     dh_max: int              # attention: largest head dim (64 or 128)
 
+    @classmethod
+    def for_config(cls, cfg, families: tuple, head_dim: int) -> "DecodeSpec":
+        """The variant a launch-table row (cuda/launch.py) builds for a model's role families and head dim."""
+        return cls(families=tuple(families), threads=cfg.decode_threads, tok=cfg.gemv_tokens,
+                   attn_rows=cfg.attn_rows, attn_chunk=cfg.attn_chunk, dh_max=64 if head_dim <= 64 else 128)
+
     @property
     def shared_floats(self) -> int:
         """Floats of the one shared buffer every phase carves its scratch from."""
