@@ -74,9 +74,8 @@ class LaunchConfig:
         for what, nbytes in shared.items():
             if nbytes > STATIC_SHARED_LIMIT:
                 raise ValueError(f"{self.arch}: {what} needs {nbytes} B of static shared memory")
-        if self.decode_threads < 64 or self.decode_blocks_per_sm < 1 or not self.decode_buckets or \
-                min(self.decode_buckets) < 1:
-            raise ValueError(f"{self.arch}: decode_step needs >= 64 threads, >= 1 block per SM and positive buckets")
+        if self.decode_blocks_per_sm < 1 or not self.decode_buckets or min(self.decode_buckets) < 1:
+            raise ValueError(f"{self.arch}: decode_step needs >= 1 block per SM and positive batch buckets")
         decode_floats = max(2 * self.gemv_tokens * self.decode_threads,
                             2 * self.attn_rows * MAX_HEAD_DIM + self.attn_chunk * (MAX_HEAD_DIM + 1)
                             + self.attn_rows * self.attn_chunk + 3 * self.attn_rows)

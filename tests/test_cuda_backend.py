@@ -99,6 +99,10 @@ def test_gpu_check_helpers():
     assert g.matmul_params(cfg) == 134_479_872
     assert g.decode_roofline(2, 100, 1000.0) == 20.0
     assert g.decode_roofline(2, 100, None) is None
+    # the lower bound wins: memory 2 x 1000 / 100 = 20 tok/s, compute 1000 / (2 x 10) = 50 tok/s, and back
+    assert g.decode_roofline(2, 100, 1000.0, peak=1000.0, macs_per_token=10) == 20.0
+    assert g.decode_roofline(200, 100, 1000.0, peak=1000.0, macs_per_token=10) == 50.0
+    assert g.decode_roofline(2, 100, None, peak=1000.0, macs_per_token=10) == 50.0
     assert m.prefill_groups(5, 128, 256) == [(0, 2), (2, 2), (4, 1)]
 
 
@@ -147,8 +151,11 @@ def test_gpu_check_report():
     r.header.append(("GPU", "test"))
     r.check("a", True, "fine")
     r.bench.append({"name": "decode, batch 1", "ours": 500.0, "roofline": 1000.0, "torch": 250.0})
+    r.bench.append({"name": "decode, batch 16", "fused": 800.0, "ours": 500.0, "roofline": 1000.0, "torch": 200.0,
+                    "fused_counts": (1, 1, 1), "ours_counts": (280, 9, 2)})
     md = r.markdown()
-    assert "**Result: passed**" in md and "| decode, batch 1 | 500 | 1,000 | 50.0% | 250 | 2.00x |" in md
+    assert "**Result: passed**" in md and "| decode, batch 1 | — | 500 | 1,000 | 50.0% | 250 | 2.00x | — |" in md
+    assert "| decode, batch 16 | 800 | 500 | 1,000 | 80.0% | 200 | 4.00x | 1/1/1; 280/9/2 |" in md
     r.check("b", False, "broken")
     assert r.failed and "**FAIL**" in r.markdown()
 

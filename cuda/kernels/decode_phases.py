@@ -54,7 +54,7 @@ ROLES = ("embedding", "qkv", "o", "gate_up", "down", "lm_head")
 class DecodeSpec:
     """What a decode_step variant is compiled for: the weight family of each role (ROLES) and the tiles."""
     families: tuple          # one of q4, q8, f16, bf16, f32 per role
-    threads: int             # threads per block: a power of two in 64..1024
+    threads: int             # threads per block: a power of two in 32..1024
     tok: int                 # GEMV: tokens sharing one read of a weight word
     attn_rows: int           # attention: query heads of a group held at once (>= num_heads / num_kv_heads)
     attn_chunk: int          # attention: context positions staged per step
