@@ -88,10 +88,9 @@ def decode_weights_type(families: tuple) -> types.Tuple:
                         *STACKED[f_down], F32_1, *WEIGHTS[f_lm], F32_2, F32_2, F32_5, F32_5))
 
 
-def decode_argtypes(spec, per_phase: bool) -> tuple:
-    """Argument types of decode_step (per_phase False) or decode_phase for a DecodeSpec."""
-    head = (I32_2, INT) if per_phase else (I32_2,)
-    return head + (INT, INT, INT, INT, INT, F32, F32, DECODE_INPUTS, decode_weights_type(spec.families),
+def decode_argtypes(spec) -> tuple:
+    """Argument types of decode_step and decode_phase for a DecodeSpec."""
+    return (I32_2, INT, INT, INT, INT, INT, INT, INT, F32, F32, DECODE_INPUTS, decode_weights_type(spec.families),
                    DECODE_STATE, DECODE_OUTPUTS)
 
 
@@ -139,12 +138,12 @@ def catalog(cfg: launch.LaunchConfig, own_row: bool = True) -> list[Spec]:
     for fams in DECODE_FAMILIES if own_row else DECODE_FAMILIES[:1]:
         spec = DecodeSpec.for_config(cfg, fams, 64)
         tag = f"[{','.join(fams)};threads={spec.threads},tok={spec.tok}]"
-        specs.append(Spec(f"decode_step{tag}", step_k.decode_step(spec), decode_argtypes(spec, False),
+        specs.append(Spec(f"decode_step{tag}", step_k.decode_step(spec), decode_argtypes(spec),
                           cooperative=True, threads=spec.threads, blocks_per_sm=cfg.decode_blocks_per_sm))
     if own_row:
         spec = DecodeSpec.for_config(cfg, DECODE_FAMILIES[0], 64)
         specs.append(Spec(f"decode_phase[{','.join(spec.families)};threads={spec.threads}]",
-                          step_k.decode_phase(spec), decode_argtypes(spec, True), threads=spec.threads))
+                          step_k.decode_phase(spec), decode_argtypes(spec), threads=spec.threads))
     specs += [
         Spec("attention_reduce", attn_k.attention_reduce, (F32_4, F32_4, I32_1, INT, F32_2)),
         Spec("sample_rows", samp_k.sample_rows,

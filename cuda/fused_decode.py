@@ -8,12 +8,14 @@ allocated for the largest batch bucket; the per-step upload and the results are 
 laid out per bucket. `run` takes the runner's StepInput and SamplingBatch and returns a SampleResult.
 
 Modes: "cooperative" launches decode_step once per step (the grid: the cooperative occupancy limit, at most
-blocks_per_sm per SM); "phased" launches decode_phase once per phase (the fallback where cooperative launches
-are unavailable, and, in the simulator, the check of the phases on grids of many blocks).
+blocks_per_sm per SM; one block in the simulator, whose grid sync is only a block barrier); "phased" launches
+decode_phase once per phase on any grid: how the simulator checks the phases on grids of many blocks. (A GPU
+without cooperative launches gets no FusedDecode: the per-op path serves it, CudaBackend.fused_decode.)
 """
 from __future__ import annotations
 
 import logging
+
 import numpy as np
 
 from cuda import launch
@@ -80,8 +82,12 @@ class FusedDecode:
         self.max_batch = self.buckets[-1]
         self._allocate_state(cfg, self.max_batch)
         self.plans = {split: backend.upload(phase_plan(cfg.num_layers, split)) for split in (False, True)}
+        self.head_dim, self.vocab = cfg.head_dim, cfg.vocab_size
         self._inputs: dict[int, PackedBuffer] = {}
         self._outputs: dict[int, PackedBuffer] = {}
+        for b in self.buckets:  # laid out now; a step that needs more room lays its bucket out again, larger
+            self._input_buffer(b, 8, 64)
+            self._output_buffer(b, 1)
         self._grid = grid
         self._launcher = None
         self._part_views: dict = {}
@@ -120,7 +126,7 @@ class FusedDecode:
         """part_acc [ntok, H, nsplit, Dh] and part_ml [ntok, H, nsplit, 2], views of one buffer (cached)."""
         key = (ntok, nsplit)
         if self._part_views.get("key") != key:
-            dh = self.weights[23].shape[4]
+            dh = self.head_dim
             n = ntok * self.num_heads * nsplit
             self._part_views = {"key": key, "views": (self._parts[:n * dh].reshape(ntok, self.num_heads, nsplit, dh),
                                                       self._parts[n * dh:n * (dh + 2)].reshape(ntok, self.num_heads,
@@ -134,6 +140,7 @@ class FusedDecode:
         bucket = self.bucket(n)
         if bucket is None or n != batch.num_rows:
             raise ValueError(f"a fused decode step takes 1..{self.max_batch} sequences, one token each")
+        batch.check_logits_shape((n, self.vocab))  # token ids of the sampler's lists inside the vocabulary
         self.counters.reset()
         csr = max(len(batch.bias_token_ids), len(batch.mask_token_ids), len(batch.hist_token_ids))
         inp = self._input_buffer(bucket, step.block_tables.shape[1], csr)
@@ -154,7 +161,7 @@ class FusedDecode:
         else:
             kern = step_k.decode_phase(self.spec)
             for s in range(plan.shape[0]):
-                kern[self._grid or self.backend.config.sm_count, self.spec.threads](plan, s, *args)
+                kern[self._grid or self.backend.config.sm_count, self.spec.threads](plan, s, s + 1, *args)
                 self.counters.launches += 1
         out.download()
         self.counters.downloads += 1
@@ -163,17 +170,17 @@ class FusedDecode:
     def _cooperative(self, plan, args) -> None:
         kern = step_k.decode_step(self.spec)
         if SIMULATOR:  # the simulator's grid sync is a block barrier: one block only
-            kern[1, self.spec.threads](plan, *args)
+            kern[1, self.spec.threads](plan, 0, plan.shape[0], *args)
         else:
             if self._launcher is None:
                 self._launcher = self._configure(kern, plan, args)
-            self._launcher(plan, *args)
+            self._launcher(plan, 0, plan.shape[0], *args)
         self.counters.launches += 1
 
     def _configure(self, kern, plan, args):
         """decode_step specialized for these argument types, on the largest co-resident grid (at most
         blocks_per_sm per SM, and the driver's cooperative limit for its registers and shared memory)."""
-        special = kern.specialize(plan, *args)
+        special = kern.specialize(plan, 0, plan.shape[0], *args)
         compiled = next(iter(special.overloads.values()))
         limit = compiled.max_cooperative_grid_blocks(self.spec.threads)
         c = self.backend.config

@@ -202,3 +202,25 @@ def test_compile_check_compiles_decode_step_offline():
     greedy = dataclasses.replace(spec, blocks_per_sm=cc.REGISTER_FILE // (res.registers * spec.threads) + 1)
     bad = cc.check(greedy, "sm_90")
     assert not bad.ok and "exceed the SM's" in bad.errors[0]
+
+
+def test_decode_step_plan_and_launch_rows():
+    """The decode step's phase plan, its shared memory, and the launch table's decode rows."""
+    from cuda.kernels import decode_phases as ph
+
+    plan = ph.phase_plan(2, split=False)
+    assert plan.tolist() == [[ph.EMBED, 0], [ph.QKV, 0], [ph.ATTN, 0], [ph.O, 0], [ph.GATE_UP, 0], [ph.DOWN, 0],
+                             [ph.QKV, 1], [ph.ATTN, 1], [ph.O, 1], [ph.GATE_UP, 1], [ph.DOWN, 1],
+                             [ph.LM_HEAD, 0], [ph.SAMPLE, 0]]
+    split = ph.phase_plan(30, split=True)
+    assert len(split) == 1 + 30 * 6 + 2 and (split[:, 0] == ph.MERGE).sum() == 30
+    sm90, sm80 = launch.TABLE["sm_90"], launch.TABLE["sm_80"]
+    assert (sm90.decode_threads, sm90.decode_blocks_per_sm) != (sm80.decode_threads, sm80.decode_blocks_per_sm)
+    for cfg in launch.TABLE.values():
+        spec = ph.DecodeSpec.for_config(cfg, ("q8", "q4", "q4", "q4", "q4", "q8"), head_dim=64)
+        assert spec.threads == cfg.decode_threads and spec.dh_max == 64
+        assert 4 * (spec.shared_floats + spec.threads + 2) <= launch.STATIC_SHARED_LIMIT
+        assert spec.shared_floats >= 2 * spec.tok * spec.threads  # the paired GEMV's two reduction buffers
+    assert ph.DecodeSpec.for_config(sm90, ("f32",) * 6, head_dim=128).dh_max == 128
+    with pytest.raises(ValueError, match="bucket"):
+        dataclasses.replace(sm90, decode_buckets=()).validate()

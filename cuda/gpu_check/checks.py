@@ -92,7 +92,7 @@ def attention_check(be, report, rng, h, hkv, dh, split, seqs) -> None:
     _close(f"rope_store_kv {tag}", be.download(dk), kref, 1e-5, report)
     out = be.zeros((t, h * dh))
     ntiles = be._tiles(positions, token_seq, be.config.attn_rows // (h // hkv))[2]
-    nsplit = be._splits(ntiles * hkv, max(ctx))[0]
+    nsplit = be.split_plan(ntiles * hkv, max(ctx))[0]
     be.attention(dq, dk, dv, tables, positions, token_seq, h, hkv, dh ** -0.5, out)
     ref = R.paged_attention(q, kref, vref, tables, ctx, case["qsl"], dh ** -0.5)
     _close(f"paged attention {tag}, {nsplit} split(s){' (forced)' if split else ''}", be.download(out),

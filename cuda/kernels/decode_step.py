@@ -1,11 +1,12 @@
 """`decode_step`: a whole decode step in one persistent, cooperative launch; and `decode_phase`, one phase of it
 per launch (the same device code, cuda/kernels/decode_phases.py).
 
-decode_step walks the step's phase plan (int32 [n, 2] of (phase, layer)) with every block of the grid and
-puts `cuda.cg.this_grid().sync()` between phases: all its blocks must be resident at once, so its grid is at
+Both are one kernel body (`_decode_kernel`) that runs rows first..last-1 of the step's phase plan (int32
+[n, 2] of (phase, layer)) with every block of the grid. decode_step puts `cuda.cg.this_grid().sync()`
+between phases: all its blocks must be resident at once, so its grid is at
 most the driver's cooperative limit (`max_cooperative_grid_blocks`); numba-cuda launches a kernel that
-syncs its grid cooperatively. decode_phase runs plan row `step` only: launched once per row, the kernel
-boundary is the barrier (the fallback where a cooperative launch is unavailable, and how the simulator, whose
+syncs its grid cooperatively. decode_phase is compiled without the grid sync and launched once per row: the
+kernel boundary is the barrier (the fallback where a cooperative launch is unavailable, and how the simulator, whose
 grid sync is only a block barrier, checks the phases on grids of many blocks).
 
 Launch: grid = any number of blocks (decode_step: at most the cooperative limit), block = spec.threads.
@@ -21,45 +22,33 @@ from cuda.kernels.decode_phases import DecodeSpec, phases
 
 
 @functools.lru_cache(maxsize=None)
-def decode_step(spec: DecodeSpec):
+def _decode_kernel(spec: DecodeSpec, persistent: bool):
     run_phase = phases(spec)
     nsmem, threads, tok = spec.shared_floats, spec.threads, spec.tok
 
     @cuda.jit(fastmath=True)
-    def decode_step_kernel(plan, ntok, nsplit, split_size, num_heads, num_kv_heads, scale, eps, inputs, weights,
-                           state, outputs):
-        """Every (phase, layer) of plan in order, a grid barrier between two."""
+    def decode_kernel(plan, first, last, ntok, nsplit, split_size, num_heads, num_kv_heads, scale, eps, inputs,
+                      weights, state, outputs):
+        """Rows first..last-1 of plan in order; persistent: a grid barrier between two."""
         smem = cuda.shared.array(nsmem, float32)
         ibuf = cuda.shared.array(threads, int32)
         found = cuda.shared.array(1, int32)
         acc1 = cuda.local.array(tok, float32)
         acc2 = cuda.local.array(tok, float32)
-        grid = cuda.cg.this_grid()
-        n = plan.shape[0]
-        for s in range(n):
+        for s in range(first, last):
             run_phase(plan[s, 0], plan[s, 1], ntok, nsplit, split_size, num_heads, num_kv_heads, scale, eps,
                       inputs, weights, state, outputs, smem, ibuf, found, acc1, acc2)
-            if s + 1 < n:
-                grid.sync()  # the next phase reads what every block of this one wrote
+            if persistent and s + 1 < last:
+                cuda.cg.this_grid().sync()  # the next phase reads what every block of this one wrote
 
-    return decode_step_kernel
+    return decode_kernel
 
 
-@functools.lru_cache(maxsize=None)
+def decode_step(spec: DecodeSpec):
+    """The persistent kernel: launched cooperatively with (plan, 0, len(plan), ...), the whole step."""
+    return _decode_kernel(spec, True)
+
+
 def decode_phase(spec: DecodeSpec):
-    run_phase = phases(spec)
-    nsmem, threads, tok = spec.shared_floats, spec.threads, spec.tok
-
-    @cuda.jit(fastmath=True)
-    def decode_phase_kernel(plan, step, ntok, nsplit, split_size, num_heads, num_kv_heads, scale, eps, inputs,
-                            weights, state, outputs):
-        """Row `step` of plan: one phase of the decode step."""
-        smem = cuda.shared.array(nsmem, float32)
-        ibuf = cuda.shared.array(threads, int32)
-        found = cuda.shared.array(1, int32)
-        acc1 = cuda.local.array(tok, float32)
-        acc2 = cuda.local.array(tok, float32)
-        run_phase(plan[step, 0], plan[step, 1], ntok, nsplit, split_size, num_heads, num_kv_heads, scale, eps,
-                  inputs, weights, state, outputs, smem, ibuf, found, acc1, acc2)
-
-    return decode_phase_kernel
+    """The same phases without grid barriers: launched with (plan, s, s + 1, ...), one phase a launch."""
+    return _decode_kernel(spec, False)

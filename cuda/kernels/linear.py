@@ -165,11 +165,12 @@ def gemv_rows(family: str, normed: bool, square: bool, tok: int, threads: int):
 def gemv(family: str, tok: int, threads: int):
     """The GEMV kernel of one weight family: grid = ceil(N / (threads/32)), block = threads."""
     rows_loop = gemv_rows(family, False, False, tok, threads)
+    red_size = tok * threads  # a compile-time shared array size must be a constant of the closure
 
     @cuda.jit(fastmath=True)
     def gemv_kernel(x, wa, wb, wc, out, col0, accumulate):
         """out[t, col0 + n] (+)= sum_k x[t, k] W[n, k]; one warp per row."""
-        red = cuda.shared.array(tok * threads, float32)
+        red = cuda.shared.array(red_size, float32)
         acc = cuda.local.array(tok, float32)
         unused = cuda.local.array(1, float32)  # g, ss_in, ss_out: read only when normed / squared
         rows_loop(x, unused, unused, F0, x.shape[0], wa, wb, wc, out, col0, accumulate, unused, red, acc)
