@@ -3,7 +3,10 @@
 For each architecture, every kernel variant its launch-table row (and the fallback row) instantiates is
 compiled with the signature the backend launches it with, to PTX by numba/NVVM and on to SASS by nvJitLink
 (or ptxas). Prints registers, shared memory, stack and spills per kernel and architecture, and exits 1 on a
-compile error, on any spill, or on a float64 instruction (every kernel computes in float32).
+compile error, on any spill, on a float64 instruction (every kernel computes in float32), or when a kernel's
+registers x threads x the row's blocks per SM exceed the SM's register file. `decode_step`, the persistent
+kernel, is listed by that name (with its role formats and tiles); its grid sync lives in the toolkit's
+libcudadevrt.a, linked in. It takes ~1-2 minutes a variant on one core: the whole run ~15 minutes on 2 cores.
 
 Needs the wheels nvidia-cuda-nvrtc==13.0.88 and nvidia-nvjitlink==13.0.88 next to a CUDA 13.0 toolkit (NVVM,
 libdevice): the `cuda-offline` extra of pyproject.toml.
@@ -299,13 +302,20 @@ def check(spec: Spec, arch: str) -> Result:
         _parse_info(log, res)
         if res.registers is None:
             res.errors.append("no resource usage in the link log")
-        elif spec.threads and res.registers * spec.threads * spec.blocks_per_sm > REGISTER_FILE:
-            res.errors.append(f"{res.registers} registers x {spec.threads} threads x {spec.blocks_per_sm} blocks "
-                              f"exceed the SM's {REGISTER_FILE} registers")
+        elif register_file_error(spec, res.registers):
+            res.errors.append(register_file_error(spec, res.registers))
     except Exception as e:  # a compile error of one kernel must not hide the others
         res.errors.append(f"{type(e).__name__}: {e}")
     res.seconds = time.perf_counter() - t0
     return res
+
+
+def register_file_error(spec: Spec, registers: int) -> str | None:
+    """Why the launch table's blocks of this kernel cannot be resident on one SM at once, or None."""
+    if spec.threads and registers * spec.threads * spec.blocks_per_sm > REGISTER_FILE:
+        return (f"{registers} registers x {spec.threads} threads x {spec.blocks_per_sm} block(s) exceed the SM's "
+                f"{REGISTER_FILE} registers")
+    return None
 
 
 def _link_ptx(arch: str, ptx: str, libraries: tuple = ()) -> str:

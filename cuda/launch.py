@@ -89,9 +89,8 @@ class LaunchConfig:
 # Starting points from the hardware, not yet tuned on the GPUs themselves (cuda/RESULTS.md has measurements
 # once `make gpu-check` has run). sm_90: 132 SMs (H100 SXM / H200), 228 KiB shared per SM, 64 warps per SM.
 # sm_80: 108 SMs (A100), 164 KiB shared per SM, 64 warps per SM. fallback: small blocks that fit anywhere.
-# decode_step (`make kernels`, no register cap, 0 spills): 174 registers a thread for sm_90 at 256 threads x tok 8,
-# 238 for sm_80 at 128 x 8, ~20 KB static shared; 64 Ki registers an SM on both, so it fits 256 threads once
-# (44.5 Ki registers) or 128 threads twice (59.5 Ki) per SM, not more.
+# decode_step's registers (docs/gpu.md, from `make kernels`, no register cap) fit 256 threads once or 128 threads
+# twice into the 64 Ki registers of an SM on both architectures, not more.
 #   sm_90: 256 x 1 per SM: 132 blocks, so each of the ~160 grid barriers of a step waits on fewer blocks, and
 #          8 warps per SM stream HBM3 through the GEMV phases.
 #   sm_80: 128 x 2 per SM: 216 blocks of 4 warps on the 108 SMs, the same warps per SM in finer blocks,
