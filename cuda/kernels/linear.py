@@ -6,9 +6,9 @@ the output columns col0 .. col0 + N - 1 of `out`, so fused matrices (q|k|v, gate
 formats write one shared output; `accumulate` adds into `out` (the residual add of o and down).
 
 GEMV: warp w of a block owns row n, its lanes stride over the row's words; tokens are processed `tok` at a
-time so one read of a weight word serves `tok` dot products. The row loop is grid-stride (`gemv_rows`), so
-the same device code serves the per-op kernel (grid = ceil(N / (threads/32)), one row per warp) and the
-phases of the persistent decode step (any grid). `row_dot` optionally multiplies x by an RMSNorm weight g
+time so one read of a weight word serves `tok` dot products. `gemv_block` is one block's rows: the per-op
+kernel runs it once (grid = ceil(N / (threads/32)), one row per warp), the phases of the persistent decode
+step walk it with a grid-stride loop (`gemv_rows`, any grid). `row_dot` optionally multiplies x by an RMSNorm weight g
 and `gemv_rows` by a per-token inverse RMS: the norm fused into the GEMV.
 GEMM launch: grid = (ceil(N / bn), ceil(T / bm)), block = (bm/tm) * (bn/tn) threads; bk = 32 (one
 quantization block per row and stage).
@@ -125,47 +125,60 @@ def warp_reduce(tok: int, threads: int):
 
 
 @functools.lru_cache(maxsize=None)
-def gemv_rows(family: str, normed: bool, square: bool, tok: int, threads: int):
-    """out[t, col0 + n] (+)= sum_k x'[t, k] W[n, k] for t < ntok, rows n spread over warps with a grid-stride
-    loop (correct for any grid); red: tok * threads shared floats, acc: tok local floats.
+def gemv_block(family: str, normed: bool, square: bool, tok: int, threads: int):
+    """out[t, col0 + n] (+)= sum_k x'[t, k] W[n, k] for t < ntok and the block's rows n = base + warp; red: tok *
+    threads shared floats, acc: tok local floats.
     normed: x' = rmsnorm(x) * g with the row's sum of squares read from ss_in[t] (the RMSNorm fused in);
     square: the written value's square is added to ss_out[t] (for the next fused RMSNorm)."""
     dot = row_dot(family, normed, tok)
     reduce = warp_reduce(tok, threads)
+
+    @cuda.jit(device=True, fastmath=True)
+    def block_rows(base, x, g, ss_in, eps, ntok, wa, wb, wc, out, col0, accumulate, ss_out, red, acc):
+        tid = cuda.threadIdx.x
+        lane = tid & 31
+        rows = wa.shape[0]
+        n = base + (tid >> 5)
+        for t0 in range(0, ntok, tok):
+            for i in range(tok):
+                acc[i] = F0
+            if n < rows:
+                dot(x, g, t0, ntok, wa, wb, wc, n, lane, acc)
+            reduce(red, acc, tid, lane)
+            t = t0 + lane
+            if lane < tok and n < rows and t < ntok:
+                v = red[lane * threads + tid - lane]
+                if normed:
+                    v *= inv_rms(ss_in[t], x.shape[1], eps)
+                if accumulate:
+                    v += out[t, col0 + n]
+                out[t, col0 + n] = v
+                if square:
+                    cuda.atomic.add(ss_out, t, v * v)
+            cuda.syncthreads()  # red is rewritten by the next token chunk
+    return block_rows
+
+
+@functools.lru_cache(maxsize=None)
+def gemv_rows(family: str, normed: bool, square: bool, tok: int, threads: int):
+    """gemv_block over every row, spread over warps with a grid-stride loop: correct for any grid."""
+    block_rows = gemv_block(family, normed, square, tok, threads)
     rows_per_block = threads // 32
 
     @cuda.jit(device=True, fastmath=True)
     def rows_loop(x, g, ss_in, eps, ntok, wa, wb, wc, out, col0, accumulate, ss_out, red, acc):
-        tid = cuda.threadIdx.x
-        lane = tid & 31
-        rows = wa.shape[0]
-        for base in range(cuda.blockIdx.x * rows_per_block, rows, cuda.gridDim.x * rows_per_block):
-            n = base + (tid >> 5)
-            for t0 in range(0, ntok, tok):
-                for i in range(tok):
-                    acc[i] = F0
-                if n < rows:
-                    dot(x, g, t0, ntok, wa, wb, wc, n, lane, acc)
-                reduce(red, acc, tid, lane)
-                t = t0 + lane
-                if lane < tok and n < rows and t < ntok:
-                    v = red[lane * threads + tid - lane]
-                    if normed:
-                        v *= inv_rms(ss_in[t], x.shape[1], eps)
-                    if accumulate:
-                        v += out[t, col0 + n]
-                    out[t, col0 + n] = v
-                    if square:
-                        cuda.atomic.add(ss_out, t, v * v)
-                cuda.syncthreads()  # red is rewritten by the next token chunk
+        for base in range(cuda.blockIdx.x * rows_per_block, wa.shape[0], cuda.gridDim.x * rows_per_block):
+            block_rows(base, x, g, ss_in, eps, ntok, wa, wb, wc, out, col0, accumulate, ss_out, red, acc)
     return rows_loop
 
 
 @functools.lru_cache(maxsize=None)
 def gemv(family: str, tok: int, threads: int):
-    """The GEMV kernel of one weight family: grid = ceil(N / (threads/32)), block = threads."""
-    rows_loop = gemv_rows(family, False, False, tok, threads)
+    """The GEMV kernel of one weight family: grid = ceil(N / (threads/32)), block = threads, a row a warp (no
+    grid-stride loop: it would cost ~24 registers a thread here)."""
+    block_rows = gemv_block(family, False, False, tok, threads)
     red_size = tok * threads  # a compile-time shared array size must be a constant of the closure
+    rows_per_block = threads // 32
 
     @cuda.jit(fastmath=True)
     def gemv_kernel(x, wa, wb, wc, out, col0, accumulate):
@@ -173,7 +186,8 @@ def gemv(family: str, tok: int, threads: int):
         red = cuda.shared.array(red_size, float32)
         acc = cuda.local.array(tok, float32)
         unused = cuda.local.array(1, float32)  # g, ss_in, ss_out: read only when normed / squared
-        rows_loop(x, unused, unused, F0, x.shape[0], wa, wb, wc, out, col0, accumulate, unused, red, acc)
+        block_rows(cuda.blockIdx.x * rows_per_block, x, unused, unused, F0, x.shape[0], wa, wb, wc, out, col0,
+                   accumulate, unused, red, acc)
 
     return gemv_kernel
 
