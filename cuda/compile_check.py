@@ -80,7 +80,7 @@ STACKED = {  # a role's weights stacked over layers (float families: float16 [L,
 }
 # the decode step's argument tuples (cuda/kernels/decode_phases.py lists them)
 DECODE_INPUTS = types.Tuple((I32_1, I32_1, I64_1, I32_2, F32_1, F32_1, I32_1, F32_1, F32_1, F32_1, F32_1, U64_1,
-                             I64_1, I32_1, I64_1, I32_1, F32_1, I64_1, I32_1, I64_1, I32_1, I32_1))
+                             I64_1, I32_1, I64_1, I32_1, F32_1, I64_1, I32_1, I64_1, I32_1, I32_1, I32_1, U32_2))
 DECODE_STATE = types.Tuple((F32_2, F32_2, F32_2, F32_2, F32_2, F32_4, F32_4, F32_2, I32_2, F32_1, F32_1))
 DECODE_OUTPUTS = types.Tuple((I64_1, F32_1, I64_2, F32_2))
 

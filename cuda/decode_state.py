@@ -71,10 +71,11 @@ def _device_view(buf, off: int, nbytes: int, dtype, shape):
         part.view(dtype)
 
 
-def input_fields(batch: int, table_width: int, csr: int) -> list[tuple[str, object, tuple]]:
-    """The step's upload for up to `batch` sequences, block tables `table_width` wide and `csr` entries in each
-    of the sampler's per-token lists (logit bias, banned tokens, penalty history); the order of the decode
-    step's `inputs` tuple (cuda/kernels/decode_phases.py) and of sampling.sample_row."""
+def input_fields(batch: int, table_width: int, csr: int, mask_shape: tuple = (1, 1)) -> list[tuple[str, object, tuple]]:
+    """The step's upload for up to `batch` sequences, block tables `table_width` wide, `csr` entries in each
+    of the sampler's per-token lists (logit bias, banned tokens, penalty history) and room for mask_shape
+    (rows, words) of the grammar's packed allowed-token masks; the order of the decode step's `inputs` tuple
+    (cuda/kernels/decode_phases.py) and of sampling.sample_row."""
     b, c = batch, max(csr, 1)
     return [
         ("tokens", np.int32, (b,)), ("positions", np.int32, (b,)), ("slots", np.int64, (b,)),
@@ -87,12 +88,13 @@ def input_fields(batch: int, table_width: int, csr: int) -> list[tuple[str, obje
         ("mask_indptr", np.int64, (b + 1,)), ("mask_token_ids", np.int32, (c,)),
         ("hist_indptr", np.int64, (b + 1,)), ("hist_token_ids", np.int32, (c,)),
         ("hist_num_prompt", np.int32, (b,)),
+        ("allowed_row", np.int32, (b,)), ("allowed_mask", np.uint32, (max(mask_shape[0], 1), max(mask_shape[1], 1))),
     ]
 
 
 SAMPLER_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                   "frequency_penalty", "seed", "step", "num_logprobs", "bias_indptr", "bias_token_ids",
-                  "bias_values", "mask_indptr", "mask_token_ids", "hist_indptr", "hist_token_ids", "hist_num_prompt")
+                  "bias_values", "mask_indptr", "mask_token_ids", "hist_indptr", "hist_token_ids", "hist_num_prompt", "allowed_row")
 
 
 def output_fields(batch: int, k: int) -> list[tuple[str, object, tuple]]:
@@ -116,3 +118,6 @@ def fill_inputs(buf: PackedBuffer, step, batch) -> None:
             h[name][:n + 1] = src
         else:
             h[name][:len(src)] = src
+    if batch.constrained:  # the constrained rows' masks ride in the same upload
+        rows, words = batch.allowed_mask.shape
+        h["allowed_mask"][:rows, :words] = batch.allowed_mask

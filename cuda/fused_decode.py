@@ -110,12 +110,16 @@ class FusedDecode:
         """The smallest bucket that holds n sequences, or None (more than the largest: the per-op path)."""
         return next((b for b in self.buckets if b >= n), None)
 
-    def _input_buffer(self, bucket: int, width: int, csr: int) -> PackedBuffer:
+    def _input_buffer(self, bucket: int, width: int, csr: int, mask_shape: tuple = (1, 1)) -> PackedBuffer:
         buf = self._inputs.get(bucket)
-        if buf is None or buf.host["block_tables"].shape[1] < width or len(buf.host["hist_token_ids"]) < csr:
+        masks = buf.host["allowed_mask"].shape if buf else (1, 1)
+        if (buf is None or buf.host["block_tables"].shape[1] < width or len(buf.host["hist_token_ids"]) < csr
+                or masks[0] < mask_shape[0] or masks[1] < mask_shape[1]):
             old = (buf.host["block_tables"].shape[1], len(buf.host["hist_token_ids"])) if buf else (8, 64)
-            buf = self._inputs[bucket] = PackedBuffer(input_fields(bucket, max(width, 2 * old[0]),
-                                                                   max(csr, 2 * old[1])))
+            # mask rows grow to what a step needs, not doubled: every step uploads the whole region
+            buf = self._inputs[bucket] = PackedBuffer(input_fields(
+                bucket, max(width, 2 * old[0]), max(csr, 2 * old[1]),
+                (max(mask_shape[0], masks[0]), max(mask_shape[1], masks[1]))))
         return buf
 
     def _output_buffer(self, bucket: int, k: int) -> PackedBuffer:
@@ -145,7 +149,8 @@ class FusedDecode:
         batch.check_logits_shape((n, self.vocab))  # token ids of the sampler's lists inside the vocabulary
         self.counters.reset()
         csr = max(len(batch.bias_token_ids), len(batch.mask_token_ids), len(batch.hist_token_ids))
-        inp = self._input_buffer(bucket, step.block_tables.shape[1], csr)
+        inp = self._input_buffer(bucket, step.block_tables.shape[1], csr,
+                                 batch.allowed_mask.shape if batch.constrained else (1, 1))
         out = self._output_buffer(bucket, batch.max_num_logprobs)
         fill_inputs(inp, step, batch)
         inp.upload()

@@ -84,27 +84,30 @@ class ModelRunner:
         step.window_slot_mapping = (tables[:, step.token_seq, pos // bs].astype(np.int64) * bs + pos % bs)
 
     def takes_fused(self, scheduled: list[tuple[Sequence, int]]) -> bool:
-        """A pure decode step (every sequence one token, its last) that the fused decode step holds: its
-        sampling phase has no grammar mask, so a step with a constrained sequence goes per op."""
+        """A pure decode step (every sequence one token, its last) that the fused decode step holds."""
         return (self.fused_decode is not None and self.fused_decode.bucket(len(scheduled)) is not None
-                and all(n == 1 and s.num_computed_tokens + 1 == s.num_tokens and s.grammar is None
-                        for s, n in scheduled))
+                and all(n == 1 and s.num_computed_tokens + 1 == s.num_tokens for s, n in scheduled))
 
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], SampleResult | None]:
         step, sampling = self.build_step(scheduled)
-        if self.takes_fused(scheduled):
-            return sampling, self.fused_decode.run(step, self.sampling_batch(sampling))
         pending = self._start_masks(sampling)
+        if self.takes_fused(scheduled):
+            return sampling, self.fused_decode.run(step, self.sampling_batch(sampling, self._masks(pending)))
         b = self.backend
         logits = self.model.forward(StepInput(*(None if a is None else b.upload(a) for a in step.arrays())),
                                     self.k_cache, self.v_cache)
         if not sampling:
             return [], None
-        masks = None
-        if pending is not None:
-            masks, done = pending
-            done.result()
-        return sampling, b.sample(logits, self.sampling_batch(sampling, masks))
+        return sampling, b.sample(logits, self.sampling_batch(sampling, self._masks(pending)))
+
+    @staticmethod
+    def _masks(pending: tuple[np.ndarray, Future] | None) -> np.ndarray | None:
+        """The constrained rows' masks once the mask thread has filled them (None: no row is constrained)."""
+        if pending is None:
+            return None
+        masks, done = pending
+        done.result()
+        return masks
 
     def sampling_batch(self, sampling: list[Sequence], masks: np.ndarray | None = None) -> SamplingBatch:
         """The sampler's arrays for the sequences that sample this step (masks: the constrained rows' packed

@@ -79,11 +79,26 @@ class Pair:
                          token_seq=np.arange(n, dtype=np.int32), slot_mapping=slots, block_tables=tables,
                          logits_indices=np.arange(n, dtype=np.int32))
 
-    def check(self, n: int, mode: str, grid: int | None):
+    def allowed(self, rows: int, each: int) -> tuple[np.ndarray, list[set]]:
+        """Packed allowed-token masks [rows, ceil(V/32)] of `each` random tokens a row, and those tokens."""
+        words = -(-self.vocab // 32)
+        sets, masks = [], np.zeros((rows, words * 32), bool)
+        for r in range(rows):
+            ids = self.rng.choice(self.vocab, each, replace=False)
+            masks[r, ids] = True
+            sets.append(set(ids.tolist()))
+        return np.packbits(masks, axis=1, bitorder="little").view(np.uint32), sets
+
+    def check(self, n: int, mode: str, grid: int | None, constrained: tuple = ()):
+        """constrained: the rows sampled under a grammar's allowed-token mask."""
         from engine.backends.cpu_sampler import sample as cpu_sample
 
         step = self.step(n)
-        batch = SamplingBatch.build(_rows(n))
+        rows = _rows(n)
+        mask, allowed = self.allowed(len(constrained), 10)
+        for k, i in enumerate(constrained):
+            rows[i] = dataclasses.replace(rows[i], allowed_row=k)
+        batch = SamplingBatch.build(rows, mask if constrained else None)
         want_logits = self.cpu.forward(step, self.kc, self.vc)
         want_h = self.cpu._state.h[:n].copy()
         want = cpu_sample(want_logits, batch)
@@ -98,6 +113,8 @@ class Pair:
         np.testing.assert_array_equal(got.token_ids, want.token_ids)
         close(got.logprobs, want.logprobs, 1e-4)
         np.testing.assert_array_equal(got.top_token_ids, want.top_token_ids)
+        for k, i in enumerate(constrained):
+            assert int(got.token_ids[i]) in allowed[k]
         return fused
 
 
@@ -122,6 +139,14 @@ def test_cooperative_decode_step_on_one_block():
     """5b: the persistent kernel itself, grid syncs between its phases, one launch for the whole step."""
     pair = Pair("q4_1", TINY, ctx_lens=[7, 2], seed=3)
     fused = pair.check(2, "cooperative", grid=None)
+    assert (fused.counters.launches, fused.counters.uploads, fused.counters.downloads) == (1, 1, 1)
+
+
+def test_decode_step_samples_inside_the_grammar_masks():
+    """Constrained rows beside free ones: the packed allowed-token masks ride in the step's one upload and the
+    sampling phase keeps to them, token for token with the cpu sampler."""
+    pair = Pair("q8_0", TINY, ctx_lens=[7, 2, 9, 4], seed=6)
+    fused = pair.check(4, "cooperative", grid=None, constrained=(0, 2))
     assert (fused.counters.launches, fused.counters.uploads, fused.counters.downloads) == (1, 1, 1)
 
 

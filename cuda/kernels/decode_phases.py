@@ -17,7 +17,8 @@ phases are launched one by one; cuda/kernels/decode_step.py has both).
              together (SiLU in the epilogue); ss_attn = 0
   DOWN       h += mlp Wdown^T; ss_attn += h^2
   LM_HEAD    logits = rmsnorm(h) Wlm^T
-  SAMPLE     one row a block (cuda/kernels/sampling.py); ss_attn = 0 for the next step
+  SAMPLE     one row a block (cuda/kernels/sampling.py, the grammar's allowed-token mask included); ss_attn = 0
+             for the next step
 
 Weights keep their stored formats (one family per role, stacked over layers: wa[layer] is that layer's
 matrix in the layout of cuda/kernels/common.py) and are dequantized in registers by the GEMV code of
@@ -206,7 +207,7 @@ def attention_phase(rows: int, chunk: int, dh_max: int):
             t = w // per_token
             r = w - t * per_token
             g = r // nsplit
-            # window 0: the fused step serves only full-attention models (the runner routes the others per op)
+            # window 0: the fused step serves only full-attention models (the others have no fused step)
             item(t, 1, t, g, r - g * nsplit, nsplit, qkv, k_cache, v_cache, block_tables, positions, num_heads,
                  num_kv_heads, scale, split_size, 0, out, part_acc, part_ml, q_s, acc_s, kv_s, s_s, m_s, l_s, c_s)
     return attention
@@ -275,7 +276,7 @@ def phases(spec: DecodeSpec):
             for i in range(cuda.blockIdx.x, ntok, cuda.gridDim.x):
                 sample_row(i, logits, state[7], state[8], inputs[4], inputs[5], inputs[6], inputs[7], inputs[8],
                            inputs[9], inputs[10], inputs[11], inputs[12], inputs[13], inputs[14], inputs[15],
-                           inputs[16], inputs[17], inputs[18], inputs[19], inputs[20], inputs[21], outputs[0],
-                           outputs[1], outputs[2], outputs[3], smem, ibuf, found)
+                           inputs[16], inputs[17], inputs[18], inputs[19], inputs[20], inputs[21], inputs[22],
+                           inputs[23], outputs[0], outputs[1], outputs[2], outputs[3], smem, ibuf, found)
             zero_rows(ss_attn, ntok)
     return run_phase
