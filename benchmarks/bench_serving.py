@@ -43,9 +43,18 @@ shipped gateway settings (2 workers x 16 threads) at most 32 streams are served 
 runs the gateway with --gateway-threads (64) per worker and the node with --node-threads (96), so
 that concurrency 64 is real.
 
+Peer (--peer): llama.cpp's `llama-server` (built once from PyPI's llama.cpp source by
+benchmarks/llama_cpp_build.py, or --peer-server PATH) is started with `-np N` (continuous batching, N slots)
+on the same GGUF (--model-path) with --peer-threads threads, for each N of --peer-concurrency, and driven by
+the same client with the same prompts and max_tokens (ignore_eos, which llama-server honours) as our stack,
+in --peer-rounds pairs of passes that alternate which side goes first; the JSON's "peer" holds each pass, the
+pooled figures of each side and the ratios (output tokens/s, TTFT p50), and "targets" sets them beside
+issue 21's. `make bench-peers` runs it (with --start).
+
 The parts: serving_workload (prompts, the openai driver, the load shapes), gateway_overhead (the paired
-direct/gateway passes), serving_stats (per-request records, per-level figures), local_stack (--start),
-serving_report (the printed lines, the targets, the plot); this script runs them and writes the JSON.
+direct/gateway passes), serving_peer (llama-server and the alternating passes), serving_stats (per-request
+records, per-level figures), local_stack (--start), serving_report (the printed lines, the targets, the
+plot); this script runs them and writes the JSON.
 """
 
 from __future__ import annotations
@@ -69,8 +78,10 @@ sys.path.insert(0, str(ROOT))  # run as a script: benchmarks/ is a package of th
 from benchmarks.constrained_pass import measure_constrained  # noqa: E402
 from benchmarks.gateway_overhead import measure_overhead  # noqa: E402
 from benchmarks.http_client import httpx  # noqa: E402
+from benchmarks.llama_cpp_build import build as build_llama_cpp  # noqa: E402
 from benchmarks.local_stack import NODE_LOG, start_stack  # noqa: E402
-from benchmarks.serving_report import log, machine_info, print_level, targets, write_plot  # noqa: E402
+from benchmarks.serving_report import fmt_ratio, log, machine_info, print_level, targets, write_plot  # noqa: E402
+from benchmarks.serving_peer import PeerSettings, compare_with_peer  # noqa: E402
 from benchmarks.serving_stats import summarize  # noqa: E402
 from benchmarks.serving_workload import OpenAIDriver, PromptOrder, load_prompts, run_concurrency, run_poisson  # noqa: E402,E501
 from engine.protocol import DEV_NODE_SECRET  # noqa: E402
@@ -151,6 +162,17 @@ def build_args(argv: list[str] | None) -> argparse.Namespace:
                     help="tokens per engine step of the node --start starts (prefill chunk + decodes)")
     ap.add_argument("--gateway-threads", type=int, default=64)
     ap.add_argument("--gateway-workers", type=int, default=None)
+    ap.add_argument("--peer", action="store_true",
+                    help="also drive llama.cpp's llama-server -np N with the same workload, passes alternating "
+                         "with ours (builds it into .peers/ on first use: about ten minutes)")
+    ap.add_argument("--peer-server", default=None, help="a llama-server binary to use instead of the built one")
+    ap.add_argument("--peer-concurrency", default="1,16", help="streams at which ours and the peer are compared")
+    ap.add_argument("--peer-rounds", type=int, default=3, help="pairs of passes (ours, peer) per level")
+    ap.add_argument("--peer-requests", type=int, default=None,
+                    help="requests per pass (default max(8, 2 x concurrency))")
+    ap.add_argument("--peer-threads", type=int, default=os.cpu_count() or 1,
+                    help="llama-server's compute threads (default: the cores, as our engine's numba threads)")
+    ap.add_argument("--peer-ctx", type=int, default=2048, help="llama-server's context per stream (slot)")
     ap.add_argument("--quick", action="store_true", help="a small run (few requests), about a minute")
     ap.add_argument("--output", default=str(DEFAULT_OUT))
     ap.add_argument("--plot", default=None, help="PNG path (default: next to --output)")
@@ -264,7 +286,29 @@ async def run_overhead(args, base_url: str, token: str, node_url: str, node_secr
     return overhead
 
 
-async def bench(args, base_url: str, token: str, node_url: str | None, node_secret: str) -> dict:
+def peer_settings(args) -> PeerSettings | None:
+    """None without --peer; else the llama-server to run (built now if it is not yet) and the passes' sizes."""
+    if not (args.peer or args.peer_server):
+        return None
+    if args.peer_server:
+        server = Path(args.peer_server)
+        proc = subprocess.run([str(server), "--version"], capture_output=True, text=True, timeout=60, check=False)
+        if proc.returncode != 0:
+            raise SystemExit(f"error: {server} --version failed: {proc.stderr.strip()[-300:]}")
+        version = next((ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith("version")), "")
+    else:
+        built = build_llama_cpp()
+        server, version = built.server, f"{built.version}, from {built.package}"
+    if not Path(args.model_path).exists():
+        raise SystemExit(f"error: {args.model_path} is missing: run `make model` first")
+    return PeerSettings(server=server, version=version, model_path=Path(args.model_path),
+                        threads=args.peer_threads, ctx_per_stream=args.peer_ctx,
+                        concurrency=parse_list(args.peer_concurrency, int), rounds=args.peer_rounds,
+                        requests_per_pass=args.peer_requests)
+
+
+async def bench(args, base_url: str, token: str, node_url: str | None, node_secret: str,
+                peer: PeerSettings | None = None) -> dict:
     concurrency = parse_list(args.concurrency, int)
     lengths = set(parse_list(args.lengths, str))
     prompts = [p for p in load_prompts(Path(args.prompts)) if p["length"] in lengths]
@@ -292,6 +336,8 @@ async def bench(args, base_url: str, token: str, node_url: str | None, node_secr
         if node_url and not args.no_overhead and not args.constrained_only:
             result["overhead"] = await run_overhead(args, base_url, token, node_url, node_secret, model_id, quant,
                                                     prompts)
+        if peer is not None:
+            result["peer"] = await compare_with_peer(driver, peer, order, args, Path(args.output).parent)
         result["model"] = {"alias": args.model, "id": model_id, "quantization": quant}
     finally:
         await driver.close()
@@ -314,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ)
     load_before = os.getloadavg()
     wall0 = time.time()
+    peer = peer_settings(args)       # before our stack starts: a first build takes the cores for minutes
     try:
         if args.start:
             cluster, base_url, node_url, node_secret = start_stack(args, out_path.parent)
@@ -338,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         token = get_token(args, env)
         log(f"benchmarking {base_url} (model {args.model}, latency class {args.latency_class})")
         ru0 = resource.getrusage(resource.RUSAGE_SELF)
-        result = asyncio.run(bench(args, base_url, token, node_url, node_secret))
+        result = asyncio.run(bench(args, base_url, token, node_url, node_secret, peer))
         ru1 = resource.getrusage(resource.RUSAGE_SELF)
     finally:
         if cluster is not None:
@@ -369,8 +416,15 @@ def main(argv: list[str] | None = None) -> int:
         log(f"wrote {plot_path}")
     t = result["targets"]
     if "c16_output_tokens_per_s" in t:
-        log(f"16 concurrent streams: {t['c16_output_tokens_per_s']:.1f} output tokens/s "
-            f"({t['c16_vs_peer']:.1f}x llama.cpp's server), median TTFT {t['c16_ttft_p50_s']:.3f} s")
+        log(f"16 concurrent streams: {t['c16_output_tokens_per_s']:.1f} output tokens/s, "
+            f"median TTFT {t['c16_ttft_p50_s']:.3f} s")
+    for lv in result.get("peer", {}).get("levels", []):
+        c = lv["concurrency"]
+        checks = (("tokens/s target", f"c{c}_vs_peer_output_tokens_per_s_met"),
+                  ("TTFT target", f"c{c}_vs_peer_ttft_p50_met"))
+        met = [f"{what} {'met' if t[key] else 'NOT met'}" for what, key in checks if key in t]
+        log(f"against llama-server -np {c}: {fmt_ratio(lv['output_tokens_per_s_ratio'])} its output tokens/s, "
+            f"{fmt_ratio(lv['ttft_p50_ratio'])} its TTFT p50" + (f" ({', '.join(met)})" if met else ""))
     if "overhead_ttft_p50_ms" in t:
         log(f"gateway overhead at concurrency {t['overhead_concurrency']}: TTFT p50 "
             f"{t['overhead_ttft_p50_ms']:.2f} ms, end-to-end p50 {t['overhead_e2e_p50_ms']:.2f} ms")

@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-PEER_C16_TOKENS_PER_S = 80.0       # llama.cpp's server, 16 concurrent streams, same machine and model
+# Issue 21's targets against llama-server -np N measured in the same run (--peer): ours / peer at N streams.
+TARGET_VS_PEER_TOKENS_PER_S = {1: 1.2, 16: 2.5}
+TARGET_VS_PEER_TTFT_P50 = {16: 1.0}       # our median TTFT no higher than the peer's
 
 
 def log(msg: str) -> None:
@@ -43,6 +45,10 @@ def fmt_ms(d: dict, key: str = "p50") -> str:
     return "-" if v is None else f"{v * 1e3:8.1f}"
 
 
+def fmt_ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
 def print_level(name: str, s: dict) -> None:
     log(f"{name:>14} | {s['completed']:4d}/{s['requests']:<4d} err {s['error_rate']:5.1%} | "
         f"{s['requests_per_s']:6.2f} req/s {s['output_tokens_per_s']:8.1f} tok/s | "
@@ -52,19 +58,28 @@ def print_level(name: str, s: dict) -> None:
 
 
 def targets(result: dict) -> dict:
+    """Our figures at 16 streams, the gateway overhead, and, when the peer ran, each level's ratios to it
+    beside issue 21's targets. No peer figure comes from anywhere but result["peer"]."""
     c16 = next((lv for lv in result["levels"] if lv["mode"] == "concurrency" and lv["concurrency"] == 16), None)
     o = next((x for x in result["overhead"] if x["ttft_diff_ms"]["n"]), None)
-    out: dict[str, Any] = {"peer_llamacpp_server_c16_tokens_per_s": PEER_C16_TOKENS_PER_S,
-                           "target_c16_tokens_per_s": 5 * PEER_C16_TOKENS_PER_S, "target_c16_ttft_p50_s": 1.0,
-                           "target_overhead_p50_ms": 2.0}
+    out: dict[str, Any] = {"target_c16_ttft_p50_s": 1.0, "target_overhead_p50_ms": 2.0}
     if c16:
         out["c16_output_tokens_per_s"] = c16["output_tokens_per_s"]
         out["c16_ttft_p50_s"] = c16["ttft_s"]["p50"]
-        out["c16_vs_peer"] = c16["output_tokens_per_s"] / PEER_C16_TOKENS_PER_S
     if o:
         out["overhead_ttft_p50_ms"] = o["ttft_diff_ms"]["p50"]
         out["overhead_e2e_p50_ms"] = o["e2e_diff_ms"]["p50"]
         out["overhead_concurrency"] = o["concurrency"]
+    for lv in (result.get("peer") or {}).get("levels", []):
+        c, tokens, ttft = lv["concurrency"], lv["output_tokens_per_s_ratio"], lv["ttft_p50_ratio"]
+        out[f"c{c}_vs_peer_output_tokens_per_s"] = tokens
+        out[f"c{c}_vs_peer_ttft_p50"] = ttft
+        if c in TARGET_VS_PEER_TOKENS_PER_S:
+            goal = out[f"c{c}_vs_peer_output_tokens_per_s_target"] = TARGET_VS_PEER_TOKENS_PER_S[c]
+            out[f"c{c}_vs_peer_output_tokens_per_s_met"] = tokens is not None and tokens >= goal
+        if c in TARGET_VS_PEER_TTFT_P50:
+            goal = out[f"c{c}_vs_peer_ttft_p50_target"] = TARGET_VS_PEER_TTFT_P50[c]
+            out[f"c{c}_vs_peer_ttft_p50_met"] = ttft is not None and ttft <= goal
     return out
 
 

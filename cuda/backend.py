@@ -21,8 +21,9 @@ from cuda.kernels import linear as lin_k
 from cuda.kernels import rowwise as row_k
 from cuda.kernels import sampling as samp_k
 from cuda.decode_state import StepCounters
-from cuda.kernels.common import SIMULATOR
+from cuda.kernels.common import FAMILIES, SIMULATOR
 from engine.backends.contract import ComposedOps, QuantTensor, SampleResult, StackedLinear, rope_tables
+from models.quant import BLOCK_FORMATS, CODE_ZERO, HALF_SCALES
 
 if SIMULATOR:
     from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray as _DeviceArrayBase
@@ -106,22 +107,35 @@ def take_rows(src, index) -> DeviceTensor:
 # --------------------------------------------------------------------------- weights
 
 def _device_layout(t: QuantTensor):
-    """(family, host arrays (wa, wb, wc)) of a stored matrix."""
+    """(family, host arrays (wa, wb, wc)) of a stored matrix (layouts in cuda/kernels/common.py)."""
     n = t.shape[0]
     dummy = np.zeros((1, 1), np.float16)
-    if t.format in ("q4_0", "q4_1", "q8_0"):
-        d, m, qs = t.block_fields()
-        qs = np.ascontiguousarray(qs).reshape(n, -1).view(np.uint32)
-        if t.format == "q8_0":
-            return "q8", (qs, d, dummy)
-        if m is None:  # q4_0 as q4_1 with m = -8 d (exact in float16)
-            m = (d.astype(np.float32) * np.float32(-8.0)).astype(np.float16)
-        return "q4", (qs, d, m)
+    if t.format in BLOCK_FORMATS:
+        return _block_layout(t, dummy)
     if t.format == "f16":
         return "f16", (np.asarray(t.data, np.float16), dummy, dummy)
     if t.format == "bf16":
         return "bf16", (np.asarray(t.data, np.uint16), dummy, dummy)
-    return "f32", (np.asarray(t.data, np.float32), dummy, dummy)
+    return "f32", (np.asarray(t.data, np.float32).reshape(n, -1), dummy, dummy)
+
+
+def _block_layout(t: QuantTensor, dummy: np.ndarray):
+    """A block format through its affine view (QuantTensor.affine): w = d * code + m per group."""
+    codes, d, m, g = t.affine()
+    n, k = t.shape
+    half = t.format in HALF_SCALES   # float16 scales as stored; K-quants' exact products need float32
+    if t.format in ("q4_0", "q4_1", "q4_k"):
+        c = codes.reshape(n, k // 32, 32)
+        qs = np.ascontiguousarray(c[:, :, :16] | (c[:, :, 16:] << 4)).reshape(n, -1).view(np.uint32)
+        if half:
+            return "q4", (qs, d.astype(np.float16), m.astype(np.float16))
+        return "q4k", (qs, d, m)
+    if t.format in CODE_ZERO:   # signed bytes code - zero under d alone
+        qs = (codes.astype(np.int16) - CODE_ZERO[t.format]).astype(np.int8).view(np.uint8).view(np.uint32)
+        if g == 16:
+            return "q8h", (qs, d, dummy)
+        return "q8", (qs, d.astype(np.float16), dummy)
+    return "q8m", (codes.view(np.uint32), d, m)
 
 
 class CudaLinear(StackedLinear):
@@ -133,7 +147,7 @@ class CudaLinear(StackedLinear):
 
     def _upload(self, t: QuantTensor) -> tuple[str, tuple]:
         family, host = _device_layout(t)
-        used = {"q4": 3, "q8": 2}.get(family, 1)
+        used = {"q4": 3, "q4k": 3, "q8m": 3, "q8": 2, "q8h": 2}.get(family, 1)
         self.nbytes += sum(int(a.nbytes) for a in host[:used])
         return family, tuple(_to_device(a) for a in host)
 
@@ -214,10 +228,7 @@ class CudaBackend(ComposedOps):
         self._cache = _HostCache()
         self._scratch: dict[str, DeviceTensor] = {}
         c = self.config
-        self._gemv = {"q4": lin_k.gemv_q4(c.gemv_tokens, c.gemv_threads),
-                      "q8": lin_k.gemv_q8(c.gemv_tokens, c.gemv_threads)}
-        for fam in ("f16", "bf16", "f32"):
-            self._gemv[fam] = lin_k.gemv_float(fam, c.gemv_tokens, c.gemv_threads)
+        self._gemv = {fam: lin_k.gemv(fam, c.gemv_tokens, c.gemv_threads) for fam in FAMILIES}
         self._part_dummy = _zeros((1, 1, 1, 1), np.float32)
         self._launchers: dict = {}
         self.counters = StepCounters()  # the per-op path's launches and copies (gpu-check reads them per step)

@@ -64,7 +64,10 @@ F32_5 = types.Array(types.float32, 5, "C")
 
 WEIGHTS = {  # (wa, wb, wc) of each weight family (float families get float16 [1, 1] placeholders)
     "q4": (U32_2, F16_2, F16_2),
+    "q4k": (U32_2, F32_2, F32_2),
     "q8": (U32_2, F16_2, F16_2),
+    "q8m": (U32_2, F32_2, F32_2),
+    "q8h": (U32_2, F32_2, F16_2),
     "f16": (F16_2, F16_2, F16_2),
     "bf16": (U16_2, F16_2, F16_2),
     "f32": (F32_2, F16_2, F16_2),
@@ -125,13 +128,8 @@ def catalog(cfg: launch.LaunchConfig, own_row: bool = True) -> list[Spec]:
     ]
     tok, thr = cfg.gemv_tokens, cfg.gemv_threads
     for fam in FAMILIES:
-        if fam == "q4":
-            k = lin_k.gemv_q4(tok, thr)
-        elif fam == "q8":
-            k = lin_k.gemv_q8(tok, thr)
-        else:
-            k = lin_k.gemv_float(fam, tok, thr)
-        specs.append(Spec(f"gemv_{fam}[tok={tok},threads={thr}]", k, (F32_2, *WEIGHTS[fam], F32_2, INT, BOOL)))
+        specs.append(Spec(f"gemv_{fam}[tok={tok},threads={thr}]", lin_k.gemv(fam, tok, thr),
+                          (F32_2, *WEIGHTS[fam], F32_2, INT, BOOL)))
     for bm, bn, tm, tn in cfg.gemm_tiles:
         tile = (bm, bn, launch.GEMM_BK, tm, tn)
         for fam in FAMILIES:

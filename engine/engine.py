@@ -78,7 +78,7 @@ class Engine:
         self.model_config = weights.config
         self.model_id = config.model_id or Path(config.model).name.split(".")[0]
         self.formats = sorted(weights.formats())
-        self.weight_bytes = weights.nbytes
+        self.weight_bytes = self.model.nbytes   # in the backend's layout (5- and 6-bit codes take a byte there)
         del weights
         self.max_model_len = min(config.max_model_len or self.model_config.max_position, self.model_config.max_position)
         num_blocks = config.kv_cache_bytes // self.model.kv_bytes_per_block(config.block_size)

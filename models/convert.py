@@ -1,10 +1,11 @@
 """Convert any loadable model to a Hugging Face style directory: config.json + model.safetensors + tokenizer.
 
-    python -m models.convert SRC OUT_DIR [--format f32|f16|bf16|q8_0|q4_0|q4_1]
+    python -m models.convert SRC OUT_DIR [--format f32|f16|bf16|q8_0|q4_0|q4_1|q5_0|q5_1|q4_k|q5_k|q6_k]
 
 SRC is a .gguf file or a model directory. Without --format the stored formats are kept (a GGUF's mix of
-q8_0 and q4_1 included). Float formats are written as plain tensors; block formats as raw GGML blocks that
-models.safetensors_file reads back exactly.
+q8_0 and q4_1, or a Q4_K_M file's q4_k, q5_0, q6_k and q8_0, included). Float formats are written as plain
+tensors; block formats as raw GGML blocks that models.safetensors_file reads back exactly. K-quants fall
+back to q5_0 / q5_1 / q8_0 for matrices whose rows are not a multiple of 256, as llama.cpp does.
 """
 from __future__ import annotations
 

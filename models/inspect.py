@@ -10,8 +10,9 @@ from dataclasses import dataclass
 from models.quant import (BLOCK_FORMATS, FLOAT_FORMATS, FORMATS, UnsupportedFormat, bytes_per_weight,
                           format_of_ggml)
 
-# A model stored in mixed formats is named by its most compact one (a Q4_1 GGUF keeps its embedding in q8_0).
-FORMAT_ORDER = ("q4_0", "q4_1", "q8_0", "bf16", "f16", "f32")
+# A model stored in mixed formats is named by its most compact one (a Q4_1 GGUF keeps its embedding in q8_0;
+# a Q4_K_M GGUF mixes q4_k, q5_0, q6_k and q8_0, and is named q4_k).
+FORMAT_ORDER = ("q4_0", "q4_k", "q4_1", "q5_0", "q5_k", "q5_1", "q6_k", "q8_0", "bf16", "f16", "f32")
 assert set(FORMAT_ORDER) == set(BLOCK_FORMATS + FLOAT_FORMATS)
 
 

@@ -106,7 +106,7 @@ def load_model(path, quantization: str | None = None) -> tuple[ModelWeights, Tok
 
     path: a .gguf file, or a directory with config.json and safetensors weights (a directory holding exactly
           one .gguf file also works).
-    quantization: None keeps the stored formats; one of f32, f16, bf16, q8_0, q4_0, q4_1 re-encodes every
+    quantization: None keeps the stored formats; one of models.formats' names (f32 ... q6_k) re-encodes every
           matrix (norms stay float32).
     Errors: FileNotFoundError for a missing path; models.gguf_file.ModelFileError naming the file for
     anything that is not a loadable model; models.quant.UnsupportedFormat for a tensor type or

@@ -4,8 +4,16 @@ Block formats follow GGML byte for byte, one row of the matrix after another:
   q8_0  blocks of 32: f16 scale d, 32 x int8 q            -> w = d * q
   q4_0  blocks of 32: f16 scale d, 16 bytes of nibbles    -> w = d * (q - 8)
   q4_1  blocks of 32: f16 scale d, f16 min m, 16 bytes     -> w = d * q + m
-Nibble j of a block (j < 16) is the low half of byte j, nibble j + 16 its high half.
-Encoding and decoding go through the `gguf` package, the reference implementation of these formats.
+  q5_0  blocks of 32: f16 scale d, 4 bytes of 5th bits, 16 bytes -> w = d * (q - 16)
+  q5_1  blocks of 32: f16 scale d, f16 min m, 4 + 16 bytes  -> w = d * q + m
+  q4_k, q5_k, q6_k  super-blocks of 256 (models/kquants.py)
+Nibble j of a block (j < 16) is the low half of byte j, nibble j + 16 its high half; bit j of q5's 32-bit
+word is the 5th bit of value j. Encoding and decoding go through the `gguf` package, the reference
+implementation of these formats, except the K-quant encoder, which gguf lacks (models/kquants.py).
+
+Every block format is affine per group of values (`QuantTensor.affine`): w = scale * code + offset with
+an unsigned integer code and exact float32 scale and offset per group of 32 values (16 for q6_k); the
+backends repack from that one view.
 """
 from __future__ import annotations
 
@@ -14,9 +22,10 @@ from dataclasses import dataclass
 import gguf
 import numpy as np
 
-from models.formats import BLOCK_FORMATS, FLOAT_FORMATS, FORMATS  # noqa: F401 (re-exported)
+from models import kquants
+from models.formats import BLOCK_FORMATS, FLOAT_FORMATS, FORMATS, K_FORMATS  # noqa: F401 (re-exported)
 
-QK = 32
+QK = 32  # values per block of the legacy formats, and per scale group of the kernels' layouts
 
 GGML_TYPE = {
     "f32": gguf.GGMLQuantizationType.F32,
@@ -25,10 +34,22 @@ GGML_TYPE = {
     "q8_0": gguf.GGMLQuantizationType.Q8_0,
     "q4_0": gguf.GGMLQuantizationType.Q4_0,
     "q4_1": gguf.GGMLQuantizationType.Q4_1,
+    "q5_0": gguf.GGMLQuantizationType.Q5_0,
+    "q5_1": gguf.GGMLQuantizationType.Q5_1,
+    "q4_k": gguf.GGMLQuantizationType.Q4_K,
+    "q5_k": gguf.GGMLQuantizationType.Q5_K,
+    "q6_k": gguf.GGMLQuantizationType.Q6_K,
 }
 FORMAT_OF_GGML = {v: k for k, v in GGML_TYPE.items()}
 # bytes of one stored block of QK values (GGML's own table; float formats store one value a "block")
 BLOCK_BYTES = {f: gguf.GGML_QUANT_SIZES[t][1] for f, t in GGML_TYPE.items() if f in BLOCK_FORMATS}
+BLOCK_VALUES = {f: gguf.GGML_QUANT_SIZES[t][0] for f, t in GGML_TYPE.items() if f in BLOCK_FORMATS}
+# formats whose offset is a fixed multiple of the scale: w = d * (code - CODE_ZERO)
+CODE_ZERO = {"q8_0": 128, "q4_0": 8, "q5_0": 16, "q6_k": 32}
+# the scales are float16 per group as stored (else d * sub-block scale: exact in float32, not in float16)
+HALF_SCALES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+# what a K-quant becomes for a matrix whose rows are not a multiple of 256 (llama.cpp's own choice)
+K_FALLBACK = {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
 
 
 def bytes_per_weight(fmt: str) -> float:
@@ -68,8 +89,9 @@ class QuantTensor:
         if self.format not in FORMATS:
             raise UnsupportedFormat(f"unsupported weight format {self.format!r}")
         self.shape = tuple(int(s) for s in self.shape)
-        if self.format in BLOCK_FORMATS and self.shape[-1] % QK:
-            raise ValueError(f"{self.format} needs a row length divisible by {QK}, got {self.shape}")
+        if self.format in BLOCK_FORMATS and self.shape[-1] % BLOCK_VALUES[self.format]:
+            raise ValueError(f"{self.format} needs a row length divisible by {BLOCK_VALUES[self.format]}, "
+                             f"got {self.shape}")
 
     @property
     def nbytes(self) -> int:
@@ -86,17 +108,35 @@ class QuantTensor:
         flat = gguf.quants.dequantize(np.ascontiguousarray(self.data), GGML_TYPE[self.format])
         return flat.reshape(self.shape).astype(np.float32, copy=False)
 
-    def block_fields(self) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
-        """A block format's fields per (row, block): scales d float16 [N, nb], mins m float16 [N, nb]
-        (q4_1; None otherwise) and the quant bytes uint8 [N, nb, 16 or 32], as GGML lays a block out."""
+    def affine(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """A block format as (codes uint8 [N, K], scale float32 [N, K/g], offset float32 [N, K/g], g):
+        w[n, k] = scale[n, k // g] * codes[n, k] + offset[n, k // g] exactly (g = 32; 16 for q6_k)."""
         if self.format not in BLOCK_FORMATS:
             raise ValueError(f"{self.format} is not a block format")
         n, k = self.shape
+        if self.format in K_FORMATS:
+            raw = np.asarray(self.data).reshape(-1, BLOCK_BYTES[self.format])
+            fields = kquants.unpack(self.format, raw)
+            scale, offset = fields.scales(self.format)
+            g = kquants.SUB[self.format]
+            return fields.q.reshape(n, k), scale.reshape(n, k // g), offset.reshape(n, k // g), g
         blocks = np.asarray(self.data).reshape(n, k // QK, BLOCK_BYTES[self.format])
-        d = np.ascontiguousarray(blocks[:, :, 0:2]).view(np.float16)[..., 0]
-        if self.format == "q4_1":
-            return d, np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16)[..., 0], blocks[:, :, 4:]
-        return d, None, blocks[:, :, 2:]
+        d = np.ascontiguousarray(blocks[:, :, 0:2]).view(np.float16)[..., 0].astype(np.float32)
+        if self.format == "q8_0":
+            codes = (blocks[:, :, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        else:
+            has_min = self.format in ("q4_1", "q5_1")
+            qs = blocks[:, :, -16:]
+            codes = np.concatenate([qs & 15, qs >> 4], axis=-1)
+            if self.format in ("q5_0", "q5_1"):
+                at = 4 if has_min else 2
+                qh = np.ascontiguousarray(blocks[:, :, at:at + 4]).view(np.uint32)  # [N, nb, 1]
+                codes = codes | (((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4)
+        if self.format in CODE_ZERO:
+            offset = d * np.float32(-CODE_ZERO[self.format])
+        else:
+            offset = np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16)[..., 0].astype(np.float32)
+        return codes.reshape(n, k), d, offset, QK
 
     def rows(self, index: np.ndarray) -> "QuantTensor":
         """A new tensor holding the selected rows (row reordering never splits a block)."""
@@ -117,6 +157,10 @@ class QuantTensor:
             return cls(fmt, w.shape, rounded)
         if fmt not in BLOCK_FORMATS:
             raise UnsupportedFormat(f"unsupported weight format {fmt!r}")
+        if w.shape[-1] % BLOCK_VALUES[fmt]:
+            raise ValueError(f"{fmt} needs a row length divisible by {BLOCK_VALUES[fmt]}, got {w.shape}")
+        if fmt in K_FORMATS:
+            return cls(fmt, w.shape, kquants.quantize(fmt, w))
         return cls(fmt, w.shape, gguf.quants.quantize(w, GGML_TYPE[fmt]))
 
     @classmethod
@@ -135,6 +179,9 @@ class QuantTensor:
         return cls(fmt, shape, data)
 
     def convert(self, fmt: str | None) -> "QuantTensor":
+        """This matrix in `fmt` (a K-quant falls back as llama.cpp does where rows are not a multiple of 256)."""
+        if fmt in K_FALLBACK and self.shape[-1] % BLOCK_VALUES[fmt]:
+            fmt = K_FALLBACK[fmt]
         if fmt is None or fmt == self.format:
             return self
         return QuantTensor.from_float(self.dequantize(), fmt)

@@ -3,15 +3,28 @@ their code as JSON {kernel: text}: `python -m tests.isa_probe asm` (machine code
 
 The ISA tests run it in a subprocess with ZEN_CPU_ISA / NUMBA_CPU_NAME / NUMBA_CPU_FEATURES set, for
 targets this machine may not be able to run (AVX-VNNI on a CPU without it, ARM64 through the IR).
+
+ISA_PROBE_TRIPLE=<triple> compiles for another architecture altogether (aarch64-unknown-linux-gnu with
+NUMBA_CPU_NAME=neoverse-n1 and NUMBA_CPU_FEATURES=+neon,+dotprod): numba's JIT takes its target from
+llvmlite's get_process_triple, which is replaced here before numba builds its code generator; LLVM then
+compiles and links (never runs) the kernels as an ARM64 host's numba would.
 """
 from __future__ import annotations
 
 import json
+import os
 import sys
 
-from numba import types
+import llvmlite.binding as llvm
 
-from engine.backends import cpu_isa, cpu_matmul, cpu_ops, cpu_transforms
+if os.environ.get("ISA_PROBE_TRIPLE"):
+    llvm.initialize_all_targets()
+    llvm.initialize_all_asmprinters()
+    llvm.get_process_triple = lambda: os.environ["ISA_PROBE_TRIPLE"]
+
+from numba import types  # noqa: E402
+
+from engine.backends import cpu_isa, cpu_matmul, cpu_ops, cpu_transforms  # noqa: E402
 
 
 def _arr(dtype, ndim):
@@ -20,11 +33,13 @@ def _arr(dtype, ndim):
 
 _F2 = _arr(types.float32, 2)
 # the argument types the backend calls them with (cpu_matmul._rows_*, rows_float; cpu_transforms rows)
+_ROWS_I8 = (_arr(types.int8, 3), _F2, _F2, types.uint64, _F2, types.int64, types.int64, types.boolean)
 KERNELS = {
-    "rows_q4_i8": (cpu_matmul._rows_q4_i8, (_arr(types.uint8, 5), _arr(types.uint16, 4), _arr(types.int8, 3), _F2,
-                                            _F2, types.uint64, _F2, types.int64, types.int64, types.boolean)),
-    "rows_q8_i8": (cpu_matmul._rows_q8_i8, (_arr(types.uint8, 5), _arr(types.uint16, 4), _arr(types.int8, 3), _F2,
-                                            _F2, types.uint64, _F2, types.int64, types.int64, types.boolean)),
+    "rows_q4_i8": (cpu_matmul._rows_q4_i8, (_arr(types.uint8, 5), _arr(types.uint16, 4)) + _ROWS_I8),
+    "rows_q8_i8": (cpu_matmul._rows_q8_i8, (_arr(types.uint8, 5), _arr(types.uint16, 4)) + _ROWS_I8),
+    # the K-quants: float32 scales (q4_k, q5_k), and q6_k's scale per 16 values
+    "rows_q4k_i8": (cpu_matmul._rows_q4_i8, (_arr(types.uint8, 5), _arr(types.float32, 4)) + _ROWS_I8),
+    "rows_q8h_i8": (cpu_matmul._rows_q8h_i8, (_arr(types.uint8, 5), _arr(types.float32, 4)) + _ROWS_I8),
     "rows_float": (cpu_matmul.rows_float, (types.int64, _arr(types.float32, 3), types.uint64, _F2, types.uint64,
                                            _F2, types.int64, types.int64, types.boolean)),
     "rmsnorm_row": (cpu_transforms.rmsnorm_row, (types.uint64, types.uint64, types.uint64, types.int64,

@@ -18,7 +18,7 @@ def test_shipped_default_config_loads():
     assert cfg.models["zen-small"].model == "SmolLM2-135M-Instruct"
     assert cfg.models["zen-small"].quantization == "q4_1"
     assert cfg.models["zen-small"].max_context == 8192
-    assert {m.quantization for m in cfg.models.values()} == {"q4_1", "q8_0", "f16"}
+    assert {m.quantization for m in cfg.models.values()} == {"q4_1", "q8_0", "f16", "q4_k"}
     # burst proportional to the tier: tokens_per_second * burst_seconds
     for tier in cfg.tiers.values():
         assert tier.burst_tokens == round(tier.tokens_per_second * cfg.limits.burst_seconds)

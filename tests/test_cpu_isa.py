@@ -1,6 +1,7 @@
 """The instruction-set levels of the CPU kernels (engine/backends/cpu_isa.py): how a level is chosen, each
 level the host can run against the float64 reference, and the levels it cannot run compiled for their
-targets (AVX-VNNI's VEX vpdpbusd through NUMBA_CPU_NAME=alderlake; ARM64 through the portable IR).
+targets (AVX-VNNI's VEX vpdpbusd through NUMBA_CPU_NAME=alderlake; ARM64's NEON sdot through numba's JIT
+retargeted to aarch64, and the portable IR compiled for ARM64).
 
 numba compiles once per process, so every level runs in a subprocess of its own with ZEN_CPU_ISA set.
 """
@@ -23,6 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 RUN_TARGET = {"avx2": {"NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": "+avx2,+fma,+f16c"}}
 ALDERLAKE = {"NUMBA_CPU_NAME": "alderlake",
              "NUMBA_CPU_FEATURES": "+avx2,+fma,+f16c,+avxvnni,-avx512f,-avx512bw,-avx512vl,-avx512vnni"}
+# Graviton 2 (Neoverse N1: NEON with the dot-product extension), compiled in this process's numba for aarch64
+NEOVERSE_N1 = {"ISA_PROBE_TRIPLE": "aarch64-unknown-linux-gnu", "NUMBA_CPU_NAME": "neoverse-n1",
+               "NUMBA_CPU_FEATURES": "+neon,+dotprod,+fp-armv8"}
 HOST_LEVELS = [level for level in cpu_isa.LEVELS if cpu_isa.runs(level, cpu_isa.FEATURES)]
 # the int8 and float kernel tests of test_cpu_kernels, and the real model's logits (slow)
 KERNEL_TESTS = ("matmul_every_format or fused_parts or matmul_with_fused or rmsnorm_and_silu or paged_attention "
@@ -52,7 +56,8 @@ def test_best_level_from_features():
     assert cpu_isa.runs("avxvnni", {"avx2", "avx512vl", "avx512vnni", "fma"})  # EVEX form of the same dot
     assert cpu_isa.best_level({"avx2", "fma"}) == "avx2"
     assert cpu_isa.best_level({"avx", "sse4.2"}) == "portable"
-    assert cpu_isa.best_level({"neon", "dotprod"}) == "portable"
+    assert cpu_isa.best_level({"neon", "dotprod", "fp-armv8"}) == "neondot"
+    assert cpu_isa.best_level({"neon", "fp-armv8"}) == "portable"  # ARMv8.0 (Cortex-A72, Graviton 1)
 
 
 def test_override_picks_a_lower_level_and_refuses_a_higher_or_unknown_one():
@@ -99,7 +104,7 @@ def test_avxvnni_compiles_to_vex_vpdpbusd_on_ymm(tmp_path):
     """Alder Lake: vpdpbusd on 256-bit registers in its VEX form ({vex}; no EVEX-only zmm), never run here."""
     code = _probe("asm", _env(**ALDERLAKE), tmp_path)
     assert code["isa"] == "avxvnni"
-    for name in ("rows_q4_i8", "rows_q8_i8"):
+    for name in ("rows_q4_i8", "rows_q8_i8", "rows_q4k_i8", "rows_q8h_i8"):
         dots = [line for line in code[name].splitlines() if "vpdpbusd" in line]
         assert dots, f"{name}: no vpdpbusd"
         assert all("{vex}" in line and "%ymm" in line for line in dots), f"{name}: {dots[:3]}"
@@ -111,9 +116,27 @@ def test_avx2_compiles_to_vpmaddubsw_on_ymm(tmp_path):
     """Haswell (AVX2, no VNNI): vpmaddubsw + vpmaddwd on 256-bit registers."""
     code = _probe("asm", _env(ZEN_CPU_ISA="avx2", **RUN_TARGET["avx2"]), tmp_path)
     assert code["isa"] == "avx2"
-    for name in ("rows_q4_i8", "rows_q8_i8"):
+    for name in ("rows_q4_i8", "rows_q8_i8", "rows_q4k_i8", "rows_q8h_i8"):
         assert re.search(r"vpmaddubsw\s+%ymm", code[name]) and re.search(r"vpmaddwd\s+", code[name]), name
         assert "vpdpbusd" not in code[name] and "%zmm" not in code[name]
+
+
+@pytest.mark.slow
+def test_neondot_compiles_to_sdot_for_arm64(tmp_path):
+    """Neoverse N1: the int8 kernels' dots are NEON sdot on 128-bit registers (4 per 16-lane value), the
+    float kernels fused fmla; no x86 register anywhere."""
+    code = _probe("asm", _env(**NEOVERSE_N1), tmp_path)
+    assert code.pop("isa") == "neondot"
+    for name in ("rows_q4_i8", "rows_q8_i8"):
+        assert re.search(r"\bsdot\s+v\d+\.4s, v\d+\.16b, v\d+\.16b", code[name]), name
+        assert "llvm.aarch64" not in code[name]        # every intrinsic became an instruction
+    # q4's nibbles are below 128: one sdot per 4 bytes; q8's unsigned bytes take a second sdot (the 128 * b)
+    assert re.search(r"\beor\s+v\d+\.16b", code["rows_q8_i8"])
+    assert not re.search(r"\beor\s+v\d+\.16b", code["rows_q4_i8"])
+    for name, asm in code.items():
+        assert not re.search(r"%[xyz]mm\d", asm), name
+        assert re.search(r"\bv\d+\.(4s|16b|8h)", asm), f"{name}: no NEON vector instruction"
+    assert re.search(r"\bfmla\s+v\d+\.4s", code["rows_float"])
 
 
 @pytest.mark.slow

@@ -17,12 +17,14 @@ import pytest
 from engine.backends import cpu_matmul as L
 from engine.backends import cpu_ops as ops
 from engine.backends.cpu import CpuBackend, CpuLinear
+from models.formats import BLOCK_FORMATS
 from models.quant import QuantTensor
 from models.rope import rope_tables
 from tests import reference as R
+from tests.quant_blocks import random_tensor, row_length
 
 SEED = int(os.environ.get("CPU_KERNEL_SEED", np.random.SeedSequence().entropy % 2**32))
-QUANT = ("q4_0", "q4_1", "q8_0")
+QUANT = BLOCK_FORMATS
 FLOAT = ("f32", "f16", "bf16")
 
 
@@ -44,7 +46,8 @@ def _nonzero(rng, shape, scale=1.0):
 
 
 def _tensor(rng, fmt, n, k):
-    return QuantTensor.from_float(_nonzero(rng, (n, k), 0.5), fmt)
+    """Random blocks (K-quants from random fields) or random floats in fmt."""
+    return random_tensor(rng, fmt, n, k)
 
 
 def _rel(got, want):
@@ -91,7 +94,7 @@ def test_quantize_activations_rounds_each_block_to_int8(rng):
 def test_matmul_every_format(rng, fmt, rows, accumulate):
     """Tiled kernels (gemv and gemm shapes, 4-row groups plus a remainder) with an output size that is
     not a multiple of the 16-row tile, writing into the middle of a wider output."""
-    n, k = 45, 96
+    n, k = 45, row_length(fmt, 96)
     qt = _tensor(rng, fmt, n, k)
     dense = qt.dequantize().astype(np.float64)
     x = _nonzero(rng, (rows, k))
@@ -150,7 +153,7 @@ def test_same_format_parts_are_packed_into_one_matrix(rng):
 @pytest.mark.parametrize("fmt", QUANT + FLOAT)
 def test_blas_path_and_dequantize(rng, fmt):
     """The dequantize + BLAS path (off by default: the kernels are faster; on for a matrix on request)."""
-    n, k = 40, 96
+    n, k = 40, row_length(fmt, 96)
     qt = _tensor(rng, fmt, n, k)
     dense = qt.dequantize()
     lin = CpuLinear([qt], int8=False)
@@ -180,16 +183,16 @@ def test_non_contiguous_output(rng):
 
 @pytest.mark.parametrize("fmt", QUANT + FLOAT)
 def test_gather_rows_is_exact(rng, fmt):
-    qt = _tensor(rng, fmt, 50, 64)
+    qt = _tensor(rng, fmt, 50, row_length(fmt, 64))
     rows = rng.integers(0, 50, 9)
     np.testing.assert_array_equal(CpuLinear([qt]).gather(rows), qt.dequantize()[rows])
 
 
-@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "f16", "f32"])
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "q5_1", "q4_k", "q6_k", "f16", "f32"])
 @pytest.mark.parametrize("rows", [1, 5, 17])
 def test_matmul_with_fused_rmsnorm_and_silu_mul(rng, fmt, rows):
     """The op before a product applied on the way in: rmsnorm(x) * w, or silu(gate) * up."""
-    n, k = 37, 96
+    n, k = 37, row_length(fmt, 96)
     qt = _tensor(rng, fmt, n, k)
     dense = qt.dequantize().astype(np.float64)
     for int8 in ([True, False] if fmt in QUANT else [False]):

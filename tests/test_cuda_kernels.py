@@ -22,8 +22,10 @@ from engine.backends.cpu_sampler import sample as cpu_sample  # noqa: E402
 from engine.backends.sampling_batch import RowSpec, SamplingBatch  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from models.llama import LlamaModel, StepInput  # noqa: E402
+from models.formats import BLOCK_FORMATS  # noqa: E402
 from models.quant import QuantTensor  # noqa: E402
 from tests import reference as R  # noqa: E402
+from tests.quant_blocks import mixed_format_weights, random_tensor, row_length  # noqa: E402
 from tests.tiny_model import make_tiny_weights  # noqa: E402
 
 SIM_CONFIG = dataclasses.replace(
@@ -31,7 +33,7 @@ SIM_CONFIG = dataclasses.replace(
     gemv_max_tokens=4, gemm_tiles=((16, 16, 2, 2),), attn_rows=8, attn_chunk=8, attn_threads=32,
     attn_min_split=8, sample_threads=32,
 )
-FORMATS = ["q4_1", "q4_0", "q8_0", "f16", "bf16", "f32"]
+FORMATS = list(BLOCK_FORMATS) + ["f16", "bf16", "f32"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -109,9 +111,11 @@ def test_silu_mul(be, rng):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_embedding(be, rng, fmt):
-    w = QuantTensor.from_float(rng.standard_normal((10, 64)).astype(np.float32), fmt)
+    """Random blocks (K-quants from random fields) against gguf's own dequantization."""
+    k = row_length(fmt, 64)
+    w = random_tensor(rng, fmt, 10, k)
     tokens = np.array([3, 0, 9, 3], np.int32)
-    out = be.zeros((4, 64))
+    out = be.zeros((4, k))
     be.embedding(be.linear([w]), tokens, out)
     close(be.download(out), w.dequantize()[tokens], 1e-6)
 
@@ -119,12 +123,26 @@ def test_embedding(be, rng, fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("ntok", [3, 6])  # 3: GEMV in two token chunks; 6: the tiled GEMM
 def test_matmul(be, rng, fmt, ntok):
-    w = QuantTensor.from_float(rng.standard_normal((5, 64)).astype(np.float32), fmt)
-    x = rng.standard_normal((ntok, 64)).astype(np.float32)
+    k = row_length(fmt, 64)
+    w = random_tensor(rng, fmt, 5, k)
+    x = rng.standard_normal((ntok, k)).astype(np.float32)
     base = rng.standard_normal((ntok, 5)).astype(np.float32)
     out = be.upload(base)
     be.matmul(be.upload(x), be.linear([w]), out, accumulate=True)
     close(be.download(out), base + x.astype(np.float64) @ w.dequantize().astype(np.float64).T, 1e-5)
+
+
+def test_matmul_fused_k_quants_and_legacy_formats(be, rng):
+    """A Gemma-style mix in one fused matrix: each part keeps its own format and layout."""
+    parts = [random_tensor(rng, f, n, 256) for n, f in ((3, "q5_0"), (2, "q4_k"), (3, "q6_k"), (2, "q8_0"))]
+    dense = np.concatenate([p.dequantize() for p in parts]).astype(np.float64)
+    lin = be.linear(parts)
+    assert [p.family for p in lin.parts] == ["q8", "q4k", "q8h", "q8"]
+    for ntok in (1, 6):
+        x = rng.standard_normal((ntok, 256)).astype(np.float32)
+        out = be.zeros((ntok, 10))
+        be.matmul(be.upload(x), lin, out)
+        close(be.download(out), x @ dense.T, 1e-5)
 
 
 def test_matmul_fused_mixed_formats_and_ragged_k(be, rng):
@@ -243,11 +261,16 @@ def test_sample_draws_follow_the_seed():
     assert len(set(got.tolist())) > 3  # different seeds, different draws
 
 
-@pytest.mark.parametrize("fmt", ["q4_1"])  # the default model's layer format; the others: test_matmul
+@pytest.mark.parametrize("fmt", ["q4_1", "mixed"])  # the default model's layer format; the others: test_matmul
 def test_forward_tiny_llama(fmt):
     """The whole CudaBackend forward (prefill of 6 through the GEMM path, then one decode step through GEMV)
-    against tests.reference.forward on a tiny random Llama."""
-    weights = make_tiny_weights(seed=3, fmt=fmt, vocab=64, hidden=32, layers=2, heads=2, kv_heads=1, ffn=64)
+    against tests.reference.forward on a tiny random Llama; `mixed`: a Q4_K_M-style mix of q8_0, q5_0,
+    q4_k and q6_k matrices (tests.quant_blocks.MIXED_LAYERS), each linear in its own format."""
+    if fmt == "mixed":
+        weights = mixed_format_weights(make_tiny_weights(seed=3, fmt="f32", vocab=64, hidden=256, layers=2, heads=2,
+                                                         kv_heads=1, ffn=256, tie_embeddings=False))
+    else:
+        weights = make_tiny_weights(seed=3, fmt=fmt, vocab=64, hidden=32, layers=2, heads=2, kv_heads=1, ffn=64)
     be = CudaBackend(SIM_CONFIG)
     model = LlamaModel(weights, be)
     bs = 4

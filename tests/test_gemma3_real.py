@@ -87,3 +87,20 @@ def test_f32_greedy_equals_the_reference_past_the_sliding_window(llm, dense):
     assert len(ids) > 512 + 64
     out = llm.generate(LONG_PROMPT, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0].outputs[0]
     assert ids + out.token_ids == _reference_greedy(dense, ids, 4)
+
+
+def test_stored_formats_stay_close_to_the_reference(gemma_path, dense):
+    """The file as stored (Q4_K, Q5_0, Q6_K, Q8_0 matrices dequantized in registers, int8 activations
+    where the kernels use them): every position's logits close to the float64 reference of the same
+    dequantized weights, and the answer the float path gives."""
+    from engine.backends.cpu import CpuBackend
+    from models.build import build_model
+    from tests.test_gemma3 import run_chunks
+    weights, tok = load_model(gemma_path)
+    assert weights.formats() >= {"q4_k", "q5_0", "q6_k", "q8_0"}
+    ids = tok.encode("Question: What is the capital of France?\nAnswer:")
+    got = run_chunks(build_model(weights, CpuBackend()), ids, [len(ids)], block_size=16)
+    want = reference.gemma3_forward(dense, ids)
+    for g, w in zip(got, want):
+        assert np.dot(g, w) / (np.linalg.norm(g) * np.linalg.norm(w)) > 0.999
+    assert tok.decode([int(np.argmax(got[-1]))]) == " Paris"

@@ -14,6 +14,7 @@ import gguf
 import numpy as np
 
 from models.config import ModelConfig
+from models.formats import K_FORMATS
 from models.quant import GGML_TYPE, QuantTensor
 from models.safetensors_file import write_safetensors_dir
 from models.tokenizer import BYTE_TO_UNICODE, TOKEN_CONTROL, TOKEN_NORMAL, Tokenizer
@@ -69,11 +70,11 @@ def make_tiny_weights(
     seed: int = 0,
     fmt: str = "f32",
     vocab: int = TINY_VOCAB,
-    hidden: int = 64,
+    hidden: int | None = None,
     layers: int = 2,
     heads: int = 4,
     kv_heads: int = 2,
-    ffn: int = 128,
+    ffn: int | None = None,
     head_dim: int | None = None,
     tie_embeddings: bool = True,
     rope_theta: float = 10000.0,
@@ -83,7 +84,11 @@ def make_tiny_weights(
     """Random weights of sensible scale (matrices ~ N(0, 1/fan_in), embeddings ~ N(0, 0.25), norms ~ 1 +- 0.1).
 
     The floats depend only on the seed and shapes, so fmt='q8_0' is the q8_0 encoding of fmt='f32'.
+    hidden and ffn default to 64 and 128, or to 256 and 256 for a K-quant (rows of 256 values).
     """
+    kquant = fmt in K_FORMATS
+    hidden = hidden or (256 if kquant else 64)
+    ffn = ffn or (256 if kquant else 128)
     head_dim = head_dim or hidden // heads
     cfg = ModelConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_layers=layers, num_heads=heads,

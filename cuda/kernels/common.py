@@ -7,7 +7,11 @@ that the simulator tests is the code that runs on the GPU.
 Weight layouts on the device (repacked once when the backend uploads a matrix, see cuda/backend.py):
   q4    qs uint32 [N, K/8] (GGML's 16 nibble bytes of a block as 4 words), d, m float16 [N, K/32]: w = d*q + m
         (q4_0 is stored in this form with m = -8 d)
+  q4k   q4 with float32 d, m (q4_k: d*sc and -dmin*m per 32 values, exact in float32, not in float16)
   q8    qs uint32 [N, K/4] (4 int8 a word, little-endian), d float16 [N, K/32], m unused: w = d*q
+        (q8_0; q5_0 as q - 16)
+  q8m   q8 with float32 d, m [N, K/32]: w = d*q + m (q5_1, q5_k: q the 5-bit code)
+  q8h   q8 with float32 d [N, K/16], m unused: a scale per 16 values (q6_k, q - 32)
   f16 / bf16 (uint16 bits) / f32   w [N, K]
 """
 from __future__ import annotations
@@ -110,12 +114,22 @@ def load_q4(qs, d, m, n, k):
     return float32(d[n, b]) * float32(q) + float32(m[n, b])
 
 
-@cuda.jit(device=True)
-def load_q8(qs, d, m, n, k):
-    """Q8_0 element: a signed byte of word k/4."""
-    byte = (qs[n, k >> 2] >> ((k & 3) << 3)) & 255
-    q = int32(byte) - ((int32(byte) & 128) << 1)
-    return float32(d[n, k >> 5]) * float32(q)
+def _q8_loader(group_shift: int, with_min: bool):
+    """The q8-style element loader: a signed byte of word k/4, its scale per 2^group_shift values."""
+    @cuda.jit(device=True)
+    def load(qs, d, m, n, k):
+        byte = (qs[n, k >> 2] >> ((k & 3) << 3)) & 255
+        q = int32(byte) - ((int32(byte) & 128) << 1)
+        w = float32(d[n, k >> group_shift]) * float32(q)
+        if with_min:
+            w += float32(m[n, k >> group_shift])
+        return w
+    return load
+
+
+load_q8 = _q8_loader(5, False)
+load_q8m = _q8_loader(5, True)
+load_q8h = _q8_loader(4, False)
 
 
 @cuda.jit(device=True)
@@ -133,8 +147,11 @@ def load_f32(w, b, c, n, k):
     return w[n, k]
 
 
-LOADERS = {"q4": load_q4, "q8": load_q8, "f16": load_f16, "bf16": load_bf16, "f32": load_f32}
+LOADERS = {"q4": load_q4, "q4k": load_q4, "q8": load_q8, "q8m": load_q8m, "q8h": load_q8h,
+           "f16": load_f16, "bf16": load_bf16, "f32": load_f32}
 FAMILIES = tuple(LOADERS)
+# the q8-style families: (log2 of the values per scale, whether a min is added)
+Q8_GROUPS = {"q8": (5, False), "q8m": (5, True), "q8h": (4, False)}
 
 
 @cuda.jit(device=True)

@@ -19,14 +19,14 @@ import functools
 
 from numba import cuda, float32
 
-from cuda.kernels.common import F0, F1, LOADERS, inv_rms
+from cuda.kernels.common import F0, F1, LOADERS, Q8_GROUPS, inv_rms
 
 
 @functools.lru_cache(maxsize=None)
 def row_dot(family: str, normed: bool, tok: int):
     """acc[i] += this lane's share of sum_k W[n, k] x'[t0 + i, k] for i < tok, t0 + i < ntok; x' = x * g
     when normed (g: the RMSNorm weight [K], unused otherwise). Lanes stride over the row by 32."""
-    if family == "q4":
+    if family in ("q4", "q4k"):  # q4k: float32 d, m, read through the same float32() casts
         @cuda.jit(device=True, fastmath=True)
         def dot_q4(x, g, t0, ntok, qs, d, m, n, lane, acc):
             """Q4 words: 8 nibbles = bytes 4c..4c+3 of a block, low halves elements 4c.., high 4c+16.."""
@@ -63,14 +63,18 @@ def row_dot(family: str, normed: bool, tok: int):
                         sx = (x0 + x1) + (x2 + x3) + (y0 + y1) + (y2 + y3)
                         acc[i] += dd * sqx + mm * sx
         return dot_q4
-    if family == "q8":
+    if family in Q8_GROUPS:
+        group_shift, with_min = Q8_GROUPS[family]
+        word_shift = group_shift - 2
+
         @cuda.jit(device=True, fastmath=True)
         def dot_q8(x, g, t0, ntok, qs, d, m, n, lane, acc):
-            """Q8_0 words: 4 signed bytes, elements 4c..4c+3 of block w/8."""
+            """q8-style words: 4 signed bytes, elements 4c..4c+3 of scale group w >> word_shift, plus the
+            group's min where the family has one (Q8_GROUPS)."""
             for w in range(lane, qs.shape[1], 32):
                 k = w << 2
                 word = qs[n, w]
-                dd = float32(d[n, w >> 3])
+                dd = float32(d[n, w >> word_shift])
                 b0 = word & 255
                 b1 = (word >> 8) & 255
                 b2 = (word >> 16) & 255
@@ -85,8 +89,13 @@ def row_dot(family: str, normed: bool, tok: int):
                 for i in range(tok):
                     t = t0 + i
                     if t < ntok:
-                        acc[i] += dd * (q0 * (x[t, k] * g0) + q1 * (x[t, k + 1] * g1) + q2 * (x[t, k + 2] * g2)
-                                        + q3 * (x[t, k + 3] * g3))
+                        x0 = x[t, k] * g0
+                        x1 = x[t, k + 1] * g1
+                        x2 = x[t, k + 2] * g2
+                        x3 = x[t, k + 3] * g3
+                        acc[i] += dd * (q0 * x0 + q1 * x1 + q2 * x2 + q3 * x3)
+                        if with_min:
+                            acc[i] += float32(m[n, w >> word_shift]) * ((x0 + x1) + (x2 + x3))
         return dot_q8
     load = LOADERS[family]
 
@@ -190,18 +199,6 @@ def gemv(family: str, tok: int, threads: int):
                    accumulate, unused, red, acc)
 
     return gemv_kernel
-
-
-def gemv_q4(tok: int, threads: int):
-    return gemv("q4", tok, threads)
-
-
-def gemv_q8(tok: int, threads: int):
-    return gemv("q8", tok, threads)
-
-
-def gemv_float(family: str, tok: int, threads: int):
-    return gemv(family, tok, threads)
 
 
 @functools.lru_cache(maxsize=None)

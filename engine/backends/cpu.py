@@ -9,7 +9,7 @@ from engine.backends import cpu_matmul as mm
 from engine.backends import cpu_norm_act as norm_act
 from engine.backends import cpu_ops as ops
 from engine.backends.cpu_layers import LayerStack
-from engine.backends.cpu_repack import TILE, repack
+from engine.backends.cpu_repack import QUANT_FAMILIES, TILE, repack
 from engine.backends.cpu_sampler import sample
 from engine.backends.cpu_isa import INT8_DEFAULT, log_level
 from engine.backends.cpu_transforms import X_PLAIN, X_RMSNORM, X_SILU_MUL, transform
@@ -83,16 +83,19 @@ class CpuLinear(StackedLinear):
                 mm.matmul_q4_i8(x, a[0], a[1], out, p.col0, p.rows, accumulate, self.passes, kind, aux, eps)
             elif p.family == "q8" and self.int8:
                 mm.matmul_q8_i8(x, a[0], a[1], out, p.col0, p.rows, accumulate, self.passes, kind, aux, eps)
-            elif p.family in ("q4", "q8"):
-                dq.matmul_quant_exact(x, a[0], a[1], out, p.col0, p.rows, accumulate, kind, aux, eps)
+            elif p.family == "q8h" and self.int8:
+                mm.matmul_q8h_i8(x, a[0], a[1], out, p.col0, p.rows, accumulate, self.passes, kind, aux, eps)
+            elif p.family in QUANT_FAMILIES:
+                dq.matmul_quant_exact(x, a[0], a[1], p.family == "q8h", out, p.col0, p.rows, accumulate, kind, aux,
+                                      eps)
             else:
                 mm.matmul_float(mm.FLOAT_KIND[p.family], x, a[0], out, p.col0, p.rows, accumulate, kind, aux, eps)
 
     def dequantize_t(self, wt: np.ndarray) -> None:
         """W.T as float32 [in, padded out] into wt (columns beyond out_features are padding)."""
         for p in self.parts:
-            if p.family in ("q4", "q8"):
-                dq.dequantize_quant_t(p.arrays[0], p.arrays[1], wt, p.col0)
+            if p.family in QUANT_FAMILIES:
+                dq.dequantize_quant_t(p.arrays[0], p.arrays[1], wt, p.col0, p.family == "q8h")
             else:
                 dq.dequantize_float_t(mm.FLOAT_KIND[p.family], p.arrays[0], wt, p.col0)
 
@@ -137,9 +140,9 @@ class CpuLinear(StackedLinear):
             if not sel.any():
                 continue
             r = rows[sel] - p.col0
-            if p.family in ("q4", "q8"):
+            if p.family in QUANT_FAMILIES:
                 tmp = np.empty((len(r), self.in_features), np.float32)
-                dq.gather_quant(p.arrays[0], p.arrays[1], r, tmp)
+                dq.gather_quant(p.arrays[0], p.arrays[1], p.family == "q8h", r, tmp)
                 out[sel] = tmp
             else:
                 out[sel] = dq.gather_float(mm.FLOAT_KIND[p.family], p.arrays[0], r)

@@ -7,11 +7,11 @@ from numba import njit, prange
 
 from engine.backends import cpu_int8, cpu_matmul, cpu_repack, cpu_simd, cpu_transforms
 from engine.backends.cpu_cache import flush_stale_caches
-from engine.backends.cpu_int8 import q4_scales
+from engine.backends.cpu_int8 import block_scales
 from engine.backends.cpu_matmul import rows_float
 from engine.backends.cpu_repack import TILE
 from engine.backends.cpu_simd import (
-    U, addr, f32_from_bits, vadd, vand, vbcast_f, vbcast_i, vcvt, vfma, vload_bf, vload_f, vload_h, vload_w,
+    F, U, addr, f32_from_bits, vadd, vand, vbcast_f, vbcast_i, vcvt, vfma, vload_bf, vload_f, vload_h, vload_w,
     vmul, vsrl, vstore_f,
 )
 from engine.backends.cpu_transforms import transformed
@@ -19,12 +19,12 @@ from models.quant import QK
 
 
 @njit(cache=True, fastmath=True)
-def _dequant_quant_tile(ap, sp, ns, is_q4, t, nb, wtp, ldw, col):
-    """Tile t of a q4/q8 matrix (at ap, scales at sp) as float32: item j * ldw + col + r of wtp is
+def _dequant_quant_tile(ap, sp, ns, f32, is_q4, halves, t, nb, wtp, ldw, col):
+    """Tile t of a q4/q8/q8h matrix (at ap, scales at sp) as float32: item j * ldw + col + r of wtp is
     W[16 t + r, j], i.e. W transposed."""
     for b in range(U(nb)):
         if is_q4:
-            d, m = q4_scales(sp, t, b, nb, ns)
+            d, m = block_scales(sp, t, b, nb, ns, f32, F(-8.0))
             mask = vbcast_i(0x0F)
             for g in range(U(4)):
                 w = vload_w(ap, (t * U(nb) + b) * U(256) + g * U(64))
@@ -34,14 +34,18 @@ def _dequant_quant_tile(ap, sp, ns, is_q4, t, nb, wtp, ldw, col):
                     vstore_f(wtp, (j + U(16)) * U(ldw) + U(col),
                              vfma(vcvt(vand(vsrl(w, U(8) * c + U(4)), mask)), d, m))
         else:
-            d = vload_h(sp, (t * U(nb) + b) * U(16))
+            d, m = block_scales(sp, t, b, nb, ns, f32, F(-128.0))
             mask = vbcast_i(0xFF)
-            off = vbcast_f(-128.0)
             for g in range(U(8)):
                 w = vload_w(ap, (t * U(nb) + b) * U(512) + g * U(64))
+                if halves:   # u - 32 under the half's scale
+                    s = d if g < U(4) else m
+                    off = vmul(s, vbcast_f(-32.0))
+                else:
+                    s, off = d, m
                 for c in range(U(4)):
                     j = b * U(QK) + U(4) * g + c
-                    vstore_f(wtp, j * U(ldw) + U(col), vmul(vadd(vcvt(vand(vsrl(w, U(8) * c), mask)), off), d))
+                    vstore_f(wtp, j * U(ldw) + U(col), vfma(vcvt(vand(vsrl(w, U(8) * c), mask)), s, off))
 
 
 @njit(cache=True, fastmath=True)
@@ -58,12 +62,12 @@ def _dequant_float_tile(kind, ap, t, k, wtp, ldw, col):
 
 
 @njit(cache=True, parallel=True)
-def dequantize_quant_t(qs, sc, wt, col0):
-    """W^T of a tiled q4/q8 matrix into columns col0 : col0 + 16 nt of wt [K, ldw] float32."""
+def dequantize_quant_t(qs, sc, wt, col0, halves):
+    """W^T of a tiled q4/q8/q8h (halves) matrix into columns col0 : col0 + 16 nt of wt [K, ldw] float32."""
     ap, sp, wtp = addr(qs), addr(sc), addr(wt)
     for ti in prange(qs.shape[0]):
-        _dequant_quant_tile(ap, sp, sc.shape[2], qs.shape[2] == 4, U(ti), qs.shape[1], wtp, wt.shape[1],
-                            col0 + ti * 16)
+        _dequant_quant_tile(ap, sp, sc.shape[2], sc.itemsize == 4, qs.shape[2] == 4, halves, U(ti), qs.shape[1],
+                            wtp, wt.shape[1], col0 + ti * 16)
 
 
 @njit(cache=True, parallel=True)
@@ -74,24 +78,25 @@ def dequantize_float_t(kind, w, wt, col0):
 
 
 @njit(cache=True, fastmath=True)
-def _rows_quant_exact(qs, sc, t0, t1, x, out, col0, n_out, accumulate):
+def _rows_quant_exact(qs, sc, halves, t0, t1, x, out, col0, n_out, accumulate):
     """Tiles t0..t1-1: each dequantized to float32 [K, 16] in a scratch (L1/L2) and multiplied there."""
     k = x.shape[1]
     w = np.empty(k * 16, np.float32)
     ap, sp, wp = addr(qs), addr(sc), addr(w)
     for ti in range(t0, t1):
-        _dequant_quant_tile(ap, sp, sc.shape[2], qs.shape[2] == 4, U(ti), qs.shape[1], wp, 16, 0)
+        _dequant_quant_tile(ap, sp, sc.shape[2], sc.itemsize == 4, qs.shape[2] == 4, halves, U(ti), qs.shape[1],
+                            wp, 16, 0)
         rows_float(0, w, wp, x, U(0), out, col0 + ti * 16, min(16, n_out - ti * 16), accumulate)
 
 
 @njit(cache=True, parallel=True, fastmath=True)
-def matmul_quant_exact(x, qs, sc, out, col0, n_out, accumulate, kind, aux, eps):
-    """The q4/q8 product with x as it is (no int8 rounding): exact, slower; the portable level's default."""
+def matmul_quant_exact(x, qs, sc, halves, out, col0, n_out, accumulate, kind, aux, eps):
+    """The q4/q8/q8h product with x as it is (no int8 rounding): exact, slower; the portable level's default."""
     nt = qs.shape[0]
     nch = min(nt, 8)
     xt = transformed(x, kind, aux, eps)
     for c in prange(nch):
-        _rows_quant_exact(qs, sc, c * nt // nch, (c + 1) * nt // nch, xt, out, col0, n_out, accumulate)
+        _rows_quant_exact(qs, sc, halves, c * nt // nch, (c + 1) * nt // nch, xt, out, col0, n_out, accumulate)
 
 
 @njit(cache=True)
@@ -112,23 +117,36 @@ def _half(bits):
 
 
 @njit(cache=True)
-def gather_quant(a, sc, rows, out):
-    """out[i] = W[rows[i]] as float32 for a tiled q4 or q8 matrix (the embedding lookup)."""
+def _scale(sc, t, b, s, r):
+    """Scale s of block b, row r of tile t, from float32 or IEEE half (uint16) scales."""
+    v = sc[t, b, s, r]
+    return np.float32(v) if sc.itemsize == 4 else _half(v)
+
+
+@njit(cache=True)
+def gather_quant(a, sc, halves, rows, out):
+    """out[i] = W[rows[i]] as float32 for a tiled q4, q8 or q8h (halves) matrix (the embedding lookup)."""
     nb = a.shape[1]
     q4 = a.shape[2] == 4
     for i in range(rows.shape[0]):
         t, r = rows[i] // TILE, rows[i] % TILE
         for b in range(nb):
-            d = _half(sc[t, b, 0, r])
+            d = _scale(sc, t, b, 0, r)
             if q4:
-                mn = _half(sc[t, b, 1, r]) if sc.shape[2] == 2 else np.float32(-8.0) * d
+                mn = _scale(sc, t, b, 1, r) if sc.shape[2] == 2 else np.float32(-8.0) * d
                 for j in range(16):
                     q = np.int32(a[t, b, j // 4, r, j % 4])
                     out[i, b * QK + j] = np.float32(q & 15) * d + mn
                     out[i, b * QK + j + 16] = np.float32(q >> 4) * d + mn
             else:
                 for j in range(QK):
-                    out[i, b * QK + j] = (np.float32(a[t, b, j // 4, r, j % 4]) - np.float32(128.0)) * d
+                    u = np.float32(a[t, b, j // 4, r, j % 4])
+                    if halves:
+                        out[i, b * QK + j] = (u - np.float32(32.0)) * _scale(sc, t, b, j // 16, r)
+                    elif sc.shape[2] == 2:
+                        out[i, b * QK + j] = u * d + _scale(sc, t, b, 1, r)
+                    else:
+                        out[i, b * QK + j] = (u - np.float32(128.0)) * d
 
 
 def gather_float(kind: int, w: np.ndarray, rows: np.ndarray) -> np.ndarray:

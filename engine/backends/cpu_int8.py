@@ -26,9 +26,10 @@ from models.quant import QK
 
 
 @njit(cache=True, fastmath=True)
-def quantize_row(xp, xrow, k, qp, dp, sp, i, nb, passes):
+def quantize_row(xp, xrow, k, qp, dp, sp, i, nb, passes, halves):
     """Row i of x (float32 at xp, the row starting at item xrow) -> int8 planes of row i at qp
-    ([M, passes, K]), block scales dp[i, b] and block sums sp[i, b] ([M, nb] float32).
+    ([M, passes, K]), block scales dp[i, b] ([M, nb]) and block sums at sp (float32 [M, nb], or with
+    halves [M, 2 nb]: the sums of each block's two halves of 16, for weights with a scale per 16).
 
     Plane 0 rounds x to int8 with scale d = max|x| / 127. With passes == 2, plane 1 rounds what plane 0
     left over (at most d / 2) with scale d / 256, so x ~ (256 * plane0 + plane1) * d / 256: about
@@ -49,7 +50,8 @@ def quantize_row(xp, xrow, k, qp, dp, sp, i, nb, passes):
         so = i * U(nb) + b
         if passes == 1:
             st_f(dp, so, d)
-            st_f(sp, so, d * F(vsum(vadd(q0, q1))))
+            s0 = d * F(vsum(q0))
+            s1 = d * F(vsum(q1))
         else:
             # the rest, in units of d / 256 (|rest| <= d / 2 -> 128 at most: clamped to 127)
             inv2 = inv * F(256.0)
@@ -61,17 +63,25 @@ def quantize_row(xp, xrow, k, qp, dp, sp, i, nb, passes):
             vstore_i8(qp, qo + U(k + 16), r1)
             d256 = d * F(1.0 / 256.0)
             st_f(dp, so, d256)
-            st_f(sp, so, d256 * F(vsum(vadd(vadd(r0, r1), vmul(vadd(q0, q1), vbcast_i(256))))))
+            s0 = d256 * F(vsum(vadd(r0, vmul(q0, vbcast_i(256)))))
+            s1 = d256 * F(vsum(vadd(r1, vmul(q1, vbcast_i(256)))))
+        if halves:
+            st_f(sp, U(2) * so, s0)
+            st_f(sp, U(2) * so + U(1), s1)
+        else:
+            st_f(sp, so, s0 + s1)
 
 
 @njit(cache=True, fastmath=True)
-def q4_scales(sp, t, b, nb, ns):
+def block_scales(sp, t, b, nb, ns, f32, zero):
+    """The two scale vectors of block b of tile t (sc [nt, nb, ns, 16] at sp, float32 or IEEE halves):
+    (d, m) with ns == 2, else (d, zero * d)."""
     so = (t * U(nb) + b) * U(ns * 16)
-    d = vload_h(sp, so)
+    d = vload_f(sp, so) if f32 else vload_h(sp, so)
     if ns == 2:
-        m = vload_h(sp, so + U(16))
+        m = vload_f(sp, so + U(16)) if f32 else vload_h(sp, so + U(16))
     else:
-        m = vmul(d, vbcast_f(-8.0))
+        m = vmul(d, vbcast_f(zero))
     return d, m
 
 
@@ -97,7 +107,7 @@ def _dot_q4_i8(l0, l1, l2, l3, h0, h1, h2, h3, xqp, xo, k, passes):
 
 
 @njit(cache=True, fastmath=True)
-def q4_tile_i8(qp, sp, ns, xqp, xdp, xsp, k, passes, t, nb, i0, nrows):
+def q4_tile_i8(qp, sp, ns, f32, xqp, xdp, xsp, k, passes, t, nb, i0, nrows):
     """Tile t against rows i0 .. i0+nrows-1 (nrows 1, 2 or 4) of the int8 x: 4 accumulators.
     Per block: d * xd * sum(nibble * xq) + m * (sum of the x block)."""
     a0 = vzero_f()
@@ -115,7 +125,7 @@ def q4_tile_i8(qp, sp, ns, xqp, xdp, xsp, k, passes, t, nb, i0, nrows):
         l0, l1, l2, l3 = vand(w0, mask), vand(w1, mask), vand(w2, mask), vand(w3, mask)
         h0, h1 = vand(vsrl(w0, 4), mask), vand(vsrl(w1, 4), mask)
         h2, h3 = vand(vsrl(w2, 4), mask), vand(vsrl(w3, 4), mask)
-        d, m = q4_scales(sp, t, b, nb, ns)
+        d, m = block_scales(sp, t, b, nb, ns, f32, F(-8.0))
         xo = i0 * rs + b * U(QK)
         so = i0 * U(nb) + b
         s = _dot_q4_i8(l0, l1, l2, l3, h0, h1, h2, h3, xqp, xo, k, passes)
@@ -135,31 +145,60 @@ def q4_tile_i8(qp, sp, ns, xqp, xdp, xsp, k, passes, t, nb, i0, nrows):
 
 
 @njit(cache=True, fastmath=True)
+def _chains16(a, c, w0, w1, w2, w3, xqp, xo):
+    """16 values of q8 codes (4 byte groups) against x bytes at xo, continuing two independent vpdpbusd
+    chains a and c (one chain would wait on its latency when a tile runs a single row of x)."""
+    a = vdpbusd(vdpbusd(a, w0, vbcast4(xqp, xo)), w1, vbcast4(xqp, xo + U(4)))
+    c = vdpbusd(vdpbusd(c, w2, vbcast4(xqp, xo + U(8))), w3, vbcast4(xqp, xo + U(12)))
+    return a, c
+
+
+@njit(cache=True, fastmath=True)
 def _dot_q8_i8(w0, w1, w2, w3, w4, w5, w6, w7, xqp, xo, k, passes):
     """As _dot_q4_i8, for the 8 byte groups of a q8 block."""
     z = vzero_i()
-    a = vdpbusd(vdpbusd(z, w0, vbcast4(xqp, xo)), w1, vbcast4(xqp, xo + U(4)))
-    c = vdpbusd(vdpbusd(z, w2, vbcast4(xqp, xo + U(8))), w3, vbcast4(xqp, xo + U(12)))
-    a = vdpbusd(vdpbusd(a, w4, vbcast4(xqp, xo + U(16))), w5, vbcast4(xqp, xo + U(20)))
-    c = vdpbusd(vdpbusd(c, w6, vbcast4(xqp, xo + U(24))), w7, vbcast4(xqp, xo + U(28)))
+    a, c = _chains16(z, z, w0, w1, w2, w3, xqp, xo)
+    a, c = _chains16(a, c, w4, w5, w6, w7, xqp, xo + U(16))
     if passes == 1:
         return vadd(a, c)
-    x1 = xo + U(k)
-    e = vdpbusd(vdpbusd(z, w0, vbcast4(xqp, x1)), w1, vbcast4(xqp, x1 + U(4)))
-    g = vdpbusd(vdpbusd(z, w2, vbcast4(xqp, x1 + U(8))), w3, vbcast4(xqp, x1 + U(12)))
-    e = vdpbusd(vdpbusd(e, w4, vbcast4(xqp, x1 + U(16))), w5, vbcast4(xqp, x1 + U(20)))
-    g = vdpbusd(vdpbusd(g, w6, vbcast4(xqp, x1 + U(24))), w7, vbcast4(xqp, x1 + U(28)))
+    e, g = _chains16(z, z, w0, w1, w2, w3, xqp, xo + U(k))
+    e, g = _chains16(e, g, w4, w5, w6, w7, xqp, xo + U(k + 16))
     return vadd(vsll(vadd(a, c), 8), vadd(e, g))
 
 
 @njit(cache=True, fastmath=True)
-def q8_tile_i8(qp, sp, xqp, xdp, xsp, k, passes, t, nb, i0, nrows):
-    """Per block: d * xd * (sum((q + 128) * xq) - 128 * sum(xq)), from the stored unsigned bytes."""
+def _dot16_i8(w0, w1, w2, w3, xqp, xo, k, passes):
+    """As _dot_q8_i8, for one half of the block (16 values, 4 byte groups)."""
+    z = vzero_i()
+    a, c = _chains16(z, z, w0, w1, w2, w3, xqp, xo)
+    if passes == 1:
+        return vadd(a, c)
+    e, g = _chains16(z, z, w0, w1, w2, w3, xqp, xo + U(k))
+    return vadd(vsll(vadd(a, c), 8), vadd(e, g))
+
+
+@njit(cache=True, fastmath=True)
+def _q8_row(acc, w0, w1, w2, w3, w4, w5, w6, w7, d, m, halves, xqp, xdp, xsp, xo, so, k, passes):
+    """acc + one block of codes u against one row of the int8 x.
+    Whole block: d * xd * sum(u * xq) + m * (block sum of x).
+    halves (d, m are the halves' scales): per half h, scale_h * (xd * sum_h(u * xq) - 32 * (its x sum))."""
+    xd = vbcast_f(ld_f(xdp, so))
+    if halves:
+        lo = _dot16_i8(w0, w1, w2, w3, xqp, xo, k, passes)
+        hi = _dot16_i8(w4, w5, w6, w7, xqp, xo + U(16), k, passes)
+        acc = vfma(d, vfma(vcvt(lo), xd, vbcast_f(F(-32.0) * ld_f(xsp, U(2) * so))), acc)
+        return vfma(m, vfma(vcvt(hi), xd, vbcast_f(F(-32.0) * ld_f(xsp, U(2) * so + U(1)))), acc)
+    s = _dot_q8_i8(w0, w1, w2, w3, w4, w5, w6, w7, xqp, xo, k, passes)
+    return vfma(m, vbcast_f(ld_f(xsp, so)), vfma(vcvt(s), vmul(d, xd), acc))
+
+
+@njit(cache=True, fastmath=True)
+def q8_tile_i8(qp, sp, ns, f32, halves, xqp, xdp, xsp, k, passes, t, nb, i0, nrows):
+    """Tile t of byte codes against rows i0 .. i0+nrows-1 (nrows 1, 2 or 4) of the int8 x (_q8_row)."""
     a0 = vzero_f()
     a1 = vzero_f()
     a2 = vzero_f()
     a3 = vzero_f()
-    c = F(-128.0)
     rs = U(passes * k)
     for b in range(U(nb)):
         base = (t * U(nb) + b) * U(512)
@@ -171,22 +210,18 @@ def q8_tile_i8(qp, sp, xqp, xdp, xsp, k, passes, t, nb, i0, nrows):
         w5 = vload_w(qp, base + U(320))
         w6 = vload_w(qp, base + U(384))
         w7 = vload_w(qp, base + U(448))
-        d = vload_h(sp, (t * U(nb) + b) * U(16))
+        d, m = block_scales(sp, t, b, nb, ns, f32, F(-128.0))
         xo = i0 * rs + b * U(QK)
         so = i0 * U(nb) + b
-        s = _dot_q8_i8(w0, w1, w2, w3, w4, w5, w6, w7, xqp, xo, k, passes)
-        a0 = vfma(d, vbcast_f(ld_f(xsp, so) * c), vfma(vcvt(s), vmul(d, vbcast_f(ld_f(xdp, so))), a0))
+        a0 = _q8_row(a0, w0, w1, w2, w3, w4, w5, w6, w7, d, m, halves, xqp, xdp, xsp, xo, so, k, passes)
         if nrows >= 2:
-            s = _dot_q8_i8(w0, w1, w2, w3, w4, w5, w6, w7, xqp, xo + rs, k, passes)
-            so1 = so + U(nb)
-            a1 = vfma(d, vbcast_f(ld_f(xsp, so1) * c), vfma(vcvt(s), vmul(d, vbcast_f(ld_f(xdp, so1))), a1))
+            a1 = _q8_row(a1, w0, w1, w2, w3, w4, w5, w6, w7, d, m, halves, xqp, xdp, xsp, xo + rs, so + U(nb),
+                         k, passes)
         if nrows == 4:
-            s = _dot_q8_i8(w0, w1, w2, w3, w4, w5, w6, w7, xqp, xo + U(2) * rs, k, passes)
-            so2 = so + U(2 * nb)
-            a2 = vfma(d, vbcast_f(ld_f(xsp, so2) * c), vfma(vcvt(s), vmul(d, vbcast_f(ld_f(xdp, so2))), a2))
-            s = _dot_q8_i8(w0, w1, w2, w3, w4, w5, w6, w7, xqp, xo + U(3) * rs, k, passes)
-            so3 = so + U(3 * nb)
-            a3 = vfma(d, vbcast_f(ld_f(xsp, so3) * c), vfma(vcvt(s), vmul(d, vbcast_f(ld_f(xdp, so3))), a3))
+            a2 = _q8_row(a2, w0, w1, w2, w3, w4, w5, w6, w7, d, m, halves, xqp, xdp, xsp, xo + U(2) * rs,
+                         so + U(2 * nb), k, passes)
+            a3 = _q8_row(a3, w0, w1, w2, w3, w4, w5, w6, w7, d, m, halves, xqp, xdp, xsp, xo + U(3) * rs,
+                         so + U(3 * nb), k, passes)
     return a0, a1, a2, a3
 
 

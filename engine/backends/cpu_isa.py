@@ -4,7 +4,9 @@ Levels, fastest first (LEVELS):
   avx512vnni  vpdpbusd on 512-bit registers (AVX-512 VNNI: Intel Ice Lake / Sapphire Rapids, AMD Zen 4)
   avxvnni     vpdpbusd on 256-bit registers, VEX encoded (AVX-VNNI: Intel Alder Lake and later client CPUs)
   avx2        vpmaddubsw + vpmaddwd on 256-bit registers (Haswell and later, AMD Zen 1-3)
-  portable    plain LLVM vector IR that any target compiles (ARM64, older x86); float kernels by default
+  neondot     ARM64 NEON sdot on 128-bit registers (the dot-product extension: Graviton 2 and later,
+              Ampere Altra, Apple M1 and later)
+  portable    plain LLVM vector IR that any target compiles (older ARM64 and x86); float kernels by default
 
 The level is chosen once, when the process starts, from the features numba compiles for (the host's, or
 NUMBA_CPU_NAME / NUMBA_CPU_FEATURES); ZEN_CPU_ISA=<level> picks a lower one (tests, operators). Every
@@ -22,13 +24,14 @@ from numba.core import config as _numba_config
 
 log = logging.getLogger("engine.backends.cpu")
 
-LEVELS = ("avx512vnni", "avxvnni", "avx2", "portable")
+LEVELS = ("avx512vnni", "avxvnni", "avx2", "neondot", "portable")
 # LLVM features each level's code needs, any one set of them (fma: the float kernels' llvm.fma is one
 # instruction); 256-bit vpdpbusd is also AVX-512 VNNI's with VL (EVEX encoded), which CPUs like Zen 4 have
 _NEEDS = {
     "avx512vnni": ({"avx512f", "avx512bw", "avx512vnni", "fma"},),
     "avxvnni": ({"avx2", "avxvnni", "fma"}, {"avx2", "avx512vl", "avx512vnni", "fma"}),
     "avx2": ({"avx2", "fma"},),
+    "neondot": ({"neon", "dotprod"},),
     "portable": (set(),),
 }
 
@@ -148,6 +151,41 @@ def _dot_avxvnni(builder, acc, a, b):
     return _join(builder, *(builder.call(f, [_half(builder, v, h) for v in (acc, a, b)]) for h in (0, 1)))
 
 
+_V4I, _B16 = ir.VectorType(_I32, 4), ir.VectorType(_I8, 16)
+
+
+def _quarter(builder, v, q):
+    """Lanes 4q .. 4q+3 of a 16-lane vector: one 128-bit NEON register."""
+    return builder.shuffle_vector(v, v, ir.Constant(_V4I, list(range(4 * q, 4 * q + 4))))
+
+
+def _sdot(builder, acc, a, b):
+    """NEON sdot: 4 int32 lanes, each acc + the sum of 4 products (signed byte of a) * (signed byte of b)."""
+    f = _fn(builder, "llvm.aarch64.neon.sdot.v4i32.v16i8", _V4I, [_V4I, _B16, _B16])
+    return builder.call(f, [acc, builder.bitcast(a, _B16), builder.bitcast(b, _B16)])
+
+
+def _join4(builder, quarters):
+    lo = builder.shuffle_vector(quarters[0], quarters[1], ir.Constant(_V8I, list(range(8))))
+    hi = builder.shuffle_vector(quarters[2], quarters[3], ir.Constant(_V8I, list(range(8))))
+    return _join(builder, lo, hi)
+
+
+def _dot_neon(builder, acc, a, b, a_signed: bool):
+    """Per 128-bit quarter: sdot. Unless a's bytes are known below 128 (a_signed), sdot multiplies
+    (a - 128) (a with its top bit flipped) and sdot by the bytes -128 adds the 128 * b back."""
+    if not a_signed:
+        a = builder.xor(a, ir.Constant(_VI, [0x80808080 - (1 << 32)] * 16))
+    minus128 = ir.Constant(_V4I, [0x80808080 - (1 << 32)] * 4)
+    out = []
+    for q in range(4):
+        s = _sdot(builder, _quarter(builder, acc, q), _quarter(builder, a, q), _quarter(builder, b, q))
+        if not a_signed:
+            s = builder.sub(s, _sdot(builder, ir.Constant(_V4I, [0] * 4), minus128, _quarter(builder, b, q)))
+        out.append(s)
+    return _join4(builder, out)
+
+
 def _dot_portable(builder, acc, a, b):
     """Widen every byte to int32, multiply, and add each lane's 4 products: any target compiles it."""
     v32 = ir.VectorType(_I32, 64)
@@ -167,6 +205,8 @@ def emit_dot_u8s8(builder, acc, a, b, level: str = ISA):
         return _dot_avxvnni(builder, acc, a, b)
     if level == "avx2":
         return _dot_avx2(builder, acc, a, b)
+    if level == "neondot":
+        return _dot_neon(builder, acc, a, b, a_signed=False)
     return _dot_portable(builder, acc, a, b)
 
 
@@ -174,12 +214,16 @@ def emit_dot4_nibbles(builder, acc, pairs, level: str = ISA):
     """IR for acc + the dots of 4 (a, b) pairs as emit_dot_u8s8, a's bytes 0..15 (q4 nibbles)."""
     if level == "avx2":
         return _dot4_nibbles_avx2(builder, acc, pairs)
+    if level == "neondot":      # nibbles are non-negative signed bytes: one sdot each
+        for a, b in pairs:
+            acc = _dot_neon(builder, acc, a, b, a_signed=True)
+        return acc
     for a, b in pairs:
         acc = emit_dot_u8s8(builder, acc, a, b, level)
     return acc
 
 
 def fma_name(level: str = ISA) -> str:
-    """The float multiply-add intrinsic: llvm.fma (one instruction on every x86 level), or llvm.fmuladd on
+    """The float multiply-add intrinsic: llvm.fma (one instruction on every x86 level and NEON), or llvm.fmuladd on
     the portable level, which fuses only where the target has an FMA unit (no libm call per lane)."""
     return "llvm.fmuladd.v16f32" if level == "portable" else "llvm.fma.v16f32"

@@ -69,18 +69,19 @@ def float_tile(wp, kind, xp, k, t, i0, nrows):
 @njit(cache=True, fastmath=True)
 def _quantize_x_row(x, i, passes, xq, xd, xs):
     k = x.shape[1]
-    quantize_row(addr(x), U(i) * U(k), k, addr(xq), addr(xd), addr(xs), U(i), k // QK, passes)
+    halves = xs.shape[1] != xd.shape[1]
+    quantize_row(addr(x), U(i) * U(k), k, addr(xq), addr(xd), addr(xs), U(i), k // QK, passes, halves)
 
 
 @njit(cache=True, fastmath=True, inline="always")
-def _prepare(x, passes):
-    """x [M, K] -> int8 planes xq ([M, passes, K]), block scales xd and sums xs [M, nb];
-    rows in parallel when there are many."""
+def _prepare(x, passes, halves=False):
+    """x [M, K] -> int8 planes xq ([M, passes, K]), block scales xd [M, nb] and sums xs [M, nb] (with
+    halves [M, 2 nb], per 16 values); rows in parallel when there are many."""
     m, k = x.shape
     nb = k // QK
     xq = np.empty((m, passes, k), np.int8)
     xd = np.empty((m, nb), np.float32)
-    xs = np.empty((m, nb), np.float32)
+    xs = np.empty((m, nb * (2 if halves else 1)), np.float32)
     if m >= 16:
         for i in prange(m):
             _quantize_x_row(x, i, passes, xq, xd, xs)
@@ -106,38 +107,45 @@ def quantize_activations(x, passes=1):
 
 
 @njit(cache=True, fastmath=True, inline="always")
-def _rows_i8(is_q4, qs, sc, xq, xd, xs, t, out, col, rn, accumulate):
-    """Tile t against every row of x: 4 rows at a time (4 x 16 accumulators in registers), then the rest."""
+def _rows_i8(is_q4, halves, qs, sc, xq, xd, xs, t, out, col, rn, accumulate):
+    """Tile t against every row of x: 4 rows at a time (4 x 16 accumulators in registers), then the rest.
+    Scales are float32 or IEEE halves (sc's item size); halves: q8 codes with a scale per 16 values."""
     m, passes, k = xq.shape
     nb, ns, ld = qs.shape[1], sc.shape[2], out.shape[1]
+    f32 = sc.itemsize == 4
     qp, sp, xqp, xdp, xsp, op = addr(qs), addr(sc), addr(xq), addr(xd), addr(xs), addr(out)
     m4 = m - m % 4
     for i0 in range(0, m4, 4):
         i = U(i0)
         if is_q4:
-            a0, a1, a2, a3 = q4_tile_i8(qp, sp, ns, xqp, xdp, xsp, k, passes, t, nb, i, 4)
+            a0, a1, a2, a3 = q4_tile_i8(qp, sp, ns, f32, xqp, xdp, xsp, k, passes, t, nb, i, 4)
         else:
-            a0, a1, a2, a3 = q8_tile_i8(qp, sp, xqp, xdp, xsp, k, passes, t, nb, i, 4)
+            a0, a1, a2, a3 = q8_tile_i8(qp, sp, ns, f32, halves, xqp, xdp, xsp, k, passes, t, nb, i, 4)
         store_tile_row(op, ld, i, col, a0, rn, accumulate)
         store_tile_row(op, ld, i + U(1), col, a1, rn, accumulate)
         store_tile_row(op, ld, i + U(2), col, a2, rn, accumulate)
         store_tile_row(op, ld, i + U(3), col, a3, rn, accumulate)
     for i0 in range(m4, m):
         if is_q4:
-            a0, a1, a2, a3 = q4_tile_i8(qp, sp, ns, xqp, xdp, xsp, k, passes, t, nb, U(i0), 1)
+            a0, a1, a2, a3 = q4_tile_i8(qp, sp, ns, f32, xqp, xdp, xsp, k, passes, t, nb, U(i0), 1)
         else:
-            a0, a1, a2, a3 = q8_tile_i8(qp, sp, xqp, xdp, xsp, k, passes, t, nb, U(i0), 1)
+            a0, a1, a2, a3 = q8_tile_i8(qp, sp, ns, f32, halves, xqp, xdp, xsp, k, passes, t, nb, U(i0), 1)
         store_tile_row(op, ld, U(i0), col, a0, rn, accumulate)
 
 
 @njit(cache=True, fastmath=True)
 def _rows_q4_i8(qs, sc, xq, xd, xs, t, out, col, rn, accumulate):
-    _rows_i8(True, qs, sc, xq, xd, xs, t, out, col, rn, accumulate)
+    _rows_i8(True, False, qs, sc, xq, xd, xs, t, out, col, rn, accumulate)
 
 
 @njit(cache=True, fastmath=True)
 def _rows_q8_i8(qs, sc, xq, xd, xs, t, out, col, rn, accumulate):
-    _rows_i8(False, qs, sc, xq, xd, xs, t, out, col, rn, accumulate)
+    _rows_i8(False, False, qs, sc, xq, xd, xs, t, out, col, rn, accumulate)
+
+
+@njit(cache=True, fastmath=True)
+def _rows_q8h_i8(qs, sc, xq, xd, xs, t, out, col, rn, accumulate):
+    _rows_i8(False, True, qs, sc, xq, xd, xs, t, out, col, rn, accumulate)
 
 
 @njit(cache=True, fastmath=True)
@@ -172,6 +180,13 @@ def matmul_q8_i8(x, qs, sc, out, col0, n_out, accumulate, passes, kind, aux, eps
     xq, xd, xs = _prepare(transformed(x, kind, aux, eps), passes)
     for ti in prange(qs.shape[0]):
         _rows_q8_i8(qs, sc, xq, xd, xs, U(ti), out, col0 + ti * 16, min(16, n_out - ti * 16), accumulate)
+
+
+@njit(cache=True, parallel=True, fastmath=True)
+def matmul_q8h_i8(x, qs, sc, out, col0, n_out, accumulate, passes, kind, aux, eps):
+    xq, xd, xs = _prepare(transformed(x, kind, aux, eps), passes, True)
+    for ti in prange(qs.shape[0]):
+        _rows_q8h_i8(qs, sc, xq, xd, xs, U(ti), out, col0 + ti * 16, min(16, n_out - ti * 16), accumulate)
 
 
 @njit(cache=True, parallel=True, fastmath=True)

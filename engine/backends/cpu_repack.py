@@ -6,25 +6,36 @@ register of weights that feeds 16 output rows at once, and each thread streams o
 memory.
 
 Tiled layouts (N = rows, K = columns, nb = K // 32 blocks, nt = N / 16 row tiles, zero-padded):
-  q4 (q4_0, q4_1)  qs uint8  [nt, nb, 4, 16, 4]: [t, b, g, r, c] = byte 4g+c of row 16t+r, block b
-                             (its low nibble is value 4g+c of the block, its high nibble value 16+4g+c)
-                   sc uint16 [nt, nb, S, 16]: IEEE half scales d (and for q4_1, S = 2, the min m)
-                   w = d * nibble + m   (q4_0: m = -8 d)
-  q8 (q8_0)        qs uint8  [nt, nb, 8, 16, 4] holding q + 128 (unsigned, as the int8 dot wants it)
-                   sc uint16 [nt, nb, 1, 16]: half scales d;  w = d * (stored - 128)
+  q4 (q4_0, q4_1, q4_k)  qs uint8 [nt, nb, 4, 16, 4]: [t, b, g, r, c] = byte 4g+c of row 16t+r, block b
+                   (its low nibble is value 4g+c of the block, its high nibble value 16+4g+c)
+                   sc [nt, nb, S, 16]: scales d (and with S = 2 the offset m); w = d * nibble + m
+                   (S = 1: m = -8 d)
+  q8 (q8_0, q5_0, q5_1, q5_k)  qs uint8 [nt, nb, 8, 16, 4] of unsigned codes u (as the int8 dot wants them)
+                   sc [nt, nb, S, 16]: S = 1: w = d * (u - 128) (q8_0: u = q + 128);
+                   S = 2: (d, m), w = d * u + m (q5_0: m = -16 d; q5_1, q5_k: u = the 5-bit code)
+  q8h (q6_k)       qs as q8, u = the 6-bit code; sc [nt, nb, 2, 16]: the scales of the block's two halves of
+                   16 values, w = d_half * (u - 32)
+A code's offset stays near the middle of its range (m = -16 d for q5_0 rather than q5_0 as u - 128):
+the int8 kernels subtract the offset's product from the codes' product in float32, and an offset far
+larger than the codes' spread would cancel most of the result's digits.
   f32              w float32 [nt, K, 16]
   f16 / bf16       w uint16  [nt, K, 16], widened to float32 in the kernel
-So a quantized matrix takes exactly its GGUF size (scales stay f16), and the four bytes of one int32
-lane are four consecutive values of one row: the layout of vpdpbusd (AVX-512 VNNI,
-AVX-VNNI), which vpmaddubsw + vpmaddwd (AVX2) read the same way.
+Scales are IEEE halves (uint16) where the file stores them per block of 32 (the legacy formats), and
+float32 for the K-quants, whose scale per 32 (16) values is a half super-scale times a 6-bit (8-bit)
+integer: exact in float32, not in float16. Bytes per weight in these layouts: q8_0 1.0625, q4_0 0.5625,
+q4_1 0.625 (all as stored), q4_k 0.75 (stored 0.5625), q5_0 1.125 (0.6875), q5_1 1.125 (0.75),
+q5_k 1.25 (0.6875), q6_k 1.25 (0.8203): 5- and 6-bit codes take a byte so that the q8 kernels serve them.
+The four bytes of one int32 lane are four consecutive values of one row: the layout of vpdpbusd
+(AVX-512 VNNI, AVX-VNNI), which vpmaddubsw + vpmaddwd (AVX2) read the same way.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from models.quant import QuantTensor
+from models.quant import CODE_ZERO, HALF_SCALES, QuantTensor
 
 TILE = 16  # rows per tile: one 16-lane register
+QUANT_FAMILIES = ("q4", "q8", "q8h")  # the block layouts below (the rest are float)
 
 
 def _tiles(a: np.ndarray) -> np.ndarray:
@@ -43,23 +54,35 @@ def _tile_bytes(qs: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(t.transpose(0, 2, 3, 1, 4))
 
 
-def _tile_scales(*scales: np.ndarray) -> np.ndarray:
-    """Half scales [N, nb] each -> uint16 [nt, nb, S, TILE]."""
-    s = np.stack([np.asarray(x, np.float16).view(np.uint16) for x in scales], axis=-1)  # [N, nb, S]
+def _tile_scales(half: bool, *scales: np.ndarray) -> np.ndarray:
+    """Scales [N, nb] each -> [nt, nb, S, TILE]: IEEE half bits (uint16) or float32."""
+    s = np.stack([np.asarray(x, np.float16).view(np.uint16) if half else np.asarray(x, np.float32)
+                  for x in scales], axis=-1)  # [N, nb, S]
     return np.ascontiguousarray(_tiles(s).transpose(0, 2, 3, 1))
+
+
+def _repack_block(t: QuantTensor) -> tuple:
+    """A block format through its affine view (QuantTensor.affine): codes and scales per 32 values."""
+    codes, d, m, g = t.affine()
+    n, k = t.shape
+    codes = codes.reshape(n, k // 32, 32)
+    half = t.format in HALF_SCALES
+    if t.format == "q6_k":   # two scale groups of 16 per block
+        return ("q8h", _tile_bytes(codes), _tile_scales(False, d[:, 0::2], d[:, 1::2]))
+    if t.format in ("q4_0", "q4_1", "q4_k"):
+        nibbles = codes[:, :, :16] | (codes[:, :, 16:] << 4)
+        scales = (d,) if t.format in CODE_ZERO else (d, m)
+        return ("q4", _tile_bytes(nibbles), _tile_scales(half, *scales))
+    if t.format == "q8_0":   # w = d * (u - 128), u = code
+        return ("q8", _tile_bytes(codes), _tile_scales(half, d))
+    return ("q8", _tile_bytes(codes), _tile_scales(half, d, m))
 
 
 def repack(t: QuantTensor) -> tuple:
     """A stored matrix (GGML-ordered data) -> (family, *tiled arrays)."""
     fmt, data = t.format, t.data
-    if fmt in ("q4_0", "q4_1"):
-        d, m, qs = t.block_fields()
-        return ("q4", _tile_bytes(qs), _tile_scales(d) if m is None else _tile_scales(d, m))
-    if fmt == "q8_0":
-        d, _, qs = t.block_fields()
-        return ("q8", _tile_bytes((qs.view(np.int8).astype(np.int16) + 128).astype(np.uint8)), _tile_scales(d))
     if fmt == "f32":
         return ("f32", np.ascontiguousarray(_tiles(np.asarray(data, np.float32)).transpose(0, 2, 1)))
     if fmt in ("f16", "bf16"):
         return (fmt, np.ascontiguousarray(_tiles(np.asarray(data).view(np.uint16)).transpose(0, 2, 1)))
-    raise ValueError(f"no CPU kernel for weight format {fmt!r}")
+    return _repack_block(t)

@@ -24,7 +24,7 @@ U = np.uint64  # index math is unsigned: numba guards signed indices against wra
 F = np.float32
 
 
-_FMA = cpu_isa.fma_name()  # the level (avx512vnni, avxvnni, avx2, portable) is decided in cpu_isa
+_FMA = cpu_isa.fma_name()  # the level (avx512vnni, avxvnni, avx2, neondot, portable) is decided in cpu_isa
 
 
 class Vec(types.Type):

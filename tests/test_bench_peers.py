@@ -1,0 +1,125 @@
+"""The peer benchmarks' own logic: unpacking llama.cpp from an sdist, reusing a build, pooling the alternating
+passes, and the ratios and targets computed only from what was measured in the run."""
+from __future__ import annotations
+
+import io
+import os
+import stat
+import tarfile
+
+import numpy as np
+import pytest
+
+from benchmarks import bench_peers, llama_cpp_build
+from benchmarks.serving_peer import pooled, ratio
+from benchmarks.serving_report import targets
+from benchmarks.serving_stats import RequestRecord
+
+
+def _add(tar: tarfile.TarFile, name: str, text: str) -> None:
+    data = text.encode()
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    tar.addfile(info, io.BytesIO(data))
+
+
+def test_unpack_takes_only_the_vendored_llama_cpp_tree(tmp_path):
+    archive = tmp_path / "llama_cpp_python-9.9.9.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        _add(tar, "llama_cpp_python-9.9.9/pyproject.toml", "[project]\n")
+        _add(tar, "llama_cpp_python-9.9.9/vendor/llama.cpp/CMakeLists.txt", "project(llama.cpp)\n")
+        _add(tar, "llama_cpp_python-9.9.9/vendor/llama.cpp/tools/server/server.cpp", "int main(){}\n")
+    tree = llama_cpp_build._unpack_llama_cpp(archive, tmp_path / "src")
+    assert tree == tmp_path / "src" / "llama_cpp_python-9.9.9" / "vendor" / "llama.cpp"
+    assert (tree / "tools" / "server" / "server.cpp").read_text() == "int main(){}\n"
+    assert not (tmp_path / "src" / "llama_cpp_python-9.9.9" / "pyproject.toml").exists()
+
+
+def test_unpack_refuses_an_archive_without_llama_cpp(tmp_path):
+    archive = tmp_path / "other-1.0.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        _add(tar, "other-1.0/setup.py", "")
+    with pytest.raises(SystemExit, match="no vendor/llama.cpp"):
+        llama_cpp_build._unpack_llama_cpp(archive, tmp_path / "src")
+
+
+def _executable(path, script: str) -> None:
+    path.write_text("#!/bin/sh\n" + script)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+
+
+def test_a_build_is_reused_only_when_both_binaries_run(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    assert llama_cpp_build.existing_build(tmp_path, "pkg") is None          # nothing built
+    _executable(bin_dir / "llama-server", 'echo "version: 7000 (abc1234)" >&2\necho "built with cc" >&2\n')
+    assert llama_cpp_build.existing_build(tmp_path, "pkg") is None          # llama-bench missing
+    _executable(bin_dir / "llama-bench", "exit 1\n")
+    assert llama_cpp_build.existing_build(tmp_path, "pkg") is None          # llama-bench does not run
+    _executable(bin_dir / "llama-bench", 'echo "version: 7000 (abc1234)" >&2\n')
+    found = llama_cpp_build.existing_build(tmp_path, "pkg")
+    assert found is not None and found.version == "version: 7000 (abc1234)"
+    assert found.server == bin_dir / "llama-server" and os.access(found.bench, os.X_OK)
+
+
+def _record(tokens: int, ttft: float) -> RequestRecord:
+    r = RequestRecord("p", "chat", "short", tokens, ok=True, ttft=ttft, e2e=ttft + 0.5, output_tokens=tokens)
+    r.token_chunks = tokens
+    return r
+
+
+def test_pooled_passes_divide_all_tokens_by_the_summed_durations():
+    first = ([_record(64, 0.1), _record(64, 0.3)], 10.0, 12.0)
+    second = ([_record(32, 0.2)], 50.0, 51.0)
+    s = pooled([first, second])
+    assert s["total_output_tokens"] == 160
+    assert s["output_tokens_per_s"] == pytest.approx(160 / 3.0)
+    assert s["ttft_s"]["p50"] == pytest.approx(0.2)
+    assert ratio(None, 1.0) is None and ratio(1.0, 0.0) is None and ratio(3.0, 2.0) == 1.5
+
+
+def _level(c: int, tokens_ratio: float, ttft_ratio: float) -> dict:
+    return {"concurrency": c, "output_tokens_per_s_ratio": tokens_ratio, "ttft_p50_ratio": ttft_ratio}
+
+
+def test_targets_come_from_the_measured_peer_only():
+    without = targets({"levels": [], "overhead": []})
+    assert not [k for k in without if "peer" in k]                          # no peer run, no peer figure
+    result = {"levels": [], "overhead": [], "peer": {"levels": [_level(1, 1.3, 0.8), _level(16, 2.4, 0.9)]}}
+    t = targets(result)
+    assert t["c1_vs_peer_output_tokens_per_s"] == 1.3 and t["c1_vs_peer_output_tokens_per_s_met"] is True
+    assert t["c16_vs_peer_output_tokens_per_s_met"] is False                # 2.4x < 2.5x
+    assert t["c16_vs_peer_ttft_p50_met"] is True and "c1_vs_peer_ttft_p50_met" not in t
+    t = targets({**result, "peer": {"levels": [_level(16, 2.6, 1.05)]}})
+    assert t["c16_vs_peer_output_tokens_per_s_met"] is True and t["c16_vs_peer_ttft_p50_met"] is False
+
+
+def _round(peer: dict, ours: dict) -> dict:
+    return {"llama_bench": {t: {"avg_ts": v} for t, v in peer.items()},
+            "ours": {isa: {"machine": {"cpu_isa": "avx512vnni" if isa == "native" else isa},
+                           "results": [{"decode_tok_s": d, "prefill_tok_s": {"128": p1, "512": p5}}]}
+                     for isa, (d, p1, p5) in ours.items()}}
+
+
+def test_engine_table_takes_medians_over_rounds_and_targets_by_level():
+    rng = np.random.default_rng()
+    peer = [rng.uniform(50, 150, 3) for _ in range(3)]                      # tg128, pp128, pp512 per round
+    rounds = [_round(dict(zip(("tg128", "pp128", "pp512"), p)),
+                     {"native": (2.1 * p[0], 2 * p[1], 0.9 * p[2]), "avx2": (1.4 * p[0], p[1], p[2])})
+              for p in peer]
+    rows = {(r["isa"], r["llama_bench_test"]): r for r in bench_peers.summarize(rounds, ["native", "avx2"])}
+    tg = rows[("avx512vnni", "tg128")]
+    assert tg["llama_cpp_tok_s"] == pytest.approx(np.median([p[0] for p in peer]))
+    assert tg["ratio"] == pytest.approx(2.1) and tg["target_ratio"] == 2.0 and tg["met"] is True
+    assert rows[("avx512vnni", "pp512")]["met"] is False                    # 0.9x < llama.cpp's prefill
+    assert rows[("avx2", "tg128")]["target_ratio"] == 1.5 and rows[("avx2", "tg128")]["met"] is False
+    assert rows[("avx2", "pp128")]["met"] is True                           # equal is "no lower"
+
+
+def test_levels_the_cpu_cannot_run_are_named_not_run():
+    avx512 = {"avx512f", "avx512bw", "avx512vnni", "avx2", "fma"}
+    assert bench_peers.levels_to_run(["avx2", "native"], avx512) == (["native", "avx2"], [])
+    assert bench_peers.levels_to_run(["native", "avx2"], {"avx2", "fma"}) == (["native"], [])  # avx2 is native
+    assert bench_peers.levels_to_run(["native", "avx2"], {"neon", "dotprod"}) == (["native"], ["avx2"])
+    with pytest.raises(SystemExit, match="expected native or one of"):
+        bench_peers.levels_to_run(["sse9"], avx512)
