@@ -25,6 +25,7 @@ from engine.backends.cpu import CpuBackend  # noqa: E402
 from engine.backends.sampling_batch import RowSpec, SamplingBatch  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from models.llama import LlamaModel, StepInput  # noqa: E402
+from tests.quant_blocks import mixed_format_weights  # noqa: E402
 from tests.test_cuda_kernels import close, fast_syncthreads  # noqa: E402,F401 (a fixture)
 from tests.tiny_model import make_tiny_weights  # noqa: E402
 
@@ -36,6 +37,9 @@ SIM_DECODE = dataclasses.replace(
 BLOCK = 4
 TINY = dict(vocab=64, hidden=32, layers=2, heads=2, kv_heads=1, ffn=64)
 SMOL_HEADS = dict(vocab=48, hidden=192, layers=1, heads=3, kv_heads=1, ffn=64, head_dim=64)
+KQUANT = dict(vocab=64, hidden=256, layers=2, heads=4, kv_heads=2, ffn=256, tie_embeddings=False)  # rows of 256
+# one K-quant format a role, the same in every layer: the layouts q8m (q5_k), q4k (q4_k), q8h (q6_k)
+ROLE_KQUANTS = {"q": "q4_k", "k": "q4_k", "v": "q4_k", "o": "q6_k", "gate": "q4_k", "up": "q4_k", "down": "q5_k"}
 
 
 def _rows(n: int):
@@ -53,8 +57,8 @@ class Pair:
     """The same random model on the cpu backend (float32 activations) and on the cuda backend, with paged KV
     caches holding the same prefilled contexts."""
 
-    def __init__(self, fmt: str, shape: dict, ctx_lens: list[int], seed: int):
-        self.weights = make_tiny_weights(seed=seed, fmt=fmt, **shape)
+    def __init__(self, fmt: str, shape: dict, ctx_lens: list[int], seed: int, weights=None):
+        self.weights = make_tiny_weights(seed=seed, fmt=fmt, **shape) if weights is None else weights
         self.cpu = LlamaModel(self.weights, CpuBackend(int8_activations=False))
         self.be = CudaBackend(SIM_DECODE)
         self.gpu = LlamaModel(self.weights, self.be)
@@ -135,6 +139,15 @@ def test_phases_on_smollm2_head_shape(fmt):
     pair.check(2, "phased", grid=2)
 
 
+def test_decode_step_takes_the_k_quant_layouts():
+    """q4k, q8m and q8h weights (a format per role, the same in every layer) in the fused step, phase by phase
+    on 2 blocks, token for token with the cpu backend."""
+    weights = mixed_format_weights(make_tiny_weights(seed=4, **KQUANT), (ROLE_KQUANTS,), "q5_k", "q6_k")
+    pair = Pair("f32", KQUANT, ctx_lens=[6, 11], seed=4, weights=weights)
+    fused = pair.check(2, "phased", grid=2)
+    assert fused.spec.families == ("q8m", "q4k", "q8h", "q4k", "q8m", "q8h")
+
+
 def test_cooperative_decode_step_on_one_block():
     """5b: the persistent kernel itself, grid syncs between its phases, one launch for the whole step."""
     pair = Pair("q4_1", TINY, ctx_lens=[7, 2], seed=3)
@@ -153,29 +166,14 @@ def test_decode_step_samples_inside_the_grammar_masks():
 def test_runner_takes_the_fused_step_for_pure_decode_steps_only():
     """Item 4: the runner gives pure decode steps to the fused step and steps with prompt work to the per-op
     path; a runner without the fused step samples the same tokens step after step."""
-    from engine.request import EngineRequest
     from engine.runner import ModelRunner
-    from engine.sequence import Sequence
 
     weights = make_tiny_weights(seed=8, fmt="q4_1", **TINY)
     fused_runner = ModelRunner(LlamaModel(weights, CudaBackend(SIM_DECODE)), BLOCK, 12, eos_token_ids=[2])
     plain_runner = ModelRunner(LlamaModel(weights, CudaBackend(SIM_DECODE)), BLOCK, 12, eos_token_ids=[2])
     assert fused_runner.fused_decode is not None
     plain_runner.fused_decode = None  # the per-op path for every step: the fallback
-    params = [SamplingParams(temperature=0.0, max_tokens=8),
-              SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=8)]
-    prompts = [[5, 17, 3, 30, 41], [9, 60, 12]]
-
-    def sequences():
-        seqs = []
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            s = Sequence(i, EngineRequest(request_id=f"r{i}", model="tiny", prompt_token_ids=p, sampling=sp), 0,
-                         seed=77 + i)
-            s.block_table = [4 * i + j for j in range(4)]
-            seqs.append(s)
-        return seqs
-
-    runs = {"fused": (fused_runner, sequences()), "plain": (plain_runner, sequences())}
+    runs = {"fused": (fused_runner, _sequences()), "plain": (plain_runner, _sequences())}
     tokens = {name: [] for name in runs}
     for step in range(4):
         for name, (runner, seqs) in runs.items():
@@ -191,9 +189,59 @@ def test_runner_takes_the_fused_step_for_pure_decode_steps_only():
                 assert (counts.launches, counts.uploads, counts.downloads) == (1, 1, 1)
             else:
                 assert be.counters.launches > 10
-            for s, n in scheduled:
-                s.num_computed_tokens += n
-            for s, t in zip(sampled, res.token_ids):
-                s.append_token(int(t))
-            tokens[name].append(res.token_ids.tolist())
+            tokens[name].append(_advance(scheduled, sampled, res))
     assert tokens["fused"] == tokens["plain"]
+
+
+def test_a_role_of_mixed_formats_gets_the_per_op_path_with_the_cpu_backends_tokens():
+    """A Q4_K_M-style mix (q|k|v and the layers' down matrices in different formats) is declined by the fused
+    step; the runner then samples every step through the per-op kernels, token for token with the cpu backend."""
+    from cuda.fused_decode import Unsupported
+    from engine.runner import ModelRunner
+
+    weights = mixed_format_weights(make_tiny_weights(seed=9, **KQUANT))
+    be = CudaBackend(SIM_DECODE)
+    model = LlamaModel(weights, be)
+    kc, vc = model.allocate_kv_cache(4, BLOCK)
+    with pytest.raises(Unsupported, match="one weight format per role"):
+        FusedDecode(be, model, kc, vc)
+    runners = {"cuda": ModelRunner(model, BLOCK, 12, eos_token_ids=[2]),
+               "cpu": ModelRunner(LlamaModel(weights, CpuBackend(int8_activations=False)), BLOCK, 12,
+                                  eos_token_ids=[2])}
+    assert runners["cuda"].fused_decode is None
+    tokens = {}
+    for name, runner in runners.items():
+        seqs = _sequences()
+        tokens[name] = []
+        for _ in range(3):
+            scheduled = [(s, s.num_tokens - s.num_computed_tokens) for s in seqs]
+            assert not runner.takes_fused(scheduled)
+            sampled, res = runner.execute(scheduled)
+            tokens[name].append(_advance(scheduled, sampled, res))
+    assert tokens["cuda"] == tokens["cpu"]
+
+
+def _sequences():
+    """Two sequences, a greedy one and a seeded draw, each with its own 4 KV blocks."""
+    from engine.request import EngineRequest
+    from engine.sequence import Sequence
+
+    params = [SamplingParams(temperature=0.0, max_tokens=8),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=8)]
+    prompts = [[5, 17, 3, 30, 41], [9, 60, 12]]
+    seqs = []
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        s = Sequence(i, EngineRequest(request_id=f"r{i}", model="tiny", prompt_token_ids=p, sampling=sp), 0,
+                     seed=77 + i)
+        s.block_table = [4 * i + j for j in range(4)]
+        seqs.append(s)
+    return seqs
+
+
+def _advance(scheduled, sampled, res) -> list:
+    """The step's work marked computed and its sampled tokens appended; returns those tokens."""
+    for s, n in scheduled:
+        s.num_computed_tokens += n
+    for s, t in zip(sampled, res.token_ids):
+        s.append_token(int(t))
+    return res.token_ids.tolist()
