@@ -38,8 +38,10 @@ from cuda.kernels.common import FAMILIES
 from cuda.kernels.decode_phases import DecodeSpec
 
 REGISTER_FILE = 64 * 1024  # 32-bit registers of one SM on sm_80 and sm_90
-# decode_step's role formats (embedding, qkv, o, gate_up, down, lm_head): the default model's, and every float one
-DECODE_FAMILIES = (("q8", "q4", "q4", "q4", "q4", "q8"), ("f16", "bf16", "f32", "f16", "bf16", "f32"))
+# decode_step's role formats (embedding, qkv, o, gate_up, down, lm_head): the default model's, every float one,
+# and every K-quant layout (q4k, q8m, q8h)
+DECODE_FAMILIES = (("q8", "q4", "q4", "q4", "q4", "q8"), ("f16", "bf16", "f32", "f16", "bf16", "f32"),
+                   ("q8", "q4k", "q8m", "q4k", "q8h", "q8h"))
 
 ARCHS = {"sm_80": (8, 0), "sm_90": (9, 0)}
 
@@ -56,10 +58,6 @@ U32_2 = types.Array(types.uint32, 2, "C")
 U16_2 = types.Array(types.uint16, 2, "C")
 F16_2 = types.Array(types.float16, 2, "C")
 INT, F32, BOOL = types.int64, types.float32, types.boolean
-F32_3 = types.Array(types.float32, 3, "C")
-U32_3 = types.Array(types.uint32, 3, "C")
-U16_3 = types.Array(types.uint16, 3, "C")
-F16_3 = types.Array(types.float16, 3, "C")
 F32_5 = types.Array(types.float32, 5, "C")
 
 WEIGHTS = {  # (wa, wb, wc) of each weight family (float families get float16 [1, 1] placeholders)
@@ -74,13 +72,8 @@ WEIGHTS = {  # (wa, wb, wc) of each weight family (float families get float16 [1
 }
 
 
-STACKED = {  # a role's weights stacked over layers (float families: float16 [L, 1, 1] placeholders)
-    "q4": (U32_3, F16_3, F16_3),
-    "q8": (U32_3, F16_3, F16_3),
-    "f16": (F16_3, F16_3, F16_3),
-    "bf16": (U16_3, F16_3, F16_3),
-    "f32": (F32_3, F16_3, F16_3),
-}
+# a role's weights stacked over layers: each of WEIGHTS' arrays with a leading layer axis
+STACKED = {fam: tuple(types.Array(a.dtype, 3, "C") for a in arrays) for fam, arrays in WEIGHTS.items()}
 # the decode step's argument tuples (cuda/kernels/decode_phases.py lists them)
 DECODE_INPUTS = types.Tuple((I32_1, I32_1, I64_1, I32_2, F32_1, F32_1, I32_1, F32_1, F32_1, F32_1, F32_1, U64_1,
                              I64_1, I32_1, I64_1, I32_1, F32_1, I64_1, I32_1, I64_1, I32_1, I32_1, I32_1, U32_2))
