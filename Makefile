@@ -95,8 +95,11 @@ test-sim: install
 kernels: install
 	$(VPY) -m cuda.compile_check
 
-gpu-check: install model
-	$(VPY) -m cuda.gpu_check
+# runs as it is on a GPU machine without a network: its python with numba-cuda (torch + transformers for the
+# comparison), no install, no model file (random weights of the model's shapes); the gguf wheel on PYTHONPATH
+# (cuda/gpu_check/__init__.py says how)
+gpu-check:
+	PYTHONPATH=.:$$(ls wheels/gguf-*.whl 2>/dev/null | head -1) $(PY) -m cuda.gpu_check
 
 bench-engine: install model
 	$(VPY) benchmarks/bench_engine.py

@@ -8,6 +8,7 @@ for the GPU when the backend is created. Importing this module needs no driver; 
 """
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 
 import numpy as np
@@ -19,7 +20,8 @@ from cuda.kernels import attention as attn_k
 from cuda.kernels import linear as lin_k
 from cuda.kernels import rowwise as row_k
 from cuda.kernels import sampling as samp_k
-from cuda.kernels.common import Q8_GROUPS, SIMULATOR
+from cuda.decode_state import StepCounters
+from cuda.kernels.common import FAMILIES, SIMULATOR
 from engine.backends.contract import ComposedOps, QuantTensor, SampleResult, StackedLinear, rope_tables
 from models.quant import BLOCK_FORMATS, CODE_ZERO, HALF_SCALES
 
@@ -29,6 +31,7 @@ else:
     from numba.cuda.cudadrv.devicearray import DeviceNDArray as _DeviceArrayBase
 
 GATHER_THREADS = 128
+log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------- device arrays
@@ -225,14 +228,10 @@ class CudaBackend(ComposedOps):
         self._cache = _HostCache()
         self._scratch: dict[str, DeviceTensor] = {}
         c = self.config
-        q4 = lin_k.gemv_q4(c.gemv_tokens, c.gemv_threads)
-        self._gemv = {"q4": q4, "q4k": q4}
-        for fam in Q8_GROUPS:
-            self._gemv[fam] = lin_k.gemv_q8(c.gemv_tokens, c.gemv_threads, fam)
-        for fam in ("f16", "bf16", "f32"):
-            self._gemv[fam] = lin_k.gemv_float(fam, c.gemv_tokens, c.gemv_threads)
+        self._gemv = {fam: lin_k.gemv(fam, c.gemv_tokens, c.gemv_threads) for fam in FAMILIES}
         self._part_dummy = _zeros((1, 1, 1, 1), np.float32)
         self._launchers: dict = {}
+        self.counters = StepCounters()  # the per-op path's launches and copies (gpu-check reads them per step)
         if not SIMULATOR:
             # numba warns (through warnings.warn, on every launch) about grids under 128 blocks; decode steps
             # launch many such small grids on purpose
@@ -248,20 +247,49 @@ class CudaBackend(ComposedOps):
     def zeros(self, shape, dtype=np.float32) -> DeviceTensor:
         return _zeros(shape, dtype)
 
+    def empty(self, shape, dtype=np.float32) -> DeviceTensor:
+        return _empty(shape, dtype)
+
     def upload(self, a: np.ndarray) -> DeviceTensor:
         if _is_device_array(a):
             return a
+        self.counters.uploads += 1
         a = np.ascontiguousarray(a)
         d = _to_device(a)
         d.host = a.copy()
         return d
 
     def download(self, a) -> np.ndarray:
-        return a.copy_to_host() if _is_device_array(a) else np.asarray(a)
+        if not _is_device_array(a):
+            return np.asarray(a)
+        self.counters.downloads += 1
+        return a.copy_to_host()
 
     def layer_stack(self, layers) -> None:
         """No one-call layer loop on this backend: the forward runs the layers op by op."""
         return None
+
+    def fused_decode(self, model, k_cache, v_cache):
+        """The one-launch decode step for this model (cuda/fused_decode.py), or None where it cannot serve it
+        (the per-op path then serves every step): a role whose layers mix weight formats, a head shape the
+        kernel does not take, no cooperative launch on this GPU."""
+        from cuda.fused_decode import FusedDecode, Unsupported
+
+        if not self.cooperative_launch():
+            log.info("no cooperative launch on this GPU: the per-op path serves every step")
+            return None
+        try:
+            return FusedDecode(self, model, k_cache, v_cache)
+        except Unsupported as e:
+            log.info("fused decode step unavailable, the per-op path serves every step: %s", e)
+            return None
+
+    @staticmethod
+    def cooperative_launch() -> bool:
+        """Whether this GPU takes cooperative launches (always in the simulator, on a one-block grid)."""
+        if SIMULATOR:
+            return True
+        return bool(getattr(cuda.get_current_device(), "COOPERATIVE_LAUNCH", 0))
 
     def synchronize(self) -> None:
         cuda.synchronize()
@@ -275,8 +303,12 @@ class CudaBackend(ComposedOps):
         """A device int array for a host or device one (host arrays are converted to `dtype` and cached)."""
         if _is_device_array(a):
             return a
-        return self._cache.get("ints" + np.dtype(dtype).str, (a,),
-                               lambda: _to_device(np.ascontiguousarray(a, dtype)))
+        return self._cache.get("ints" + np.dtype(dtype).str, (a,), lambda: self._upload_host(a, dtype))
+
+    def _upload_host(self, a: np.ndarray, dtype=None) -> DeviceTensor:
+        """A counted upload of per-step data."""
+        self.counters.uploads += 1
+        return _to_device(np.ascontiguousarray(a, dtype))
 
     @staticmethod
     def _host(a) -> np.ndarray:
@@ -295,6 +327,7 @@ class CudaBackend(ComposedOps):
 
     def _k(self, kern, grid, block):
         """kern[grid, block], the configured launch reused across calls (numba builds one per subscript)."""
+        self.counters.launches += 1  # every caller launches what it gets
         if SIMULATOR:  # the simulator's kernel object holds a single configuration: no reuse
             return kern[grid, block]
         key = (kern, grid, block)
@@ -353,7 +386,7 @@ class CudaBackend(ComposedOps):
         if group > c.attn_rows:
             raise ValueError(f"{group} query heads per KV head exceed attn_rows={c.attn_rows} of {c.arch}")
         tok0, tlen, ntiles, max_ctx = self._tiles(positions, token_seq, c.attn_rows // group)
-        nsplit, split = self._splits(ntiles * num_kv_heads, max_ctx)
+        nsplit, split = self.split_plan(ntiles * num_kv_heads, max_ctx)
         kern = attn_k.paged_attention(c.attn_rows, c.attn_chunk, 64 if dh <= 64 else launch.MAX_HEAD_DIM)
         pos = self._ints(positions, np.int32)
         args = (qkv, k_cache, v_cache, self._ints(block_tables, np.int32), pos, self._ints(token_seq, np.int32),
@@ -370,10 +403,10 @@ class CudaBackend(ComposedOps):
         """(tile first token, tile length) on the device, tile count, longest context; cached per step."""
         def make():
             starts, lens, max_ctx = attention_tiles(self._host(positions), self._host(token_seq), max_q)
-            return _to_device(starts), _to_device(lens), len(starts), max_ctx
+            return self._upload_host(starts), self._upload_host(lens), len(starts), max_ctx
         return self._cache.get(f"tiles{max_q}", (positions, token_seq), make)
 
-    def _splits(self, work_items: int, max_ctx: int) -> tuple[int, int]:
+    def split_plan(self, work_items: int, max_ctx: int) -> tuple[int, int]:
         return split_plan(self.config, work_items, max_ctx)
 
     def silu_mul(self, gate_up, out) -> None:
@@ -414,7 +447,7 @@ class CudaBackend(ComposedOps):
         if nrows == 0:
             return res
         if not _is_device_array(logits):
-            logits = _to_device(np.ascontiguousarray(logits, np.float32))
+            logits = self._upload_host(logits, np.float32)
         b = batch
         # the batch's arrays travel in four uploads, one per dtype, and are passed as slices of them
         f32 = _Packer(np.float32, b.temperature, b.top_p, b.min_p, b.repetition_penalty, b.presence_penalty,
@@ -430,6 +463,7 @@ class CudaBackend(ComposedOps):
                                                                                        np.uint32)
         step, bias_indptr, mask_indptr, hist_indptr = i64.device()
         (seed,) = u64.device()
+        self.counters.uploads += 4 + bool(b.constrained)
         processed = len(b.bias_token_ids) or len(b.mask_token_ids) or len(b.hist_token_ids) or b.constrained
         shape = (nrows, vocab) if processed else (1, 1)
         work = self._scratch_view("sample_work", shape)
@@ -444,6 +478,7 @@ class CudaBackend(ComposedOps):
             allowed_row, allowed, tok, lp, top_ids, top_lp)
         res.token_ids[:] = tok.copy_to_host()
         res.logprobs[:] = lp.copy_to_host()
+        self.counters.downloads += 2 + 2 * bool(k)
         if k:
             ids, lps = top_ids.copy_to_host(), top_lp.copy_to_host()
             own = np.arange(k)[None, :] < np.asarray(b.num_logprobs)[:, None]

@@ -3,7 +3,10 @@
 For each architecture, every kernel variant its launch-table row (and the fallback row) instantiates is
 compiled with the signature the backend launches it with, to PTX by numba/NVVM and on to SASS by nvJitLink
 (or ptxas). Prints registers, shared memory, stack and spills per kernel and architecture, and exits 1 on a
-compile error, on any spill, or on a float64 instruction (every kernel computes in float32).
+compile error, on any spill, on a float64 instruction (every kernel computes in float32), or when a kernel's
+registers x threads x the row's blocks per SM exceed the SM's register file. `decode_step`, the persistent
+kernel, is listed by that name (with its role formats and tiles); its grid sync lives in the toolkit's
+libcudadevrt.a, linked in. It takes ~1-2 minutes a variant on one core: the whole run ~15 minutes on 2 cores.
 
 Needs the wheels nvidia-cuda-nvrtc==13.0.88 and nvidia-nvjitlink==13.0.88 next to a CUDA 13.0 toolkit (NVVM,
 libdevice): the `cuda-offline` extra of pyproject.toml.
@@ -27,10 +30,18 @@ from numba import cuda, types
 
 from cuda import launch
 from cuda.kernels import attention as attn_k
+from cuda.kernels import decode_step as step_k
 from cuda.kernels import linear as lin_k
 from cuda.kernels import rowwise as row_k
 from cuda.kernels import sampling as samp_k
-from cuda.kernels.common import FAMILIES, Q8_GROUPS
+from cuda.kernels.common import FAMILIES
+from cuda.kernels.decode_phases import DecodeSpec
+
+REGISTER_FILE = 64 * 1024  # 32-bit registers of one SM on sm_80 and sm_90
+# decode_step's role formats (embedding, qkv, o, gate_up, down, lm_head): the default model's, every float one,
+# and every K-quant layout (q4k, q8m, q8h)
+DECODE_FAMILIES = (("q8", "q4", "q4", "q4", "q4", "q8"), ("f16", "bf16", "f32", "f16", "bf16", "f32"),
+                   ("q8", "q4k", "q8m", "q4k", "q8h", "q8h"))
 
 ARCHS = {"sm_80": (8, 0), "sm_90": (9, 0)}
 
@@ -47,6 +58,7 @@ U32_2 = types.Array(types.uint32, 2, "C")
 U16_2 = types.Array(types.uint16, 2, "C")
 F16_2 = types.Array(types.float16, 2, "C")
 INT, F32, BOOL = types.int64, types.float32, types.boolean
+F32_5 = types.Array(types.float32, 5, "C")
 
 WEIGHTS = {  # (wa, wb, wc) of each weight family (float families get float16 [1, 1] placeholders)
     "q4": (U32_2, F16_2, F16_2),
@@ -60,15 +72,40 @@ WEIGHTS = {  # (wa, wb, wc) of each weight family (float families get float16 [1
 }
 
 
+# a role's weights stacked over layers: each of WEIGHTS' arrays with a leading layer axis
+STACKED = {fam: tuple(types.Array(a.dtype, 3, "C") for a in arrays) for fam, arrays in WEIGHTS.items()}
+# the decode step's argument tuples (cuda/kernels/decode_phases.py lists them)
+DECODE_INPUTS = types.Tuple((I32_1, I32_1, I64_1, I32_2, F32_1, F32_1, I32_1, F32_1, F32_1, F32_1, F32_1, U64_1,
+                             I64_1, I32_1, I64_1, I32_1, F32_1, I64_1, I32_1, I64_1, I32_1, I32_1, I32_1, U32_2))
+DECODE_STATE = types.Tuple((F32_2, F32_2, F32_2, F32_2, F32_2, F32_4, F32_4, F32_2, I32_2, F32_1, F32_1))
+DECODE_OUTPUTS = types.Tuple((I64_1, F32_1, I64_2, F32_2))
+
+
+def decode_weights_type(families: tuple) -> types.Tuple:
+    f_emb, f_qkv, f_o, f_gu, f_down, f_lm = families
+    return types.Tuple((*WEIGHTS[f_emb], F32_2, *STACKED[f_qkv], *STACKED[f_o], F32_2, *STACKED[f_gu],
+                        *STACKED[f_down], F32_1, *WEIGHTS[f_lm], F32_2, F32_2, F32_5, F32_5))
+
+
+def decode_argtypes(spec) -> tuple:
+    """Argument types of decode_step and decode_phase for a DecodeSpec."""
+    return (I32_2, INT, INT, INT, INT, INT, INT, INT, F32, F32, DECODE_INPUTS, decode_weights_type(spec.families),
+                   DECODE_STATE, DECODE_OUTPUTS)
+
+
 @dataclass
 class Spec:
     name: str
     kernel: object
     argtypes: tuple
+    cooperative: bool = False   # syncs its grid: linked with the device runtime (libcudadevrt)
+    threads: int = 0            # threads per block it is launched with (0: not checked against the register file)
+    blocks_per_sm: int = 1      # blocks of it the launch table expects on one SM at once
 
 
-def catalog(cfg: launch.LaunchConfig) -> list[Spec]:
-    """Every kernel variant a backend with this configuration launches, with its argument types."""
+def catalog(cfg: launch.LaunchConfig, own_row: bool = True) -> list[Spec]:
+    """Every kernel variant a backend with this configuration launches, with its argument types (decode_step:
+    the default model's formats, and on the architecture's own row a variant with every float format)."""
     specs = []
     for fam in FAMILIES:
         specs.append(Spec(f"embedding_{fam}", row_k.embedding(fam), (I32_1, *WEIGHTS[fam], F32_2)))
@@ -84,13 +121,8 @@ def catalog(cfg: launch.LaunchConfig) -> list[Spec]:
     ]
     tok, thr = cfg.gemv_tokens, cfg.gemv_threads
     for fam in FAMILIES:
-        if fam in ("q4", "q4k"):
-            k = lin_k.gemv_q4(tok, thr)
-        elif fam in Q8_GROUPS:
-            k = lin_k.gemv_q8(tok, thr, fam)
-        else:
-            k = lin_k.gemv_float(fam, tok, thr)
-        specs.append(Spec(f"gemv_{fam}[tok={tok},threads={thr}]", k, (F32_2, *WEIGHTS[fam], F32_2, INT, BOOL)))
+        specs.append(Spec(f"gemv_{fam}[tok={tok},threads={thr}]", lin_k.gemv(fam, tok, thr),
+                          (F32_2, *WEIGHTS[fam], F32_2, INT, BOOL)))
     for bm, bn, tm, tn in cfg.gemm_tiles:
         tile = (bm, bn, launch.GEMM_BK, tm, tn)
         for fam in FAMILIES:
@@ -101,6 +133,15 @@ def catalog(cfg: launch.LaunchConfig) -> list[Spec]:
                           attn_k.paged_attention(cfg.attn_rows, cfg.attn_chunk, dh),
                           (F32_2, F32_4, F32_4, I32_2, I32_1, I32_1, I32_1, I32_1, INT, INT, F32, INT, INT,
                            F32_2, F32_4, F32_4)))
+    for fams in DECODE_FAMILIES if own_row else DECODE_FAMILIES[:1]:
+        spec = DecodeSpec.for_config(cfg, fams, 64)
+        tag = f"[{','.join(fams)};threads={spec.threads},tok={spec.tok}]"
+        specs.append(Spec(f"decode_step{tag}", step_k.decode_step(spec), decode_argtypes(spec),
+                          cooperative=True, threads=spec.threads, blocks_per_sm=cfg.decode_blocks_per_sm))
+    if own_row:
+        spec = DecodeSpec.for_config(cfg, DECODE_FAMILIES[0], 64)
+        specs.append(Spec(f"decode_phase[{','.join(spec.families)};threads={spec.threads}]",
+                          step_k.decode_phase(spec), decode_argtypes(spec), threads=spec.threads))
     specs += [
         Spec("attention_reduce", attn_k.attention_reduce, (F32_4, F32_4, I32_1, INT, F32_2)),
         Spec("sample_rows", samp_k.sample_rows,
@@ -169,8 +210,22 @@ def _parse_info(log: str, res: Result) -> None:
         res.shared = 0
 
 
-def _nvjitlink(arch: str, inputs: list[tuple[int, bytes, str]], lto: bool) -> str:
-    """Link inputs [(InputType, bytes, name)] for arch; returns the info log (ptxas resource lines)."""
+def cudadevrt_path() -> str:
+    """The toolkit's static device runtime, which a grid-syncing kernel's cudaCGSynchronize calls live in."""
+    ptxas = shutil.which("ptxas")
+    homes = [os.environ.get("CUDA_HOME"), ptxas and os.path.dirname(os.path.dirname(os.path.realpath(ptxas))),
+             "/usr/local/cuda"]
+    for home in filter(None, homes):
+        for sub in ("lib64", "lib", os.path.join("targets", "x86_64-linux", "lib")):
+            path = os.path.join(home, sub, "libcudadevrt.a")
+            if os.path.exists(path):
+                return path
+    raise RuntimeError("libcudadevrt.a not found in the CUDA toolkit (set CUDA_HOME)")
+
+
+def _nvjitlink(arch: str, inputs: list[tuple[int, bytes, str]], lto: bool, libraries: tuple = ()) -> str:
+    """Link inputs [(InputType, bytes, name)] and static libraries (paths) for arch; returns the info log
+    (ptxas resource lines)."""
     from cuda.bindings import nvjitlink
 
     opts = [f"-arch={arch}", "-verbose"] + (["-lto"] if lto else [])
@@ -179,6 +234,8 @@ def _nvjitlink(arch: str, inputs: list[tuple[int, bytes, str]], lto: bool) -> st
         try:
             for kind, data, name in inputs:
                 nvjitlink.add_data(handle, kind, data, len(data), name)
+            for path in libraries:
+                nvjitlink.add_file(handle, nvjitlink.InputType.LIBRARY, path)
             nvjitlink.complete(handle)
         except Exception as e:
             n = nvjitlink.get_error_log_size(handle)
@@ -221,8 +278,9 @@ def check(spec: Spec, arch: str) -> Result:
         with _offline_target(cc):
             ptx, _ = cuda.compile_ptx(spec.kernel.py_func, spec.argtypes, cc=cc, fastmath=fastmath)
             res.f64 = len(F64_RX.findall(ptx))
+            libs = (cudadevrt_path(),) if spec.cooperative else ()
             try:
-                log, res.path = _link_ptx(arch, ptx), "ptx"
+                log, res.path = _link_ptx(arch, ptx, libs), "ptx"
             except RuntimeError as e:
                 if "nresolved extern" not in str(e) and "undefined" not in str(e).lower():
                     raise
@@ -235,23 +293,35 @@ def check(spec: Spec, arch: str) -> Result:
                 for i, code in enumerate(codes):
                     data = bytes(getattr(code, "code", None) or getattr(code, "data", None) or code)
                     inputs.append((nvjitlink.InputType.LTOIR, data, f"part{i}"))
-                log, res.path = _nvjitlink(arch, inputs, lto=True), "ltoir"
+                log, res.path = _nvjitlink(arch, inputs, lto=True, libraries=libs), "ltoir"
         _parse_info(log, res)
         if res.registers is None:
             res.errors.append("no resource usage in the link log")
+        elif register_file_error(spec, res.registers):
+            res.errors.append(register_file_error(spec, res.registers))
     except Exception as e:  # a compile error of one kernel must not hide the others
         res.errors.append(f"{type(e).__name__}: {e}")
     res.seconds = time.perf_counter() - t0
     return res
 
 
-def _link_ptx(arch: str, ptx: str) -> str:
+def register_file_error(spec: Spec, registers: int) -> str | None:
+    """Why the launch table's blocks of this kernel cannot be resident on one SM at once, or None."""
+    if spec.threads and registers * spec.threads * spec.blocks_per_sm > REGISTER_FILE:
+        return (f"{registers} registers x {spec.threads} threads x {spec.blocks_per_sm} block(s) exceed the SM's "
+                f"{REGISTER_FILE} registers")
+    return None
+
+
+def _link_ptx(arch: str, ptx: str, libraries: tuple = ()) -> str:
     try:
         from cuda.bindings import nvjitlink
     except ImportError:
+        if libraries:
+            raise
         return _ptxas(arch, ptx)
     data = ptx.encode()
-    return _nvjitlink(arch, [(nvjitlink.InputType.PTX, data, "kernel.ptx")], lto=False)
+    return _nvjitlink(arch, [(nvjitlink.InputType.PTX, data, "kernel.ptx")], lto=False, libraries=libraries)
 
 
 def _fmt(r: Result | None) -> str:
@@ -283,7 +353,7 @@ def main(argv=None) -> int:
     for arch in archs:
         seen = set()
         for row in (arch, "fallback"):
-            for spec in catalog(launch.TABLE[row]):
+            for spec in catalog(launch.TABLE[row], own_row=row == arch):
                 if spec.name in seen or (args.only and args.only not in spec.name):
                     continue
                 seen.add(spec.name)

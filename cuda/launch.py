@@ -35,6 +35,9 @@ class LaunchConfig:
     attn_threads: int        # attention: threads per block
     attn_min_split: int      # attention: fewest context positions per split-K part
     sample_threads: int      # sampling: threads per row (one block per row, compile-time)
+    decode_threads: int      # decode_step: threads per block (compile-time; registers x threads must fit the SM)
+    decode_blocks_per_sm: int  # decode_step: blocks per SM at most (the driver's cooperative limit may be lower)
+    decode_buckets: tuple    # decode_step: batch-size buckets (static buffers for the largest; more -> per-op)
 
     def gemm_tile(self, ntok: int, nout: int) -> tuple[int, int, int, int]:
         """The GEMM tile for an [ntok, K] x [K, nout] product."""
@@ -55,7 +58,7 @@ class LaunchConfig:
         def pow2(n):
             return 32 <= n <= 1024 and n & (n - 1) == 0
 
-        for f in ("threads", "gemv_threads", "attn_threads", "sample_threads"):
+        for f in ("threads", "gemv_threads", "attn_threads", "sample_threads", "decode_threads"):
             if not pow2(getattr(self, f)):
                 raise ValueError(f"{self.arch}: {f}={getattr(self, f)} must be a power of two in 32..1024")
         if not self.gemm_tiles:
@@ -71,6 +74,13 @@ class LaunchConfig:
         for what, nbytes in shared.items():
             if nbytes > STATIC_SHARED_LIMIT:
                 raise ValueError(f"{self.arch}: {what} needs {nbytes} B of static shared memory")
+        if self.decode_blocks_per_sm < 1 or not self.decode_buckets or min(self.decode_buckets) < 1:
+            raise ValueError(f"{self.arch}: decode_step needs >= 1 block per SM and positive batch buckets")
+        decode_floats = max(2 * self.gemv_tokens * self.decode_threads,
+                            2 * self.attn_rows * MAX_HEAD_DIM + self.attn_chunk * (MAX_HEAD_DIM + 1)
+                            + self.attn_rows * self.attn_chunk + 3 * self.attn_rows)
+        if 4 * (decode_floats + 1) + 4 * (self.decode_threads + 1) > STATIC_SHARED_LIMIT:
+            raise ValueError(f"{self.arch}: decode_step needs more than {STATIC_SHARED_LIMIT} B of static shared memory")
         if self.gemv_max_tokens < 0 or self.gemv_tokens < 1:
             raise ValueError(f"{self.arch}: gemv_tokens must be positive, gemv_max_tokens >= 0 (0: always GEMM)")
         return self
@@ -79,21 +89,32 @@ class LaunchConfig:
 # Starting points from the hardware, not yet tuned on the GPUs themselves (cuda/RESULTS.md has measurements
 # once `make gpu-check` has run). sm_90: 132 SMs (H100 SXM / H200), 228 KiB shared per SM, 64 warps per SM.
 # sm_80: 108 SMs (A100), 164 KiB shared per SM, 64 warps per SM. fallback: small blocks that fit anywhere.
+# decode_step's registers (docs/gpu.md, from `make kernels`, no register cap) fit 256 threads once or 128 threads
+# twice into the 64 Ki registers of an SM on both architectures, not more.
+#   sm_90: 256 x 1 per SM: 132 blocks, so each of the ~160 grid barriers of a step waits on fewer blocks, and
+#          8 warps per SM stream HBM3 through the GEMV phases.
+#   sm_80: 128 x 2 per SM: 216 blocks of 4 warps on the 108 SMs, the same warps per SM in finer blocks,
+#          which balances the per-block phases (attention items, sampler rows) that there are fewer SMs for.
+#   fallback: 128 x 1, valid on any GPU with 32 Ki registers an SM.
+# buckets: static buffers are sized for the largest; batches above it take the per-op path.
 TABLE: dict[str, LaunchConfig] = {
     "sm_90": LaunchConfig(
         arch="sm_90", sm_count=132, threads=256, gemv_threads=256, gemv_tokens=8, gemv_max_tokens=32,
         gemm_tiles=((64, 64, 4, 4), (32, 32, 2, 2)),
         attn_rows=16, attn_chunk=32, attn_threads=128, attn_min_split=256, sample_threads=1024,
+        decode_threads=256, decode_blocks_per_sm=1, decode_buckets=(1, 16, 64, 256),
     ),
     "sm_80": LaunchConfig(
         arch="sm_80", sm_count=108, threads=256, gemv_threads=128, gemv_tokens=8, gemv_max_tokens=32,
         gemm_tiles=((64, 64, 4, 4), (32, 32, 2, 2)),
         attn_rows=16, attn_chunk=32, attn_threads=128, attn_min_split=256, sample_threads=1024,
+        decode_threads=128, decode_blocks_per_sm=2, decode_buckets=(1, 16, 64, 256),
     ),
     "fallback": LaunchConfig(
         arch="fallback", sm_count=16, threads=128, gemv_threads=128, gemv_tokens=4, gemv_max_tokens=16,
         gemm_tiles=((32, 32, 2, 2),),
         attn_rows=8, attn_chunk=32, attn_threads=64, attn_min_split=256, sample_threads=256,
+        decode_threads=128, decode_blocks_per_sm=1, decode_buckets=(1, 16, 64),
     ),
 }
 for _c in TABLE.values():

@@ -120,6 +120,11 @@ class Engine:
             logits = self.model.forward(StepInput(*(None if a is None else b.upload(a) for a in step.arrays())),
                                         self.runner.k_cache, self.runner.v_cache)
             b.sample(logits, SamplingBatch.build([RowSpec(SamplingParams(temperature=0.0), seed=0, step=0)]))
+        fused = self.runner.fused_decode
+        if fused is not None:  # the one-launch decode step builds its kernel on its first run
+            one = np.zeros(1, np.int32)
+            fused.run(StepInput(one, one, one, one.astype(np.int64), one[None, :], one),
+                      SamplingBatch.build([RowSpec(SamplingParams(temperature=0.0), seed=0, step=0)]))
 
     def _grammar_compiler(self) -> GrammarCompiler | None:
         """Structured outputs for this model's tokenizer (None, logged, if llguidance cannot take it)."""

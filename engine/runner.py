@@ -24,6 +24,8 @@ class ModelRunner:
         self.k_cache, self.v_cache = model.allocate_kv_cache(num_blocks, block_size)
         self.grammars = grammars
         self._mask_thread: ThreadPoolExecutor | None = None   # started by the first constrained step
+        # pure decode steps in one device call where the backend has one (None: forward + sample)
+        self.fused_decode = self.backend.fused_decode(model, self.k_cache, self.v_cache)
 
     def close(self) -> None:
         if self._mask_thread is not None:
@@ -81,18 +83,35 @@ class ModelRunner:
         step.window_block_tables = tables
         step.window_slot_mapping = (tables[:, step.token_seq, pos // bs].astype(np.int64) * bs + pos % bs)
 
+    def takes_fused(self, scheduled: list[tuple[Sequence, int]]) -> bool:
+        """A pure decode step (every sequence one token, its last) that the fused decode step holds."""
+        return (self.fused_decode is not None and self.fused_decode.bucket(len(scheduled)) is not None
+                and all(n == 1 and s.num_computed_tokens + 1 == s.num_tokens for s, n in scheduled))
+
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], SampleResult | None]:
         step, sampling = self.build_step(scheduled)
         pending = self._start_masks(sampling)
+        if self.takes_fused(scheduled):
+            return sampling, self.fused_decode.run(step, self.sampling_batch(sampling, self._masks(pending)))
         b = self.backend
         logits = self.model.forward(StepInput(*(None if a is None else b.upload(a) for a in step.arrays())),
                                     self.k_cache, self.v_cache)
         if not sampling:
             return [], None
-        masks = None
-        if pending is not None:
-            masks, done = pending
-            done.result()
+        return sampling, b.sample(logits, self.sampling_batch(sampling, self._masks(pending)))
+
+    @staticmethod
+    def _masks(pending: tuple[np.ndarray, Future] | None) -> np.ndarray | None:
+        """The constrained rows' masks once the mask thread has filled them (None: no row is constrained)."""
+        if pending is None:
+            return None
+        masks, done = pending
+        done.result()
+        return masks
+
+    def sampling_batch(self, sampling: list[Sequence], masks: np.ndarray | None = None) -> SamplingBatch:
+        """The sampler's arrays for the sequences that sample this step (masks: the constrained rows' packed
+        allowed-token masks, in order)."""
         rows = []
         constrained = 0
         for s in sampling:
@@ -105,4 +124,4 @@ class ModelRunner:
                                 prompt_token_ids=s.token_ids[:s.num_prompt_tokens] if history else (),
                                 output_token_ids=s.output_token_ids if history else (),
                                 eos_token_ids=self.eos_token_ids, allowed_row=allowed))
-        return sampling, b.sample(logits, SamplingBatch.build(rows, masks))
+        return SamplingBatch.build(rows, masks)

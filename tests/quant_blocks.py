@@ -55,14 +55,14 @@ MIXED_LAYERS = (
 )
 
 
-def mixed_format_weights(w):
-    """The model `w` (float weights, rows of 256 multiples) with its matrices in a Q4_K_M-style mix:
-    q8_0 embedding, q5_0 / q8_0 / q4_k / q6_k layers (MIXED_LAYERS, cycled over the layers)."""
+def mixed_format_weights(w, layer_formats=MIXED_LAYERS, embed: str = "q8_0", lm_head: str = "q6_k"):
+    """The model `w` (float weights, rows of 256 multiples) with its matrices in a mix of formats, by default
+    Q4_K_M-style: q8_0 embedding, q5_0 / q8_0 / q4_k / q6_k layers (layer_formats, cycled over the layers)."""
     from models.weights import LayerWeights, ModelWeights
     layers = []
     for i, lw in enumerate(w.layers):
-        fmts = MIXED_LAYERS[i % len(MIXED_LAYERS)]
+        fmts = layer_formats[i % len(layer_formats)]
         layers.append(LayerWeights(attn_norm=lw.attn_norm, ffn_norm=lw.ffn_norm,
                                    **{n: m.convert(fmts[n]) for n, m in lw.matrices().items()}))
-    lm_head = None if w.lm_head is None else w.lm_head.convert("q6_k")
-    return ModelWeights(w.config, w.embed.convert("q8_0"), layers, w.final_norm, lm_head, dict(w.metadata))
+    head = None if w.lm_head is None else w.lm_head.convert(lm_head)
+    return ModelWeights(w.config, w.embed.convert(embed), layers, w.final_norm, head, dict(w.metadata))

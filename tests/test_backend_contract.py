@@ -40,7 +40,7 @@ def _mismatches(impl: type) -> list[str]:
 def test_the_contract_lists_the_ops_the_model_and_runner_call():
     assert set(_ops(Backend)) == {
         "linear", "vector", "zeros", "upload", "download", "rope_tables", "share_cpu", "embedding",
-        "rmsnorm_matmul", "rope_attention", "matmul", "silu_mul_matmul", "layer_stack", "sample",
+        "rmsnorm_matmul", "rope_attention", "matmul", "silu_mul_matmul", "layer_stack", "fused_decode", "sample",
         "scale", "head_rmsnorm", "rmsnorm_add", "gelu_mul_matmul"}
     assert all(inspect.getdoc(getattr(Backend, name)) for name in _ops(Backend))
 

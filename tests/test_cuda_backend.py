@@ -99,6 +99,10 @@ def test_gpu_check_helpers():
     assert g.matmul_params(cfg) == 134_479_872
     assert g.decode_roofline(2, 100, 1000.0) == 20.0
     assert g.decode_roofline(2, 100, None) is None
+    # the lower bound wins: memory 2 x 1000 / 100 = 20 tok/s, compute 1000 / (2 x 10) = 50 tok/s, and back
+    assert g.decode_roofline(2, 100, 1000.0, peak=1000.0, macs_per_token=10) == 20.0
+    assert g.decode_roofline(200, 100, 1000.0, peak=1000.0, macs_per_token=10) == 50.0
+    assert g.decode_roofline(2, 100, None, peak=1000.0, macs_per_token=10) == 50.0
     assert m.prefill_groups(5, 128, 256) == [(0, 2), (2, 2), (4, 1)]
 
 
@@ -147,8 +151,11 @@ def test_gpu_check_report():
     r.header.append(("GPU", "test"))
     r.check("a", True, "fine")
     r.bench.append({"name": "decode, batch 1", "ours": 500.0, "roofline": 1000.0, "torch": 250.0})
+    r.bench.append({"name": "decode, batch 16", "fused": 800.0, "ours": 500.0, "roofline": 1000.0, "torch": 200.0,
+                    "fused_counts": (1, 1, 1), "ours_counts": (280, 9, 2)})
     md = r.markdown()
-    assert "**Result: passed**" in md and "| decode, batch 1 | 500 | 1,000 | 50.0% | 250 | 2.00x |" in md
+    assert "**Result: passed**" in md and "| decode, batch 1 | — | 500 | 1,000 | 50.0% | 250 | 2.00x | — |" in md
+    assert "| decode, batch 16 | 800 | 500 | 1,000 | 80.0% | 200 | 4.00x | 1/1/1; 280/9/2 |" in md
     r.check("b", False, "broken")
     assert r.failed and "**FAIL**" in r.markdown()
 
@@ -172,9 +179,48 @@ def test_compile_check_compiles_a_kernel_offline():
     names = [s.name for s in cc.catalog(launch.TABLE["sm_90"])]
     for want in ("embedding_q4", "rmsnorm", "rope_store_kv", "silu_mul", "gather_rows", "gemv_q4[tok=8,threads=256]",
                  "gemm_q8[64x64x32x4x4]", "paged_attention[rows=16,chunk=32,dh=128]", "attention_reduce",
-                 "sample_rows"):
+                 "sample_rows", "decode_step[q8,q4,q4,q4,q4,q8;threads=256,tok=8]",
+                 "decode_step[f16,bf16,f32,f16,bf16,f32;threads=256,tok=8]", "decode_phase[q8,q4,q4,q4,q4,q8;threads=256]"):
         assert want in names
     spec = next(s for s in cc.catalog(launch.TABLE["sm_90"]) if s.name == "silu_mul")
     res = cc.check(spec, "sm_90")
     assert res.ok, res.errors   # nvrtc/nvjitlink come with `pip install -e '.[cuda-offline]'` (make install)
     assert res.registers > 0 and res.f64 == 0 and res.spills == 0
+
+
+@pytest.mark.slow
+def test_compile_check_compiles_decode_step_offline():
+    """`make kernels` on the persistent kernel: linked with the device runtime (its grid sync), 0 spills, no
+    float64, and its registers x threads x blocks per SM within the register file; an impossible row fails."""
+    from cuda import compile_check as cc
+
+    spec = next(s for s in cc.catalog(launch.TABLE["sm_90"]) if s.name.startswith("decode_step[q8"))
+    assert spec.cooperative and spec.threads == 256
+    res = cc.check(spec, "sm_90")
+    assert res.ok, res.errors
+    assert res.registers * spec.threads <= cc.REGISTER_FILE and res.spills == 0 and res.f64 == 0
+    assert cc.register_file_error(spec, res.registers) is None
+    greedy = dataclasses.replace(spec, blocks_per_sm=cc.REGISTER_FILE // (res.registers * spec.threads) + 1)
+    assert "exceed the SM's" in cc.register_file_error(greedy, res.registers)
+
+
+def test_decode_step_plan_and_launch_rows():
+    """The decode step's phase plan, its shared memory, and the launch table's decode rows."""
+    from cuda.kernels import decode_phases as ph
+
+    plan = ph.phase_plan(2, split=False)
+    assert plan.tolist() == [[ph.EMBED, 0], [ph.QKV, 0], [ph.ATTN, 0], [ph.O, 0], [ph.GATE_UP, 0], [ph.DOWN, 0],
+                             [ph.QKV, 1], [ph.ATTN, 1], [ph.O, 1], [ph.GATE_UP, 1], [ph.DOWN, 1],
+                             [ph.LM_HEAD, 0], [ph.SAMPLE, 0]]
+    split = ph.phase_plan(30, split=True)
+    assert len(split) == 1 + 30 * 6 + 2 and (split[:, 0] == ph.MERGE).sum() == 30
+    sm90, sm80 = launch.TABLE["sm_90"], launch.TABLE["sm_80"]
+    assert (sm90.decode_threads, sm90.decode_blocks_per_sm) != (sm80.decode_threads, sm80.decode_blocks_per_sm)
+    for cfg in launch.TABLE.values():
+        spec = ph.DecodeSpec.for_config(cfg, ("q8", "q4", "q4", "q4", "q4", "q8"), head_dim=64)
+        assert spec.threads == cfg.decode_threads and spec.dh_max == 64
+        assert 4 * (spec.shared_floats + spec.threads + 2) <= launch.STATIC_SHARED_LIMIT
+        assert spec.shared_floats >= 2 * spec.tok * spec.threads  # the paired GEMV's two reduction buffers
+    assert ph.DecodeSpec.for_config(sm90, ("f32",) * 6, head_dim=128).dh_max == 128
+    with pytest.raises(ValueError, match="bucket"):
+        dataclasses.replace(sm90, decode_buckets=()).validate()

@@ -171,7 +171,7 @@ def test_rope_store_kv_and_paged_attention(rng, split):
     # A prefill of 5 from position 0, a decode at position 9, a chunk of 3 at positions 4..6.
     s = R.paged_kv_case(rng, [(0, 5), (9, 1), (4, 3)], h=4, hkv=2, dh=8, bs=4)
     h, hkv, dh, theta = s["h"], s["hkv"], s["dh"], 10000.0
-    nsplit, _ = be._splits(5 * hkv, 10)
+    nsplit, _ = be.split_plan(5 * hkv, 10)
     assert (nsplit > 1) == split
     qkv, kc, vc = be.upload(s["qkv"]), be.upload(s["kc"]), be.upload(s["vc"])
     cos, sin = be.rope_tables(16, dh, theta)
@@ -304,5 +304,6 @@ def test_gpu_check_script_in_the_simulator(tmp_path):
     md = out.read_text()
     assert "**Result: passed**" in md and "FAIL" not in md
     for want in ("matmul q4_1 T=1 (gemv)", "paged attention", "split(s) (forced)", "sample: token ids equal",
-                 "model: greedy ids equal", "| decode, batch 2", "| prefill, 1 x 5 tokens"):
+                 "model: greedy ids equal", "| decode, batch 2", "| prefill, 1 x 5 tokens",
+                 "model: greedy ids equal (decode_step vs cpu, float32)", "| 1/1/1; "):
         assert want in md, want

@@ -43,3 +43,15 @@ def test_forward_tiny_gemma_across_the_window():
     for lo, hi in ((0, 6), (6, 7), (7, 8)):
         logits = be.download(model.forward(step(lo, hi), kc, vc))
         np.testing.assert_allclose(logits, ref[lo:hi], rtol=2e-4, atol=2e-4 * np.abs(ref).max())
+
+
+def test_gemma_takes_the_per_op_path_for_decode_steps():
+    """The fused decode step runs the Llama layer without a window: a Gemma model gets none, so the runner
+    serves its decode steps per op (window mask, Gemma's norms)."""
+    from tests.test_cuda_decode_step import SIM_DECODE
+
+    weights = make_tiny_gemma_weights(seed=4, hidden=32, heads=2, kv_heads=1, head_dim=16, ffn=48, window=3)
+    be = CudaBackend(SIM_DECODE)
+    model = Gemma3Model(weights, be)
+    kc, vc = model.allocate_kv_cache(num_blocks=8, block_size=4)
+    assert be.cooperative_launch() and be.fused_decode(model, kc, vc) is None

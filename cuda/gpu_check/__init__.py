@@ -4,14 +4,23 @@
    the GEMV and GEMM paths, RoPE + paged attention with and without split-K, head dims 64 and 128, the
    sampler against the cpu sampler on a full vocabulary);
 2. the cuda backend against the cpu backend on the default model: logits of a prompt close, greedy ids equal
-   (both compute in float32);
-3. decode tokens/s at batch 1, 16, 64, 256 and prefill tokens/s, beside the roofline (weight bytes / memory
-   bandwidth) and beside transformers on PyTorch on the same GPU and weights when torch is importable.
+   (both compute in float32: the cpu reference without int8 activations), and decode_step's greedy ids too;
+3. decode tokens/s at batch 1, 16, 64, 256 through decode_step (one launch a step) and through the per-op path,
+   with the launches, uploads and downloads of a step, and prefill tokens/s, beside the roofline (the lower of
+   the memory-bandwidth and the FP32 compute bound) and beside transformers on PyTorch (eager, bf16, the same
+   shapes and weights) when torch is importable.
 Writes cuda/RESULTS.md (date, GPU, configuration, every number) and exits 1 on any mismatch or error,
 after running whatever else it can. When the model file is missing (the default one is 98 MB), a model of
 the same shapes and formats with random weights stands in, and the report says so.
 
-    python -m cuda.gpu_check [--model PATH] [--budget 480] [--no-torch] [--out cuda/RESULTS.md]
+    python -m cuda.gpu_check [--model PATH] [--budget 390] [--no-torch] [--out cuda/RESULTS.md]
+
+On a lent GPU machine (no network, at most 64 MiB of working tree: no venv, no model file) the one command is
+`make gpu-check PY=python`, i.e. `PYTHONPATH=.:wheels/gguf-0.19.0-py3-none-any.whl python -m cuda.gpu_check`:
+its python has numba-cuda, numpy, torch and transformers; the one wheel it lacks, gguf (pure Python), is
+fetched here beforehand into the git-ignored wheels/ folder and carried (`carry: ["wheels"]`):
+    python -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d wheels gguf==0.19.0
+The whole run stays under 8 minutes on one H200 (--budget 390 s for the checks and benchmarks, then the report).
 
 The modules: plan (sizes), roofline (what the GPU can do at best), model_setup (the model and its step
 inputs), checks (correctness), timing (throughput and kernel timings), torch_baseline (transformers),
@@ -47,7 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m cuda.gpu_check", description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="GGUF file or HF directory (default: the default model)")
     ap.add_argument("--out", default=DEFAULT_OUT, help="where to write the report (default cuda/RESULTS.md)")
-    ap.add_argument("--budget", type=float, default=480.0, help="seconds before the remaining benchmarks are "
+    ap.add_argument("--budget", type=float, default=390.0, help="seconds before the remaining benchmarks are "
                                                                  "skipped (a hang is dumped and killed at +90 s)")
     ap.add_argument("--no-torch", action="store_true", help="skip the transformers comparison")
     ap.add_argument("--skip-bench", action="store_true", help="correctness only")

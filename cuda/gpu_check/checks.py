@@ -92,7 +92,7 @@ def attention_check(be, report, rng, h, hkv, dh, split, seqs) -> None:
     _close(f"rope_store_kv {tag}", be.download(dk), kref, 1e-5, report)
     out = be.zeros((t, h * dh))
     ntiles = be._tiles(positions, token_seq, be.config.attn_rows // (h // hkv))[2]
-    nsplit = be._splits(ntiles * hkv, max(ctx))[0]
+    nsplit = be.split_plan(ntiles * hkv, max(ctx))[0]
     be.attention(dq, dk, dv, tables, positions, token_seq, h, hkv, dh ** -0.5, out)
     ref = R.paged_attention(q, kref, vref, tables, ctx, case["qsl"], dh ** -0.5)
     _close(f"paged attention {tag}, {nsplit} split(s){' (forced)' if split else ''}", be.download(out),
@@ -135,8 +135,8 @@ def sampling_check(be, report, rng, vocab: int = 49152, nrows: int = 32) -> None
 
 def model_check(weights, tokenizer, be, report: Report, greedy_tokens: int = 24) -> None:
     """cpu vs cuda backend: logits of a prompt, then greedy decoding, one sequence."""
-    from engine.backends import get_backend
     from engine.backends.contract import RowSpec, SamplingBatch, SamplingParams
+    from engine.backends.cpu import CpuBackend  # the reference in float32: no int8 activations
     from models.llama import LlamaModel
 
     cfg = weights.config
@@ -151,7 +151,7 @@ def model_check(weights, tokenizer, be, report: Report, greedy_tokens: int = 24)
         ids = np.random.default_rng(7).integers(3, cfg.vocab_size, min(24, cfg.max_position // 4)).astype(np.int32)
     n = len(ids)
     layout = BatchLayout(1, n + greedy_tokens + 1)
-    models = {"cpu": LlamaModel(weights, get_backend("cpu")), "cuda": LlamaModel(weights, be)}
+    models = {"cpu": LlamaModel(weights, CpuBackend(int8_activations=False)), "cuda": LlamaModel(weights, be)}
     greedy = SamplingBatch.build([RowSpec(params=SamplingParams(temperature=0.0), seed=0, step=0)])
     seqs, first_logits = {}, {}
     for name, model in models.items():
@@ -193,3 +193,30 @@ def model_check(weights, tokenizer, be, report: Report, greedy_tokens: int = 24)
         except Exception:
             pass
     report.check("model: greedy ids equal (cuda vs cpu, float32)", same, detail.replace("|", "/"))
+    fused = fused_greedy(weights, be, ids, layout, greedy, greedy_tokens)
+    if fused is None:
+        report.notes.append("decode_step not checked: the backend has no fused decode step for this model/GPU")
+    else:
+        ids_, launches = fused
+        first = next((j for j in range(len(b_)) if ids_[j] != b_[j]), None)
+        report.check("model: greedy ids equal (decode_step vs cpu, float32)", first is None,
+                     f"{greedy_tokens} tokens, {launches} launch(es) a decode step"
+                     + ("" if first is None else f"; first difference at token {first}"))
+
+
+def fused_greedy(weights, be, ids: np.ndarray, layout, greedy, count: int):
+    """(greedy ids, launches per step) of one sequence: prefill through the per-op path, then decode_step;
+    None when the backend has no fused step for the model."""
+    from models.llama import LlamaModel
+
+    model = LlamaModel(weights, be)
+    kc, vc = model.allocate_kv_cache(layout.num_blocks, BLOCK_SIZE)
+    fused = be.fused_decode(model, kc, vc)
+    if fused is None:
+        return None
+    n = len(ids)
+    logits = model.forward(layout.prefill(ids[None, :], 0, 1), kc, vc)
+    out = [int(be.sample(logits, greedy).token_ids[0])]
+    for i in range(count - 1):
+        out.append(int(fused.run(layout.decode(np.array([out[-1]]), n + i), greedy).token_ids[0]))
+    return out, fused.counters.launches

@@ -35,14 +35,17 @@ class Report:
         out += [f"| {n} | {'ok' if ok else '**FAIL**'} | {d} |" for n, ok, d in self.checks]
         if self.bench:
             out += ["", "## Throughput", "",
-                    "| workload | cuda backend (tok/s) | roofline (tok/s) | % of roofline | transformers (tok/s) "
-                    "| cuda / transformers |", "|---|---:|---:|---:|---:|---:|"]
+                    "| workload | decode_step (tok/s) | per-op path (tok/s) | roofline (tok/s) | % of roofline "
+                    "| transformers (tok/s) | best / transformers | launches / uploads / downloads a step "
+                    "(decode_step; per-op) |", "|---|---:|---:|---:|---:|---:|---:|---|"]
             for b in self.bench:
-                ours, roof, torch_ = b.get("ours"), b.get("roofline"), b.get("torch")
-                pct = f"{100 * ours / roof:.1f}%" if ours and roof else "—"
-                ratio = f"{ours / torch_:.2f}x" if ours and torch_ else "—"
-                out.append(f"| {b['name']} | {_fmt_rate(ours)} | {_fmt_rate(roof)} | {pct} | {_fmt_rate(torch_)} "
-                           f"| {ratio} |")
+                fused, ours, roof, torch_ = b.get("fused"), b.get("ours"), b.get("roofline"), b.get("torch")
+                best = max((x for x in (fused, ours) if x), default=None)
+                pct = f"{100 * best / roof:.1f}%" if best and roof else "—"
+                ratio = f"{best / torch_:.2f}x" if best and torch_ else "—"
+                counts = "; ".join("/".join(map(str, b[k])) for k in ("fused_counts", "ours_counts") if b.get(k))
+                out.append(f"| {b['name']} | {_fmt_rate(fused)} | {_fmt_rate(ours)} | {_fmt_rate(roof)} | {pct} "
+                           f"| {_fmt_rate(torch_)} | {ratio} | {counts or '—'} |")
         out += [x for sec in self.sections for x in ("", sec.rstrip())]
         if self.notes:
             out += ["", "## Notes", ""] + [f"- {n}" for n in self.notes]

@@ -35,6 +35,13 @@ def matmul_params(cfg) -> int:
     return cfg.num_layers * per_layer + cfg.vocab_size * cfg.hidden_size
 
 
-def decode_roofline(batch: int, weight_bytes: int, bandwidth: float | None) -> float | None:
-    """Tokens/s if a decode step cost one read of the weights (the KV cache and activations left out)."""
-    return None if not bandwidth else batch * bandwidth / weight_bytes
+def decode_roofline(batch: int, weight_bytes: int, bandwidth: float | None, peak: float | None = None,
+                    macs_per_token: int = 0) -> float | None:
+    """Tokens/s at best: the lower of the memory bound (one read of the weights a step; the KV cache and
+    activations left out) and the compute bound (FP32 peak / 2 multiply-adds per token), of those known."""
+    bounds = []
+    if bandwidth:
+        bounds.append(batch * bandwidth / weight_bytes)
+    if peak and macs_per_token:
+        bounds.append(peak / (2 * macs_per_token))
+    return min(bounds) if bounds else None

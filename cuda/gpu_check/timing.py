@@ -13,8 +13,10 @@ from cuda.gpu_check.report import Report
 from cuda.gpu_check.roofline import decode_roofline, matmul_params
 
 
-def _time_decode(model, layout: BatchLayout, prompts: np.ndarray, steps: int, warmup: int, sample) -> float:
-    """Prefill every sequence, then time `steps` decode steps (forward + on-device sampling); tokens/s."""
+def _time_decode(model, layout: BatchLayout, prompts: np.ndarray, steps: int, warmup: int, sample,
+                 fused: bool) -> tuple[float, tuple]:
+    """Prefill every sequence (per-op path), then time `steps` decode steps: forward + on-device sampling with
+    the ids copied back (per-op), or decode_step (fused). (tokens/s, (launches, uploads, downloads) of a step)."""
     b = model.backend
     kc, vc = model.allocate_kv_cache(layout.num_blocks, layout.block_size)
     p = prompts.shape[1]
@@ -22,34 +24,67 @@ def _time_decode(model, layout: BatchLayout, prompts: np.ndarray, steps: int, wa
     for first, count in prefill_groups(layout.batch, p, 2048):
         logits = model.forward(upload_step(b, layout.prefill(prompts, first, count)), kc, vc)
         tokens[first:first + count] = sample(logits, count)
+    if fused:
+        step_fn = b.fused_decode(model, kc, vc)
+        if step_fn is None:
+            raise RuntimeError("the backend has no fused decode step for this model on this GPU")
+        greedy = sample.batch(layout.batch)
+
+        def decode(tok, pos):
+            return step_fn.run(layout.decode(tok, pos), greedy).token_ids.astype(np.int32)
+
+        def counts():
+            c = step_fn.counters
+            return c.launches, c.uploads, c.downloads
+    else:
+        def decode(tok, pos):
+            return sample(model.forward(upload_step(b, layout.decode(tok, pos)), kc, vc), layout.batch)
+
+        def counts():
+            c = b.counters
+            return c.launches, c.uploads, c.downloads
     pos = p
     for _ in range(warmup):
-        tokens = sample(model.forward(upload_step(b, layout.decode(tokens, pos)), kc, vc), layout.batch)
+        b.counters.reset()
+        tokens = decode(tokens, pos)
         pos += 1
+    per_step = counts()
     b.synchronize()
     t0 = time.perf_counter()
     for _ in range(steps):
-        tokens = sample(model.forward(upload_step(b, layout.decode(tokens, pos)), kc, vc), layout.batch)
+        tokens = decode(tokens, pos)
         pos += 1
     b.synchronize()
-    return layout.batch * steps / (time.perf_counter() - t0)
+    return layout.batch * steps / (time.perf_counter() - t0), per_step
+
+
+def _greedy_sampler(be):
+    """sample(logits, rows) -> greedy ids on the device; sample.batch(rows): its SamplingBatch."""
+    from engine.backends.contract import RowSpec, SamplingBatch, SamplingParams
+
+    batches = {}
+
+    def batch(rows):
+        if rows not in batches:
+            batches[rows] = SamplingBatch.build([RowSpec(params=SamplingParams(temperature=0.0), seed=0, step=0)]
+                                                * rows)
+        return batches[rows]
+
+    def sample(logits, rows):
+        return be.sample(logits, batch(rows)).token_ids.astype(np.int32)
+
+    sample.batch = batch
+    return sample
 
 
 def benchmarks(weights, be, report: Report, deadline: float, bandwidth, peak, torch_model, plan: Plan = FULL) -> None:
-    from engine.backends.contract import RowSpec, SamplingBatch, SamplingParams
     from models.llama import LlamaModel
 
     cfg = weights.config
     model = LlamaModel(weights, be)
     wbytes = model.nbytes
     rng = np.random.default_rng(11)
-    greedy = {}
-
-    def sample(logits, rows):
-        if rows not in greedy:
-            greedy[rows] = SamplingBatch.build([RowSpec(params=SamplingParams(temperature=0.0), seed=0, step=0)]
-                                               * rows)
-        return be.sample(logits, greedy[rows]).token_ids.astype(np.int32)
+    sample = _greedy_sampler(be)
 
     for batch in plan.batches:
         if time.time() > deadline:
@@ -58,12 +93,15 @@ def benchmarks(weights, be, report: Report, deadline: float, bandwidth, peak, to
         prompts = rng.integers(3, cfg.vocab_size, (batch, plan.prompt_len)).astype(np.int32)
         layout = BatchLayout(batch, plan.prompt_len + plan.warmup_steps + plan.decode_steps + 1)
         row = {"name": f"decode, batch {batch} (context {plan.prompt_len}-{plan.prompt_len + plan.warmup_steps + plan.decode_steps})",
-               "roofline": decode_roofline(batch, wbytes, bandwidth)}
-        try:
-            row["ours"] = _time_decode(model, layout, prompts, plan.decode_steps, plan.warmup_steps, sample)
-            print(f"  decode batch {batch}: {row['ours']:,.0f} tok/s", flush=True)
-        except Exception:
-            report.errors.append(f"decode batch {batch}:\n{traceback.format_exc()}")
+               "roofline": decode_roofline(batch, wbytes, bandwidth, peak, matmul_params(cfg))}
+        for key, fused in (("fused", True), ("ours", False)):
+            try:
+                row[key], row[key + "_counts"] = _time_decode(model, layout, prompts, plan.decode_steps,
+                                                              plan.warmup_steps, sample, fused)
+                print(f"  decode batch {batch} ({'decode_step' if fused else 'per-op'}): {row[key]:,.0f} tok/s, "
+                      f"launches/uploads/downloads a step {row[key + '_counts']}", flush=True)
+            except Exception:
+                report.errors.append(f"decode batch {batch} ({key}):\n{traceback.format_exc()}")
         if torch_model is not None and time.time() < deadline:
             try:
                 row["torch"] = torch_model.decode(prompts, plan.decode_steps, plan.warmup_steps)
@@ -97,12 +135,15 @@ def benchmarks(weights, be, report: Report, deadline: float, bandwidth, peak, to
             except Exception:
                 report.errors.append(f"transformers prefill:\n{traceback.format_exc()}")
         report.bench.append(row)
-        report.notes.append("Decode roofline: batch x memory bandwidth / weight bytes (one read of the weights "
-                            f"per step, {wbytes / 1e6:.1f} MB; KV cache reads left out). Prefill roofline: the "
-                            "FP32 SIMT peak / (2 x multiply-adds per token) - these kernels use no tensor cores.")
+        report.notes.append("Decode roofline: the lower of batch x memory bandwidth / weight bytes (one read of the "
+                            f"weights per step, {wbytes / 1e6:.1f} MB; KV cache reads left out) and the FP32 SIMT "
+                            "peak / (2 x multiply-adds per token). Prefill roofline: the compute bound alone - "
+                            "these kernels use no tensor cores.")
         report.notes.append(f"Decode: {plan.prompt_len}-token prompts prefilled, {plan.warmup_steps} warm-up steps, then "
                             f"{plan.decode_steps} timed steps; each step is the forward plus greedy sampling on the "
-                            "device with the token ids copied back (as the engine runs it), timed from the host.")
+                            "device with the token ids copied back (as the engine runs it), timed from the host: "
+                            "decode_step = the whole step in one cooperative launch (cuda/fused_decode.py), per-op "
+                            "= one launch per op (the path prefill steps take).")
 
 
 def _per_call_us(fn, sync, min_reps: int = 5, max_reps: int = 200, target_s: float = 0.15) -> float:

@@ -24,39 +24,24 @@ from cuda.kernels.common import F0, NEG, NEG_HALF
 
 
 @functools.lru_cache(maxsize=None)
-def paged_attention(rows: int, chunk: int, dh_max: int):
-    q_size = rows * dh_max
+def attend(rows: int, chunk: int, dh_max: int):
+    """The work item (nq query tokens tok0.. of sequence seq, kv head g, split z of nsplit) as a device function,
+    shared by the per-op kernel and the persistent decode step. Shared buffers: q_s, acc_s rows*dh_max,
+    kv_s chunk*(dh_max+1), s_s rows*chunk, m_s, l_s, c_s rows floats."""
     kv_stride = dh_max + 1  # padding: consecutive positions j of one column d fall in distinct banks
-    kv_size = chunk * kv_stride
-    s_size = rows * chunk
 
-    @cuda.jit(fastmath=True)
-    def paged_attention_kernel(qkv, k_cache, v_cache, block_tables, positions, token_seq, tile_tok0, tile_len,
-                               num_heads, num_kv_heads, scale, split_size, window, out, part_acc, part_ml):
-        """Causal attention of a tile's query rows over their sequence's paged K/V (see the module doc)."""
-        q_s = cuda.shared.array(q_size, float32)
-        acc_s = cuda.shared.array(q_size, float32)
-        kv_s = cuda.shared.array(kv_size, float32)
-        s_s = cuda.shared.array(s_size, float32)
-        m_s = cuda.shared.array(rows, float32)
-        l_s = cuda.shared.array(rows, float32)
-        c_s = cuda.shared.array(rows, float32)
-
-        tile = cuda.blockIdx.x
-        g = cuda.blockIdx.y
-        split = cuda.blockIdx.z
+    @cuda.jit(device=True, fastmath=True)
+    def attend_item(tok0, nq, seq, g, split, nsplit, qkv, k_cache, v_cache, block_tables, positions, num_heads,
+                    num_kv_heads, scale, split_size, window, out, part_acc, part_ml, q_s, acc_s, kv_s, s_s, m_s, l_s,
+                    c_s):
         tid = cuda.threadIdx.x
         nt = cuda.blockDim.x
         bs = k_cache.shape[1]
         dh = k_cache.shape[3]
         group = num_heads // num_kv_heads
-        tok0 = tile_tok0[tile]
-        nq = tile_len[tile]
         nrows = nq * group
-        seq = token_seq[tok0]
         lo = split * split_size
         hi = min(lo + split_size, positions[tok0 + nq - 1] + 1)  # the tile's last token sees the most
-
         for e in range(tid, nrows * dh, nt):
             r = e // dh
             d = e - r * dh
@@ -128,7 +113,7 @@ def paged_attention(rows: int, chunk: int, dh_max: int):
                 acc_s[r * dh_max + d] = a
             cuda.syncthreads()  # kv_s and s_s are overwritten by the next chunk
 
-        single = cuda.gridDim.z == 1
+        single = nsplit == 1
         for e in range(tid, nrows * dh, nt):
             r = e // dh
             d = e - r * dh
@@ -143,27 +128,61 @@ def paged_attention(rows: int, chunk: int, dh_max: int):
                     part_ml[t, h, split, 0] = m_s[r]
                     part_ml[t, h, split, 1] = l_s[r]
 
+        cuda.syncthreads()  # the shared buffers are reused by the next work item
+
+    return attend_item
+
+
+@functools.lru_cache(maxsize=None)
+def paged_attention(rows: int, chunk: int, dh_max: int):
+    q_size = rows * dh_max
+    kv_size = chunk * (dh_max + 1)
+    s_size = rows * chunk
+    item = attend(rows, chunk, dh_max)
+
+    @cuda.jit(fastmath=True)
+    def paged_attention_kernel(qkv, k_cache, v_cache, block_tables, positions, token_seq, tile_tok0, tile_len,
+                               num_heads, num_kv_heads, scale, split_size, window, out, part_acc, part_ml):
+        """Causal attention of a tile's query rows over their sequence's paged K/V (see the module doc)."""
+        q_s = cuda.shared.array(q_size, float32)
+        acc_s = cuda.shared.array(q_size, float32)
+        kv_s = cuda.shared.array(kv_size, float32)
+        s_s = cuda.shared.array(s_size, float32)
+        m_s = cuda.shared.array(rows, float32)
+        l_s = cuda.shared.array(rows, float32)
+        c_s = cuda.shared.array(rows, float32)
+        tok0 = tile_tok0[cuda.blockIdx.x]
+        item(tok0, tile_len[cuda.blockIdx.x], token_seq[tok0], cuda.blockIdx.y, cuda.blockIdx.z, cuda.gridDim.z,
+             qkv, k_cache, v_cache, block_tables, positions, num_heads, num_kv_heads, scale, split_size, window,
+             out, part_acc, part_ml, q_s, acc_s, kv_s, s_s, m_s, l_s, c_s)
+
     return paged_attention_kernel
+
+
+@cuda.jit(device=True, fastmath=True)
+def merge_split(t, h, d, part_acc, part_ml, positions, split_size, out):
+    """out[t, h*dh + d] from the split-K partials: sum_z acc_z e^(m_z - M) / sum_z l_z e^(m_z - M) over the
+    splits z that hold positions <= positions[t]."""
+    dh = part_acc.shape[3]
+    nsplit = positions[t] // split_size + 1
+    mx = NEG
+    for z in range(nsplit):
+        mx = max(mx, part_ml[t, h, z, 0])
+    num = F0
+    den = F0
+    for z in range(nsplit):
+        w = math.exp(part_ml[t, h, z, 0] - mx)
+        num += part_acc[t, h, z, d] * w
+        den += part_ml[t, h, z, 1] * w
+    out[t, h * dh + d] = num / den
 
 
 @cuda.jit(fastmath=True)
 def attention_reduce(part_acc, part_ml, positions, split_size, out):
-    """Merge the split-K partials of token t (grid = T): out = sum_z acc_z e^(m_z - M) / sum_z l_z e^(m_z - M)
-    over the splits z that hold positions <= positions[t]."""
+    """Merge the split-K partials of token t (grid = T), see merge_split."""
     t = cuda.blockIdx.x
     nh = part_acc.shape[1]
     dh = part_acc.shape[3]
-    nsplit = positions[t] // split_size + 1
     for e in range(cuda.threadIdx.x, nh * dh, cuda.blockDim.x):
         h = e // dh
-        d = e - h * dh
-        mx = NEG
-        for z in range(nsplit):
-            mx = max(mx, part_ml[t, h, z, 0])
-        num = F0
-        den = F0
-        for z in range(nsplit):
-            w = math.exp(part_ml[t, h, z, 0] - mx)
-            num += part_acc[t, h, z, d] * w
-            den += part_ml[t, h, z, 1] * w
-        out[t, h * dh + d] = num / den
+        merge_split(t, h, e - h * dh, part_acc, part_ml, positions, split_size, out)

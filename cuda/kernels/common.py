@@ -155,5 +155,11 @@ Q8_GROUPS = {"q8": (5, False), "q8m": (5, True), "q8h": (4, False)}
 
 
 @cuda.jit(device=True)
+def inv_rms(sum_sq, n, eps):
+    """1 / sqrt(mean square + eps): RMSNorm's scale of a row of n values whose squares sum to sum_sq."""
+    return F1 / math.sqrt(sum_sq / float32(n) + eps)
+
+
+@cuda.jit(device=True)
 def silu(g):
     return g / (F1 + math.exp(-g))

@@ -5,9 +5,11 @@ Weights stay in their stored format (layouts in cuda/kernels/common.py) and are 
 the output columns col0 .. col0 + N - 1 of `out`, so fused matrices (q|k|v, gate|up) stored in different
 formats write one shared output; `accumulate` adds into `out` (the residual add of o and down).
 
-GEMV launch: grid = ceil(N / (threads/32)), block = threads (compile-time, a multiple of 32): warp w of a
-block owns row n = block * threads/32 + w, its lanes stride over the row's words; tokens are processed
-`tok` at a time so one read of a weight word serves `tok` dot products.
+GEMV: warp w of a block owns row n, its lanes stride over the row's words; tokens are processed `tok` at a
+time so one read of a weight word serves `tok` dot products. `gemv_block` is one block's rows: the per-op
+kernel runs it once (grid = ceil(N / (threads/32)), one row per warp), the phases of the persistent decode
+step walk it with a grid-stride loop (`gemv_rows`, any grid). `row_dot` optionally multiplies x by an RMSNorm weight g
+and `gemv_rows` by a per-token inverse RMS: the norm fused into the GEMV.
 GEMM launch: grid = (ceil(N / bn), ceil(T / bm)), block = (bm/tm) * (bn/tn) threads; bk = 32 (one
 quantization block per row and stage).
 """
@@ -17,194 +19,186 @@ import functools
 
 from numba import cuda, float32
 
-from cuda.kernels.common import F0, LOADERS, Q8_GROUPS
+from cuda.kernels.common import F0, F1, LOADERS, Q8_GROUPS, inv_rms
 
 
 @functools.lru_cache(maxsize=None)
-def gemv_q4(tok: int, threads: int):
-    """GEMV on Q4 words (8 nibbles: bytes 4c..4c+3 of a block, low halves = elements 4c.., high = 4c+16..)."""
-    red_shape = (tok, threads)
-    rows_per_block = threads // 32
+def row_dot(family: str, normed: bool, tok: int):
+    """acc[i] += this lane's share of sum_k W[n, k] x'[t0 + i, k] for i < tok, t0 + i < ntok; x' = x * g
+    when normed (g: the RMSNorm weight [K], unused otherwise). Lanes stride over the row by 32."""
+    if family in ("q4", "q4k"):  # q4k: float32 d, m, read through the same float32() casts
+        @cuda.jit(device=True, fastmath=True)
+        def dot_q4(x, g, t0, ntok, qs, d, m, n, lane, acc):
+            """Q4 words: 8 nibbles = bytes 4c..4c+3 of a block, low halves elements 4c.., high 4c+16.."""
+            for w in range(lane, qs.shape[1], 32):
+                b = w >> 2
+                k = (b << 5) + ((w & 3) << 2)
+                word = qs[n, w]
+                dd = float32(d[n, b])
+                mm = float32(m[n, b])
+                q0 = float32(word & 15)
+                q1 = float32((word >> 8) & 15)
+                q2 = float32((word >> 16) & 15)
+                q3 = float32((word >> 24) & 15)
+                q4 = float32((word >> 4) & 15)
+                q5 = float32((word >> 12) & 15)
+                q6 = float32((word >> 20) & 15)
+                q7 = float32((word >> 28) & 15)
+                g0 = g1 = g2 = g3 = g4 = g5 = g6 = g7 = F1
+                if normed:
+                    g0, g1, g2, g3 = g[k], g[k + 1], g[k + 2], g[k + 3]
+                    g4, g5, g6, g7 = g[k + 16], g[k + 17], g[k + 18], g[k + 19]
+                for i in range(tok):
+                    t = t0 + i
+                    if t < ntok:
+                        x0 = x[t, k] * g0
+                        x1 = x[t, k + 1] * g1
+                        x2 = x[t, k + 2] * g2
+                        x3 = x[t, k + 3] * g3
+                        y0 = x[t, k + 16] * g4
+                        y1 = x[t, k + 17] * g5
+                        y2 = x[t, k + 18] * g6
+                        y3 = x[t, k + 19] * g7
+                        sqx = q0 * x0 + q1 * x1 + q2 * x2 + q3 * x3 + q4 * y0 + q5 * y1 + q6 * y2 + q7 * y3
+                        sx = (x0 + x1) + (x2 + x3) + (y0 + y1) + (y2 + y3)
+                        acc[i] += dd * sqx + mm * sx
+        return dot_q4
+    if family in Q8_GROUPS:
+        group_shift, with_min = Q8_GROUPS[family]
+        word_shift = group_shift - 2
 
-    @cuda.jit(fastmath=True)
-    def gemv_q4_kernel(x, qs, d, m, out, col0, accumulate):
-        """out[t, col0 + n] (+)= sum_k x[t, k] (d q + m)[n, k]; one warp per row."""
-        red = cuda.shared.array(red_shape, float32)
-        acc = cuda.local.array(tok, float32)
-        tid = cuda.threadIdx.x
-        lane = tid & 31
-        n = cuda.blockIdx.x * rows_per_block + (tid >> 5)
-        rows = qs.shape[0]
-        nwords = qs.shape[1]
-        ntok = x.shape[0]
-        for t0 in range(0, ntok, tok):
-            for i in range(tok):
-                acc[i] = F0
-            if n < rows:
-                for w in range(lane, nwords, 32):
-                    b = w >> 2
-                    k = (b << 5) + ((w & 3) << 2)
-                    word = qs[n, w]
-                    dd = float32(d[n, b])
-                    mm = float32(m[n, b])
-                    q0 = float32(word & 15)
-                    q1 = float32((word >> 8) & 15)
-                    q2 = float32((word >> 16) & 15)
-                    q3 = float32((word >> 24) & 15)
-                    q4 = float32((word >> 4) & 15)
-                    q5 = float32((word >> 12) & 15)
-                    q6 = float32((word >> 20) & 15)
-                    q7 = float32((word >> 28) & 15)
-                    for i in range(tok):
-                        t = t0 + i
-                        if t < ntok:
-                            x0 = x[t, k]
-                            x1 = x[t, k + 1]
-                            x2 = x[t, k + 2]
-                            x3 = x[t, k + 3]
-                            y0 = x[t, k + 16]
-                            y1 = x[t, k + 17]
-                            y2 = x[t, k + 18]
-                            y3 = x[t, k + 19]
-                            sqx = q0 * x0 + q1 * x1 + q2 * x2 + q3 * x3 + q4 * y0 + q5 * y1 + q6 * y2 + q7 * y3
-                            sx = (x0 + x1) + (x2 + x3) + (y0 + y1) + (y2 + y3)
-                            acc[i] += dd * sqx + mm * sx
-            # sum each warp's 32 partials: a tree in shared memory (the simulator has no shuffles)
-            for i in range(tok):
-                red[i, tid] = acc[i]
-            cuda.syncthreads()  # partials written
-            s = 16
-            while s > 0:
-                if lane < s:
-                    for i in range(tok):
-                        red[i, tid] += red[i, tid + s]
-                cuda.syncthreads()  # level complete
-                s >>= 1
-            t = t0 + lane
-            if lane < tok and n < rows and t < ntok:
-                v = red[lane, tid - lane]
-                if accumulate:
-                    v += out[t, col0 + n]
-                out[t, col0 + n] = v
-            cuda.syncthreads()  # red is rewritten by the next token chunk
-
-    return gemv_q4_kernel
-
-
-@functools.lru_cache(maxsize=None)
-def gemv_q8(tok: int, threads: int, family: str = "q8"):
-    """GEMV on q8-style words (4 signed bytes: elements 4c..4c+3 of scale group w >> (group_shift - 2)),
-    plus the group's min where the family has one (Q8_GROUPS)."""
-    red_shape = (tok, threads)
-    rows_per_block = threads // 32
-    group_shift, with_min = Q8_GROUPS[family]
-    word_shift = group_shift - 2
-
-    @cuda.jit(fastmath=True)
-    def gemv_q8_kernel(x, qs, d, m, out, col0, accumulate):
-        """out[t, col0 + n] (+)= sum_k x[t, k] (d q + m)[n, k]; one warp per row."""
-        red = cuda.shared.array(red_shape, float32)
-        acc = cuda.local.array(tok, float32)
-        tid = cuda.threadIdx.x
-        lane = tid & 31
-        n = cuda.blockIdx.x * rows_per_block + (tid >> 5)
-        rows = qs.shape[0]
-        nwords = qs.shape[1]
-        ntok = x.shape[0]
-        for t0 in range(0, ntok, tok):
-            for i in range(tok):
-                acc[i] = F0
-            if n < rows:
-                for w in range(lane, nwords, 32):
-                    k = w << 2
-                    word = qs[n, w]
-                    dd = float32(d[n, w >> word_shift])
-                    b0 = word & 255
-                    b1 = (word >> 8) & 255
-                    b2 = (word >> 16) & 255
-                    b3 = (word >> 24) & 255
-                    q0 = float32(b0) - float32((b0 & 128) << 1)
-                    q1 = float32(b1) - float32((b1 & 128) << 1)
-                    q2 = float32(b2) - float32((b2 & 128) << 1)
-                    q3 = float32(b3) - float32((b3 & 128) << 1)
-                    for i in range(tok):
-                        t = t0 + i
-                        if t < ntok:
-                            x0 = x[t, k]
-                            x1 = x[t, k + 1]
-                            x2 = x[t, k + 2]
-                            x3 = x[t, k + 3]
-                            acc[i] += dd * (q0 * x0 + q1 * x1 + q2 * x2 + q3 * x3)
-                            if with_min:
-                                acc[i] += float32(m[n, w >> word_shift]) * ((x0 + x1) + (x2 + x3))
-            for i in range(tok):
-                red[i, tid] = acc[i]
-            cuda.syncthreads()  # partials written
-            s = 16
-            while s > 0:
-                if lane < s:
-                    for i in range(tok):
-                        red[i, tid] += red[i, tid + s]
-                cuda.syncthreads()  # level complete
-                s >>= 1
-            t = t0 + lane
-            if lane < tok and n < rows and t < ntok:
-                v = red[lane, tid - lane]
-                if accumulate:
-                    v += out[t, col0 + n]
-                out[t, col0 + n] = v
-            cuda.syncthreads()  # red is rewritten by the next token chunk
-
-    return gemv_q8_kernel
-
-
-@functools.lru_cache(maxsize=None)
-def gemv_float(family: str, tok: int, threads: int):
-    """GEMV on float weights (f16, bf16 bits, f32): lanes stride over the row's elements."""
+        @cuda.jit(device=True, fastmath=True)
+        def dot_q8(x, g, t0, ntok, qs, d, m, n, lane, acc):
+            """q8-style words: 4 signed bytes, elements 4c..4c+3 of scale group w >> word_shift, plus the
+            group's min where the family has one (Q8_GROUPS)."""
+            for w in range(lane, qs.shape[1], 32):
+                k = w << 2
+                word = qs[n, w]
+                dd = float32(d[n, w >> word_shift])
+                b0 = word & 255
+                b1 = (word >> 8) & 255
+                b2 = (word >> 16) & 255
+                b3 = (word >> 24) & 255
+                q0 = float32(b0) - float32((b0 & 128) << 1)
+                q1 = float32(b1) - float32((b1 & 128) << 1)
+                q2 = float32(b2) - float32((b2 & 128) << 1)
+                q3 = float32(b3) - float32((b3 & 128) << 1)
+                g0 = g1 = g2 = g3 = F1
+                if normed:
+                    g0, g1, g2, g3 = g[k], g[k + 1], g[k + 2], g[k + 3]
+                for i in range(tok):
+                    t = t0 + i
+                    if t < ntok:
+                        x0 = x[t, k] * g0
+                        x1 = x[t, k + 1] * g1
+                        x2 = x[t, k + 2] * g2
+                        x3 = x[t, k + 3] * g3
+                        acc[i] += dd * (q0 * x0 + q1 * x1 + q2 * x2 + q3 * x3)
+                        if with_min:
+                            acc[i] += float32(m[n, w >> word_shift]) * ((x0 + x1) + (x2 + x3))
+        return dot_q8
     load = LOADERS[family]
-    red_shape = (tok, threads)
-    rows_per_block = threads // 32
 
-    @cuda.jit(fastmath=True)
-    def gemv_float_kernel(x, wa, wb, wc, out, col0, accumulate):
-        """out[t, col0 + n] (+)= sum_k x[t, k] W[n, k]; one warp per row."""
-        red = cuda.shared.array(red_shape, float32)
-        acc = cuda.local.array(tok, float32)
+    @cuda.jit(device=True, fastmath=True)
+    def dot_float(x, g, t0, ntok, wa, wb, wc, n, lane, acc):
+        """Float weights (f16, bf16 bits, f32): lanes stride over the row's elements."""
+        for k in range(lane, x.shape[1], 32):
+            wv = load(wa, wb, wc, n, k)
+            if normed:
+                wv *= g[k]
+            for i in range(tok):
+                t = t0 + i
+                if t < ntok:
+                    acc[i] += wv * x[t, k]
+    return dot_float
+
+
+@functools.lru_cache(maxsize=None)
+def warp_reduce(tok: int, threads: int):
+    """Sums of acc[i] over each warp, left in red[i * threads + warp's first thread]; every thread calls it."""
+
+    @cuda.jit(device=True, fastmath=True)
+    def reduce(red, acc, tid, lane):
+        # a tree in shared memory (the simulator has no shuffles)
+        for i in range(tok):
+            red[i * threads + tid] = acc[i]
+        cuda.syncthreads()  # partials written
+        s = 16
+        while s > 0:
+            if lane < s:
+                for i in range(tok):
+                    red[i * threads + tid] += red[i * threads + tid + s]
+            cuda.syncthreads()  # level complete
+            s >>= 1
+    return reduce
+
+
+@functools.lru_cache(maxsize=None)
+def gemv_block(family: str, normed: bool, square: bool, tok: int, threads: int):
+    """out[t, col0 + n] (+)= sum_k x'[t, k] W[n, k] for t < ntok and the block's rows n = base + warp; red: tok *
+    threads shared floats, acc: tok local floats.
+    normed: x' = rmsnorm(x) * g with the row's sum of squares read from ss_in[t] (the RMSNorm fused in);
+    square: the written value's square is added to ss_out[t] (for the next fused RMSNorm)."""
+    dot = row_dot(family, normed, tok)
+    reduce = warp_reduce(tok, threads)
+
+    @cuda.jit(device=True, fastmath=True)
+    def block_rows(base, x, g, ss_in, eps, ntok, wa, wb, wc, out, col0, accumulate, ss_out, red, acc):
         tid = cuda.threadIdx.x
         lane = tid & 31
-        n = cuda.blockIdx.x * rows_per_block + (tid >> 5)
         rows = wa.shape[0]
-        kdim = x.shape[1]
-        ntok = x.shape[0]
+        n = base + (tid >> 5)
         for t0 in range(0, ntok, tok):
             for i in range(tok):
                 acc[i] = F0
             if n < rows:
-                for k in range(lane, kdim, 32):
-                    wv = load(wa, wb, wc, n, k)
-                    for i in range(tok):
-                        t = t0 + i
-                        if t < ntok:
-                            acc[i] += wv * x[t, k]
-            for i in range(tok):
-                red[i, tid] = acc[i]
-            cuda.syncthreads()  # partials written
-            s = 16
-            while s > 0:
-                if lane < s:
-                    for i in range(tok):
-                        red[i, tid] += red[i, tid + s]
-                cuda.syncthreads()  # level complete
-                s >>= 1
+                dot(x, g, t0, ntok, wa, wb, wc, n, lane, acc)
+            reduce(red, acc, tid, lane)
             t = t0 + lane
             if lane < tok and n < rows and t < ntok:
-                v = red[lane, tid - lane]
+                v = red[lane * threads + tid - lane]
+                if normed:
+                    v *= inv_rms(ss_in[t], x.shape[1], eps)
                 if accumulate:
                     v += out[t, col0 + n]
                 out[t, col0 + n] = v
+                if square:
+                    cuda.atomic.add(ss_out, t, v * v)
             cuda.syncthreads()  # red is rewritten by the next token chunk
+    return block_rows
 
-    return gemv_float_kernel
+
+@functools.lru_cache(maxsize=None)
+def gemv_rows(family: str, normed: bool, square: bool, tok: int, threads: int):
+    """gemv_block over every row, spread over warps with a grid-stride loop: correct for any grid."""
+    block_rows = gemv_block(family, normed, square, tok, threads)
+    rows_per_block = threads // 32
+
+    @cuda.jit(device=True, fastmath=True)
+    def rows_loop(x, g, ss_in, eps, ntok, wa, wb, wc, out, col0, accumulate, ss_out, red, acc):
+        for base in range(cuda.blockIdx.x * rows_per_block, wa.shape[0], cuda.gridDim.x * rows_per_block):
+            block_rows(base, x, g, ss_in, eps, ntok, wa, wb, wc, out, col0, accumulate, ss_out, red, acc)
+    return rows_loop
+
+
+@functools.lru_cache(maxsize=None)
+def gemv(family: str, tok: int, threads: int):
+    """The GEMV kernel of one weight family: grid = ceil(N / (threads/32)), block = threads, a row a warp (no
+    grid-stride loop: it would cost ~24 registers a thread here)."""
+    block_rows = gemv_block(family, False, False, tok, threads)
+    red_size = tok * threads  # a compile-time shared array size must be a constant of the closure
+    rows_per_block = threads // 32
+
+    @cuda.jit(fastmath=True)
+    def gemv_kernel(x, wa, wb, wc, out, col0, accumulate):
+        """out[t, col0 + n] (+)= sum_k x[t, k] W[n, k]; one warp per row."""
+        red = cuda.shared.array(red_size, float32)
+        acc = cuda.local.array(tok, float32)
+        unused = cuda.local.array(1, float32)  # g, ss_in, ss_out: read only when normed / squared
+        block_rows(cuda.blockIdx.x * rows_per_block, x, unused, unused, F0, x.shape[0], wa, wb, wc, out, col0,
+                   accumulate, unused, red, acc)
+
+    return gemv_kernel
 
 
 @functools.lru_cache(maxsize=None)

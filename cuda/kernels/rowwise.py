@@ -11,7 +11,7 @@ import math
 
 from numba import cuda, float32
 
-from cuda.kernels.common import F0, F1, LOADERS, MAX_BLOCK, block_sum, silu
+from cuda.kernels.common import F0, F1, LOADERS, MAX_BLOCK, block_sum, inv_rms, silu
 
 GELU_C = math.sqrt(2.0 / math.pi)
 
@@ -33,14 +33,14 @@ def embedding(family: str):
 
 
 @cuda.jit(device=True, fastmath=True)
-def inv_rms(x, t, c0, d, eps, buf):
-    """1 / sqrt(mean(x[t, c0:c0+d]^2) + eps), to every thread of the block (buf: shared scratch)."""
+def row_inv_rms(x, t, c0, d, eps, buf):
+    """inv_rms of x[t, c0:c0+d], to every thread of the block (buf: shared scratch)."""
     ss = F0
     for i in range(cuda.threadIdx.x, d, cuda.blockDim.x):
         v = x[t, c0 + i]
         ss += v * v
     ss = block_sum(ss, buf)   # every thread has read its values before any writes after this
-    return F1 / math.sqrt(ss / float32(d) + eps)
+    return inv_rms(ss, d, eps)
 
 
 @cuda.jit(fastmath=True)
@@ -49,9 +49,15 @@ def rmsnorm(x, w, eps, out):
     buf = cuda.shared.array(MAX_BLOCK, float32)
     t = cuda.blockIdx.x
     d = x.shape[1]
-    inv = inv_rms(x, t, 0, d, eps, buf)
+    inv = row_inv_rms(x, t, 0, d, eps, buf)
     for i in range(cuda.threadIdx.x, d, cuda.blockDim.x):
         out[t, i] = x[t, i] * inv * w[i]
+
+
+@cuda.jit(device=True, fastmath=True)
+def rotate(a, b, c, s):
+    """RoPE of one (i, i + Dh/2) pair: (a c - b s, b c + a s)."""
+    return a * c - b * s, b * c + a * s
 
 
 @cuda.jit(fastmath=True)
@@ -72,10 +78,7 @@ def rope_store_kv(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_
         col = hh * dh + i
         a = qkv[t, col]
         b = qkv[t, col + half]
-        c = cos[p, i]
-        s = sin[p, i]
-        ra = a * c - b * s
-        rb = b * c + a * s
+        ra, rb = rotate(a, b, cos[p, i], sin[p, i])
         qkv[t, col] = ra
         qkv[t, col + half] = rb
         if hh >= num_heads and slot >= 0:
@@ -124,7 +127,7 @@ def head_rmsnorm(qkv, q_w, k_w, num_heads, num_kv_heads, eps):
     t = cuda.blockIdx.x
     h = cuda.blockIdx.y
     dh = q_w.shape[0]
-    inv = inv_rms(qkv, t, h * dh, dh, eps, buf)
+    inv = row_inv_rms(qkv, t, h * dh, dh, eps, buf)
     for i in range(cuda.threadIdx.x, dh, cuda.blockDim.x):
         w = q_w[i] if h < num_heads else k_w[i]
         qkv[t, h * dh + i] = qkv[t, h * dh + i] * inv * w
@@ -136,7 +139,7 @@ def rmsnorm_add(x, w, eps, out):
     buf = cuda.shared.array(MAX_BLOCK, float32)
     t = cuda.blockIdx.x
     d = x.shape[1]
-    inv = inv_rms(x, t, 0, d, eps, buf)
+    inv = row_inv_rms(x, t, 0, d, eps, buf)
     for i in range(cuda.threadIdx.x, d, cuda.blockDim.x):
         out[t, i] += x[t, i] * inv * w[i]
 

@@ -124,16 +124,14 @@ def select_cut(w, i, vocab, m, inv_t, use_z, ck, cid, target, buf):
     return lo, blo
 
 
-@cuda.jit(fastmath=True)
-def sample_rows(logits, work, cnt, temperature, top_p, top_k, min_p, rep, pres, freq, seed, step, num_logprobs,
-                bias_indptr, bias_ids, bias_vals, mask_indptr, mask_ids, hist_indptr, hist_ids, hist_num_prompt,
-                allowed_row, allowed, out_tok, out_lp, out_top_ids, out_top_lp):
-    """Sample row i = blockIdx.x of logits [S, V] (see the module doc); work, cnt: [S, V] scratch.
-    allowed [R, ceil(V/32)] uint32: the grammar's allowed tokens of row i when allowed_row[i] >= 0."""
-    buf = cuda.shared.array(MAX_BLOCK, float32)
-    ibuf = cuda.shared.array(MAX_BLOCK, int32)
-    found = cuda.shared.array(1, int32)
-    i = cuda.blockIdx.x
+@cuda.jit(device=True, fastmath=True)
+def sample_row(i, logits, work, cnt, temperature, top_p, top_k, min_p, rep, pres, freq, seed, step, num_logprobs,
+               bias_indptr, bias_ids, bias_vals, mask_indptr, mask_ids, hist_indptr, hist_ids, hist_num_prompt,
+               allowed_row, allowed, out_tok, out_lp, out_top_ids, out_top_lp, buf, ibuf, found):
+    """Sample row i of logits [S, V] with the whole block (see the module doc); work, cnt: [S, V] scratch;
+    allowed [R, ceil(V/32)] uint32: the grammar's allowed tokens of row i when allowed_row[i] >= 0;
+    buf, ibuf: blockDim floats and ints, found: one int of shared memory. Shared by the per-op kernel and the
+    persistent decode step."""
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     vocab = logits.shape[1]
@@ -291,3 +289,17 @@ def sample_rows(logits, work, cnt, temperature, top_p, top_k, min_p, rep, pres, 
         if tid == 0 and pt < vocab:
             out_top_ids[i, a] = pt
             out_top_lp[i, a] = pv - lse
+    cuda.syncthreads()  # the shared buffers are reused by the next row
+
+
+@cuda.jit(fastmath=True)
+def sample_rows(logits, work, cnt, temperature, top_p, top_k, min_p, rep, pres, freq, seed, step, num_logprobs,
+                bias_indptr, bias_ids, bias_vals, mask_indptr, mask_ids, hist_indptr, hist_ids, hist_num_prompt,
+                allowed_row, allowed, out_tok, out_lp, out_top_ids, out_top_lp):
+    """Sample row i = blockIdx.x of logits [S, V] (see sample_row)."""
+    buf = cuda.shared.array(MAX_BLOCK, float32)
+    ibuf = cuda.shared.array(MAX_BLOCK, int32)
+    found = cuda.shared.array(1, int32)
+    sample_row(cuda.blockIdx.x, logits, work, cnt, temperature, top_p, top_k, min_p, rep, pres, freq, seed, step,
+               num_logprobs, bias_indptr, bias_ids, bias_vals, mask_indptr, mask_ids, hist_indptr, hist_ids,
+               hist_num_prompt, allowed_row, allowed, out_tok, out_lp, out_top_ids, out_top_lp, buf, ibuf, found)

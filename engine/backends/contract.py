@@ -15,7 +15,7 @@ from models.llama import StepInput
 from models.quant import QuantTensor
 from models.rope import rope_tables
 
-__all__ = ["Backend", "ComposedOps", "LayerLoop", "LinearPart", "QuantTensor", "RowSpec", "SampleResult",
+__all__ = ["Backend", "ComposedOps", "FusedDecodeStep", "LayerLoop", "LinearPart", "QuantTensor", "RowSpec", "SampleResult",
            "SamplingBatch", "SamplingParams", "StackedLinear", "StepInput", "rope_tables"]
 
 
@@ -25,6 +25,16 @@ class LayerLoop(Protocol):
     def run(self, h, qkv, attn, gate_up, step: StepInput, k_cache, v_cache, cos, sin, num_heads: int,
             num_kv_heads: int, scale: float, eps: float) -> None:
         """The forward's layer loop: h (the residual stream) in and out, K/V written into the caches."""
+
+
+class FusedDecodeStep(Protocol):
+    """What Backend.fused_decode returns: forward and sampling of a pure decode step in one call."""
+
+    def bucket(self, num_seqs: int) -> int | None:
+        """The batch bucket that holds num_seqs sequences, or None (too many: the per-op path serves it)."""
+
+    def run(self, step: StepInput, batch: SamplingBatch) -> SampleResult:
+        """One token for each sequence of step (token t belongs to block-table row t), K/V written."""
 
 
 @runtime_checkable
@@ -89,6 +99,10 @@ class Backend(Protocol):
 
     def layer_stack(self, layers: list) -> LayerLoop | None:
         """The layer loop as one call for these layers, or None (not supported): the forward then runs it op by op."""
+
+    def fused_decode(self, model, k_cache, v_cache) -> FusedDecodeStep | None:
+        """A pure decode step (one new token per sequence) of this model as one device call, or None (not
+        supported): the runner then takes the forward and `sample` for every step."""
 
     # --- sampling
     def sample(self, logits, batch: SamplingBatch) -> SampleResult:

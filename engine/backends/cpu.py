@@ -198,6 +198,10 @@ class CpuBackend:
         total = numba.config.NUMBA_NUM_THREADS
         numba.set_num_threads(max(1, total - 1) if sharing else total)
 
+    def fused_decode(self, model, k_cache, v_cache) -> None:
+        """No one-call decode step on the CPU: the forward (its layer loop is one call) and `sample` serve."""
+        return None
+
     def layer_stack(self, layers) -> LayerStack | None:
         """The layers' weights stacked for run_layers (one call per step for every layer), where their
         layouts allow it; None otherwise (the forward then calls the ops layer by layer)."""
