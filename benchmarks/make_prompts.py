@@ -12,7 +12,7 @@ the same requests. Each line is one request:
 Short prompts are one instruction or question (about 15-80 words); long ones carry a generated
 document of several paragraphs (about 350-700 words, roughly 500-1000 tokens) and a question about it,
 which is what makes prefill matter. The mix is 3 short : 1 long, half chat, half completion. Output
-lengths are 32, 64 or 128 tokens (64 is the length the peers' figures in the README were measured with);
+lengths are 32, 64 or 128 tokens (64 is the length of the headline serving figures);
 the benchmark sends `ignore_eos` so that every request generates exactly its max_tokens.
 """
 from __future__ import annotations

@@ -91,16 +91,32 @@ def rope_store_kv(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_
             v_cache[blk, off, h, e - h * dh] = qkv[t, v0 + e]
 
 
-@cuda.jit(fastmath=True)
-def silu_mul(gate_up, out):
-    """out = silu(gate) * up with gate_up = [gate | up]; a grid-stride loop over T * F."""
-    f = out.shape[1]
-    n = out.shape[0] * f
-    start, stride = cuda.grid(1), cuda.gridsize(1)
-    for e in range(start, n, stride):
-        t = e // f
-        i = e - t * f
-        out[t, i] = silu(gate_up[t, i]) * gate_up[t, f + i]
+@cuda.jit(device=True, fastmath=True)
+def gelu_tanh(g):
+    inner = float32(GELU_C) * (g + float32(0.044715) * g * g * g)
+    return float32(0.5) * g * (F1 + math.tanh(inner))
+
+
+@functools.lru_cache(maxsize=None)
+def gated(activation: str):
+    """out = activation(gate) * up with gate_up = [gate | up] (SwiGLU: silu, GeGLU: gelu_tanh); a
+    grid-stride loop over T * F."""
+    act = {"silu": silu, "gelu_tanh": gelu_tanh}[activation]
+
+    @cuda.jit(fastmath=True)
+    def gated_kernel(gate_up, out):
+        f = out.shape[1]
+        n = out.shape[0] * f
+        start, stride = cuda.grid(1), cuda.gridsize(1)
+        for e in range(start, n, stride):
+            t = e // f
+            i = e - t * f
+            out[t, i] = act(gate_up[t, i]) * gate_up[t, f + i]
+    return gated_kernel
+
+
+silu_mul = gated("silu")
+gelu_mul = gated("gelu_tanh")
 
 
 @cuda.jit(fastmath=True)
@@ -142,17 +158,3 @@ def rmsnorm_add(x, w, eps, out):
     inv = row_inv_rms(x, t, 0, d, eps, buf)
     for i in range(cuda.threadIdx.x, d, cuda.blockDim.x):
         out[t, i] += x[t, i] * inv * w[i]
-
-
-@cuda.jit(fastmath=True)
-def gelu_mul(gate_up, out):
-    """out = gelu_tanh(gate) * up with gate_up = [gate | up]; a grid-stride loop over T * F."""
-    f = out.shape[1]
-    n = out.shape[0] * f
-    start, stride = cuda.grid(1), cuda.gridsize(1)
-    for e in range(start, n, stride):
-        t = e // f
-        i = e - t * f
-        g = gate_up[t, i]
-        inner = float32(GELU_C) * (g + float32(0.044715) * g * g * g)
-        out[t, i] = float32(0.5) * g * (F1 + math.tanh(inner)) * gate_up[t, f + i]
