@@ -4,7 +4,8 @@
 
 The CPU kernels' ISA level is the process's (engine/backends/cpu_isa.py): ZEN_CPU_ISA=avx2 ... measures another.
 
-Drives models.llama.LlamaModel directly (no scheduler) with a simple contiguous block table per sequence.
+Drives the model's forward pass directly (models.build: Llama or Gemma 3; no scheduler) with a simple
+contiguous block table per sequence (and per sliding-window layer group).
 Every figure is the median of several timed runs after a warm-up (the fastest run is kept too: on a
 shared machine it is the closer to what the code does alone); the machine's CPU, core count, date and
 git commit go into the JSON next to the figures. `run_decode_batch(model, batch_size, steps)` measures
@@ -29,12 +30,13 @@ sys.path.insert(0, str(ROOT))
 
 from engine.backends import cpu_isa  # noqa: E402
 from engine.backends.cpu import CpuBackend  # noqa: E402
+from models.build import build_model  # noqa: E402
 from models.gguf_file import read_gguf  # noqa: E402
 from models.llama import LlamaModel, StepInput  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "models" / "weights" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 BLOCK_SIZE = 16
-STORED = "q4_1"  # the name under which the model's own (stored) formats are benchmarked
+STORED = "stored"  # the name under which the model's own formats (as in its file) are benchmarked
 
 
 # ------------------------------------------------------------------------------------------ harness
@@ -44,24 +46,32 @@ class Sequences:
     def __init__(self, model: LlamaModel, n: int, max_len: int):
         self.model = model
         self.blocks_per_seq = -(-max_len // BLOCK_SIZE)
-        self.k_cache, self.v_cache = model.allocate_kv_cache(n * self.blocks_per_seq, BLOCK_SIZE)
-        self.block_tables = np.arange(n * self.blocks_per_seq, dtype=np.int32).reshape(n, self.blocks_per_seq)
+        groups = 1 + model.window_groups   # a sliding-window model's local layer groups have blocks of their own
+        self.k_cache, self.v_cache = model.allocate_kv_cache(groups * n * self.blocks_per_seq, BLOCK_SIZE)
+        tables = np.arange(groups * n * self.blocks_per_seq, dtype=np.int32).reshape(groups, n, self.blocks_per_seq)
+        self.block_tables, self.window_tables = tables[0], tables[1:]
         self.lens = np.zeros(n, np.int64)
         self.rng = np.random.default_rng(0)
 
-    def _slots(self, seq: np.ndarray, pos: np.ndarray) -> np.ndarray:
-        blk = self.block_tables[seq, pos // BLOCK_SIZE].astype(np.int64)
+    def _slots(self, seq: np.ndarray, pos: np.ndarray, tables=None) -> np.ndarray:
+        blk = (self.block_tables if tables is None else tables)[seq, pos // BLOCK_SIZE].astype(np.int64)
         return blk * BLOCK_SIZE + pos % BLOCK_SIZE
+
+    def _step(self, tokens, pos, seqs, logits_indices) -> StepInput:
+        step = StepInput(tokens=tokens.astype(np.int32), positions=pos.astype(np.int32),
+                         token_seq=seqs.astype(np.int32), slot_mapping=self._slots(seqs, pos),
+                         block_tables=self.block_tables, logits_indices=logits_indices)
+        if len(self.window_tables):
+            step.window_slot_mapping = np.stack([self._slots(seqs, pos, t) for t in self.window_tables])
+            step.window_block_tables = self.window_tables
+        return step
 
     def prefill(self, seq: int, n_tokens: int) -> np.ndarray:
         """Appends n_tokens random tokens to sequence `seq` in one step; returns its last logits."""
         pos = np.arange(self.lens[seq], self.lens[seq] + n_tokens, dtype=np.int64)
         seqs = np.full(n_tokens, seq, np.int32)
-        step = StepInput(
-            tokens=self.rng.integers(3, self.model.config.vocab_size, n_tokens).astype(np.int32),
-            positions=pos.astype(np.int32), token_seq=seqs, slot_mapping=self._slots(seqs, pos),
-            block_tables=self.block_tables, logits_indices=np.array([n_tokens - 1], np.int32),
-        )
+        step = self._step(self.rng.integers(3, self.model.config.vocab_size, n_tokens), pos, seqs,
+                          np.array([n_tokens - 1], np.int32))
         logits = self.model.forward(step, self.k_cache, self.v_cache)
         self.lens[seq] += n_tokens
         return logits
@@ -69,11 +79,7 @@ class Sequences:
     def decode(self, seqs: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """One decode step: one token for each sequence in `seqs`."""
         pos = self.lens[seqs]
-        step = StepInput(
-            tokens=tokens.astype(np.int32), positions=pos.astype(np.int32), token_seq=seqs.astype(np.int32),
-            slot_mapping=self._slots(seqs, pos), block_tables=self.block_tables,
-            logits_indices=np.arange(len(seqs), dtype=np.int32),
-        )
+        step = self._step(tokens, pos, seqs, np.arange(len(seqs), dtype=np.int32))
         logits = self.model.forward(step, self.k_cache, self.v_cache)
         self.lens[seqs] += 1
         return logits
@@ -167,7 +173,7 @@ def machine_info() -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
-    ap.add_argument("--formats", default="q4_1,q8_0,f16,f32",
+    ap.add_argument("--formats", default=f"{STORED},q8_0,f16,f32",
                     help=f"comma-separated; '{STORED}' is the model as stored (its own formats)")
     ap.add_argument("--prefill", default="128,512", help="prompt lengths to time")
     ap.add_argument("--decode-steps", type=int, default=64)
@@ -187,7 +193,7 @@ def main(argv=None) -> int:
     for fmt in [f.strip() for f in args.formats.split(",") if f.strip()]:
         t0 = time.perf_counter()
         weights = stored if fmt == STORED else stored.converted(fmt)
-        model = LlamaModel(weights, CpuBackend())
+        model = build_model(weights, CpuBackend())
         load_s = time.perf_counter() - t0
         # warm-up: compiles (or loads from cache) every kernel this path uses
         measure_prefill(model, max(prefill_lens or [16]), repeats=1)

@@ -29,7 +29,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script: benchmarks/ is a package of the repository
 
-from benchmarks.bench_engine import print_markdown_table  # noqa: E402
+from benchmarks.bench_engine import STORED, print_markdown_table  # noqa: E402
 from benchmarks.llama_cpp_build import LLAMA_CPP_PACKAGE, build  # noqa: E402
 from benchmarks.serving_report import fmt_ratio, log, machine_info  # noqa: E402
 from engine.backends import cpu_isa  # noqa: E402
@@ -98,7 +98,7 @@ def run_our_engine(model: Path, threads: int, isa: str, repeats: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "engine.json"
         argv = [sys.executable, str(ROOT / "benchmarks" / "bench_engine.py"), "--model", str(model), "--formats",
-                "q4_1", "--prefill", "128,512", "--decode-steps", "128", "--repeats", str(repeats), "--out", str(out)]
+                STORED, "--prefill", "128,512", "--decode-steps", "128", "--repeats", str(repeats), "--out", str(out)]
         log(f"bench_engine.py at {isa}: {' '.join(argv[2:])}")
         proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800, check=False)
         if proc.returncode != 0:

@@ -108,10 +108,7 @@ class Gemma3Model(LlamaModel):
             b.gelu_mul_matmul(gate_up, ly.down, branch)                           # branch = gelu(gate)*up Wdown^T
             b.rmsnorm_add(branch, ly.post_ffn_norm, eps, h)                       # h += rmsnorm(branch)
 
-        last = h[step.logits_indices]
-        logits = b.zeros((len(step.logits_indices), cfg.vocab_size))
-        b.rmsnorm_matmul(last, self.final_norm, eps, self.lm_head, logits)       # logits = rmsnorm(h) E^T (tied)
-        return logits
+        return self.head(h[step.logits_indices])
 
 
 @dataclass
