@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-
-from models.quant import (BLOCK_FORMATS, FLOAT_FORMATS, FORMATS, UnsupportedFormat, bytes_per_weight,
-                          format_of_ggml)
+from models.quant import (BLOCK_FORMATS, FLOAT_FORMATS, FORMATS, LAYOUT_BYTES_PER_WEIGHT, UnsupportedFormat,
+                          bytes_per_weight, format_of_ggml)
 
 # A model stored in mixed formats is named by its most compact one (a Q4_1 GGUF keeps its embedding in q8_0;
 # a Q4_K_M GGUF mixes q4_k, q5_0, q6_k and q8_0, and is named q4_k).
@@ -42,11 +41,13 @@ class ModelFileInfo:
     stored_bytes: int            # tensor bytes as loaded with the stored formats kept
     version: str                 # a content fingerprint, the same on every node with the same file
     loads_dequantized: bool = False   # some matrices are in a type without kernels: they load as float32
+    matrix_formats: dict[str, int] = field(default_factory=dict)   # matrix elements per stored format
 
     def weight_bytes(self, convert_to: str | None) -> int:
-        if convert_to is None:
-            return self.stored_bytes
-        return int(self.matrix_weights * bytes_per_weight(convert_to)) + self.vector_bytes
+        """What the weights take once loaded, in the kernels' layouts: the stored formats, or all
+        matrices in `convert_to`."""
+        counts = self.matrix_formats if convert_to is None else {convert_to: self.matrix_weights}
+        return int(sum(n * LAYOUT_BYTES_PER_WEIGHT[f] for f, n in counts.items())) + self.vector_bytes
 
 
 def inspect_model(path: str) -> ModelFileInfo:
@@ -61,7 +62,7 @@ def inspect_model(path: str) -> ModelFileInfo:
         counts, matrix, vector_bytes, stored = _safetensors_counts(files)
         dequantized = False
     stored_format = min(counts, key=FORMAT_ORDER.index) if counts else "f32"
-    return ModelFileInfo(stored_format, matrix, vector_bytes, stored, _fingerprint(files), dequantized)
+    return ModelFileInfo(stored_format, matrix, vector_bytes, stored, _fingerprint(files), dequantized, counts)
 
 
 def _gguf_counts(path: str) -> tuple[dict[str, int], int, int, int, bool]:

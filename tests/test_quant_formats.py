@@ -11,6 +11,7 @@ from engine.llm import LLM
 from engine.sampling import SamplingParams
 from models import convert
 from models.llama import LlamaModel, StepInput
+from models.quant import LAYOUT_BYTES_PER_WEIGHT
 from models.loader import load_model
 from tests import reference as R
 from tests.quant_blocks import MIXED_LAYERS, mixed_format_weights
@@ -106,3 +107,13 @@ def test_mixed_formats_from_one_gguf_each_linear_in_its_own_format(mixed):
     ref = R.forward(mixed, TOKENS)
     for int8 in (False, True):
         _check_close(_forward(LlamaModel(mixed, CpuBackend(int8)), TOKENS), ref, int8, f"mixed int8={int8}")
+
+
+@pytest.mark.parametrize("fmt", sorted(LAYOUT_BYTES_PER_WEIGHT))
+def test_the_layout_size_a_budget_counts_covers_the_cpu_layout(fmt):
+    """models.quant.LAYOUT_BYTES_PER_WEIGHT (what a node's memory budget counts before a load) is at
+    least what the CPU backend's layout of the format takes, and not far above it."""
+    from tests.quant_blocks import random_tensor
+    t = random_tensor(np.random.default_rng(0), fmt, 64, 512)
+    got = CpuBackend().linear([t]).nbytes / t.shape[0] / t.shape[1]
+    assert 0.8 * LAYOUT_BYTES_PER_WEIGHT[fmt] <= got <= LAYOUT_BYTES_PER_WEIGHT[fmt], got
