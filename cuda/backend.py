@@ -380,14 +380,14 @@ class CudaBackend(ComposedOps):
             return
         c = self.config
         dh = k_cache.shape[3]
-        if dh > launch.MAX_HEAD_DIM:
-            raise ValueError(f"head_dim {dh} > {launch.MAX_HEAD_DIM} is not supported by the cuda attention kernel")
+        rows, chunk, width = c.attention_variant(dh)
         group = num_heads // num_kv_heads
-        if group > c.attn_rows:
-            raise ValueError(f"{group} query heads per KV head exceed attn_rows={c.attn_rows} of {c.arch}")
-        tok0, tlen, ntiles, max_ctx = self._tiles(positions, token_seq, c.attn_rows // group)
+        if group > rows:
+            raise ValueError(f"{group} query heads per KV head exceed the {rows} attention rows of {c.arch} "
+                             f"for heads of {dh}")
+        tok0, tlen, ntiles, max_ctx = self._tiles(positions, token_seq, rows // group)
         nsplit, split = self.split_plan(ntiles * num_kv_heads, max_ctx)
-        kern = attn_k.paged_attention(c.attn_rows, c.attn_chunk, 64 if dh <= 64 else launch.MAX_HEAD_DIM)
+        kern = attn_k.paged_attention(rows, chunk, width)
         pos = self._ints(positions, np.int32)
         args = (qkv, k_cache, v_cache, self._ints(block_tables, np.int32), pos, self._ints(token_seq, np.int32),
                 tok0, tlen, int(num_heads), int(num_kv_heads), np.float32(scale), int(split), int(window), out)

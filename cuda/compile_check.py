@@ -128,9 +128,9 @@ def catalog(cfg: launch.LaunchConfig, own_row: bool = True) -> list[Spec]:
         for fam in FAMILIES:
             specs.append(Spec(f"gemm_{fam}[{'x'.join(map(str, tile))}]", lin_k.gemm(fam, *tile),
                               (F32_2, *WEIGHTS[fam], F32_2, INT, BOOL)))
-    for dh in (64, launch.MAX_HEAD_DIM):
-        specs.append(Spec(f"paged_attention[rows={cfg.attn_rows},chunk={cfg.attn_chunk},dh={dh}]",
-                          attn_k.paged_attention(cfg.attn_rows, cfg.attn_chunk, dh),
+    for rows, chunk, dh in (cfg.attention_variant(d) for d in (64, launch.ATTN_HEAD_DIM, launch.MAX_HEAD_DIM)):
+        specs.append(Spec(f"paged_attention[rows={rows},chunk={chunk},dh={dh}]",
+                          attn_k.paged_attention(rows, chunk, dh),
                           (F32_2, F32_4, F32_4, I32_2, I32_1, I32_1, I32_1, I32_1, INT, INT, F32, INT, INT,
                            F32_2, F32_4, F32_4)))
     for fams in DECODE_FAMILIES if own_row else DECODE_FAMILIES[:1]:

@@ -65,8 +65,8 @@ class FusedDecode:
         group = cfg.num_heads // cfg.num_kv_heads
         if group > c.attn_rows:
             raise Unsupported(f"{group} query heads per KV head exceed attn_rows={c.attn_rows}")
-        if cfg.head_dim > launch.MAX_HEAD_DIM:
-            raise Unsupported(f"head_dim {cfg.head_dim} > {launch.MAX_HEAD_DIM}")
+        if cfg.head_dim > launch.ATTN_HEAD_DIM:
+            raise Unsupported(f"head_dim {cfg.head_dim} > {launch.ATTN_HEAD_DIM}")
         layers = model.layers
         roles = {"embedding": [model.embed], "qkv": [ly.qkv for ly in layers], "o": [ly.o for ly in layers],
                  "gate_up": [ly.gate_up for ly in layers], "down": [ly.down for ly in layers],

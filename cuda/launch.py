@@ -8,7 +8,7 @@ distinct value is a distinct kernel variant (built lazily, and compiled offline 
 Limits: threads per block are powers of two in 32..1024 (the block reductions halve them); a GEMM tile
 (bm, bn, tm, tn) has bm % tm == bn % tn == 0 and runs (bm/tm)*(bn/tn) threads; attention holds
 attn_rows query rows x head_dim (<= 128) in shared memory: 2*rows*128 + chunk*129 + rows*chunk floats
-must stay under 48 KiB.
+must stay under 48 KiB; heads up to 256 wide (Gemma 3) take half the rows and half the chunk in the same room.
 """
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import dataclasses
 from dataclasses import dataclass
 
 STATIC_SHARED_LIMIT = 48 * 1024  # bytes of static shared memory a kernel may declare
-MAX_HEAD_DIM = 128
+ATTN_HEAD_DIM = 128   # the head width attention's shared buffers (and decode_step's) are sized for
+MAX_HEAD_DIM = 256    # per-op attention: heads wider than ATTN_HEAD_DIM take fewer rows per block
 GEMM_BK = 32  # GEMM reduction depth per shared-memory stage: one quantization block per row
 
 
@@ -38,6 +39,17 @@ class LaunchConfig:
     decode_threads: int      # decode_step: threads per block (compile-time; registers x threads must fit the SM)
     decode_blocks_per_sm: int  # decode_step: blocks per SM at most (the driver's cooperative limit may be lower)
     decode_buckets: tuple    # decode_step: batch-size buckets (static buffers for the largest; more -> per-op)
+
+    def attention_variant(self, head_dim: int) -> tuple[int, int, int]:
+        """(query rows, chunk, head width) of the attention kernel for heads of head_dim: up to
+        ATTN_HEAD_DIM the table's rows and chunk, wider ones half of each, in no more shared memory."""
+        if head_dim > MAX_HEAD_DIM:
+            raise ValueError(f"head_dim {head_dim} > {MAX_HEAD_DIM} is not supported by the cuda attention kernel")
+        if head_dim <= 64:
+            return self.attn_rows, self.attn_chunk, 64
+        if head_dim <= ATTN_HEAD_DIM:
+            return self.attn_rows, self.attn_chunk, ATTN_HEAD_DIM
+        return self.attn_rows // 2, self.attn_chunk // 2, MAX_HEAD_DIM
 
     def gemm_tile(self, ntok: int, nout: int) -> tuple[int, int, int, int]:
         """The GEMM tile for an [ntok, K] x [K, nout] product."""
@@ -69,15 +81,16 @@ class LaunchConfig:
                 raise ValueError(f"{self.arch}: GEMM tile {(bm, bn, tm, tn)}: per-thread tile must divide it into "
                                  "a power of two of threads in 32..1024")
             shared[f"gemm {bm}x{bn}"] = 4 * GEMM_BK * (bm + bn + 2)
-        shared["attention"] = 4 * (2 * self.attn_rows * MAX_HEAD_DIM + self.attn_chunk * (MAX_HEAD_DIM + 1)
-                                   + self.attn_rows * self.attn_chunk + 3 * self.attn_rows)
+        for dh in (ATTN_HEAD_DIM, MAX_HEAD_DIM):
+            rows, chunk, width = self.attention_variant(dh)
+            shared[f"attention {width}"] = 4 * (2 * rows * width + chunk * (width + 1) + rows * chunk + 3 * rows)
         for what, nbytes in shared.items():
             if nbytes > STATIC_SHARED_LIMIT:
                 raise ValueError(f"{self.arch}: {what} needs {nbytes} B of static shared memory")
         if self.decode_blocks_per_sm < 1 or not self.decode_buckets or min(self.decode_buckets) < 1:
             raise ValueError(f"{self.arch}: decode_step needs >= 1 block per SM and positive batch buckets")
         decode_floats = max(2 * self.gemv_tokens * self.decode_threads,
-                            2 * self.attn_rows * MAX_HEAD_DIM + self.attn_chunk * (MAX_HEAD_DIM + 1)
+                            2 * self.attn_rows * ATTN_HEAD_DIM + self.attn_chunk * (ATTN_HEAD_DIM + 1)
                             + self.attn_rows * self.attn_chunk + 3 * self.attn_rows)
         if 4 * (decode_floats + 1) + 4 * (self.decode_threads + 1) > STATIC_SHARED_LIMIT:
             raise ValueError(f"{self.arch}: decode_step needs more than {STATIC_SHARED_LIMIT} B of static shared memory")

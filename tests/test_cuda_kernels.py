@@ -161,16 +161,19 @@ def test_matmul_fused_mixed_formats_and_ragged_k(be, rng):
     close(be.download(out), x.astype(np.float64) @ w.data.astype(np.float64).T, 1e-5)
 
 
+@pytest.mark.parametrize("dh", [8, 136])
 @pytest.mark.parametrize("split", [False, True])
-def test_rope_store_kv_and_paged_attention(rng, split):
+def test_rope_store_kv_and_paged_attention(rng, split, dh):
     """RoPE while K/V are written, then prefill, chunked-prefill and decode attention in one launch; `split`
-    forces the context to be split (8 positions a part) and merged by attention_reduce."""
+    forces the context to be split (8 positions a part) and merged by attention_reduce. Heads wider than
+    128 (Gemma 3's 256) take the variant with half the rows and chunk."""
     cfg = dataclasses.replace(SIM_CONFIG, sm_count=64) if split else dataclasses.replace(SIM_CONFIG,
                                                                                          attn_min_split=256)
     be = CudaBackend(cfg)
     # A prefill of 5 from position 0, a decode at position 9, a chunk of 3 at positions 4..6.
-    s = R.paged_kv_case(rng, [(0, 5), (9, 1), (4, 3)], h=4, hkv=2, dh=8, bs=4)
-    h, hkv, dh, theta = s["h"], s["hkv"], s["dh"], 10000.0
+    s = R.paged_kv_case(rng, [(0, 5), (9, 1), (4, 3)], h=4, hkv=2, dh=dh, bs=4)
+    h, hkv, theta = s["h"], s["hkv"], 10000.0
+    assert cfg.attention_variant(dh)[2] == (64 if dh <= 64 else launch.MAX_HEAD_DIM)
     nsplit, _ = be.split_plan(5 * hkv, 10)
     assert (nsplit > 1) == split
     qkv, kc, vc = be.upload(s["qkv"]), be.upload(s["kc"]), be.upload(s["vc"])
