@@ -12,6 +12,7 @@ from flask import Blueprint, current_app, g, jsonify
 from app.api import read_json_body
 from app.auth import login_required
 from app.node_client import call_node
+from app.tool_params import tool_plan
 from engine.protocol import DetokenizeRequest, TokenizeRequest
 
 bp = Blueprint("tokenizer", __name__)
@@ -32,6 +33,8 @@ def _forward(path: str, call):
 def tokenize():
     body = dict(read_json_body())
     body.pop("quantization", None)   # the catalog decides it
+    if body.get("tools") not in (None, []):   # checked and rendered as a chat request's tools are
+        body["tools"] = list(tool_plan({"tools": body["tools"]}, False).tools)
     return _forward("/tokenize", TokenizeRequest.from_json(body))
 
 

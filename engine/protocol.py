@@ -302,6 +302,7 @@ class TokenizeRequest:
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    tools: list | None = None        # with messages: rendered by the template as a chat request's are
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in vars(self).items() if v is not None}
@@ -317,9 +318,13 @@ class TokenizeRequest:
         if has_messages and (not isinstance(body["messages"], list) or not body["messages"]):
             raise bad_value("messages must be a non-empty list of {role, content} objects", "messages",
                             "invalid_type")
+        tools = body.get("tools")
+        if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)
+                                  or not has_messages):
+            raise bad_value("tools must be a list of tool objects, sent with messages", "tools")
         return cls(model, quantization, body.get("prompt"), body.get("messages"),
                    _flag(body, "add_special_tokens", has_prompt), _flag(body, "add_generation_prompt", True),
-                   _flag(body, "return_token_strs", False))
+                   _flag(body, "return_token_strs", False), tools or None)
 
 
 @dataclass

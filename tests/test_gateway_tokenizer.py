@@ -20,6 +20,11 @@ def test_tokenize_and_detokenize_are_forwarded(client, auth, node):  # noqa: F81
     assert r.get_json()["tokens"] == [104, 105] and node.received[-1]["add_special_tokens"] is False
     r = client.post("/detokenize", headers=auth, json={"model": "zen-small", "tokens": [104, 105]})
     assert r.status_code == 200 and r.get_json() == {"prompt": "hi"}
+    tool = {"type": "function", "function": {"name": "lookup", "description": "find", "parameters": {
+        "type": "object", "properties": {"q": {"type": "string"}}}}}
+    r = client.post("/tokenize", headers=auth, json={"model": "zen-small", "tools": [tool],
+                                                     "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200 and node.received[-1]["tools"] == [tool]   # checked, sent as chat's are
 
 
 @pytest.mark.parametrize("path, body, status, param", [
@@ -27,6 +32,8 @@ def test_tokenize_and_detokenize_are_forwarded(client, auth, node):  # noqa: F81
     ("/tokenize", {"model": "zen-small", "prompt": 5}, 400, "prompt"),
     ("/detokenize", {"model": "zen-small", "tokens": "abc"}, 400, "tokens"),
     ("/detokenize", {"model": "no-such-model", "tokens": [1]}, 404, "model"),
+    ("/tokenize", {"model": "zen-small", "messages": [{"role": "user", "content": "a"}],
+                   "tools": [{"type": "function", "function": {"name": "bad name!"}}]}, 400, "tools"),
 ])
 def test_bad_input_is_refused_before_the_node(client, auth, node, path, body, status, param):  # noqa: F811
     r = client.post(path, headers=auth, json=body)

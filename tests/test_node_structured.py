@@ -82,6 +82,13 @@ def test_tokenize_and_detokenize(node):
     chat = requests.post(node + "/tokenize", json={"model": "tiny-a", "messages": [{"role": "user", "content": "hi"}]},
                          headers=AUTH, timeout=30).json()
     assert chat["count"] > out["count"] - 3   # the template's markers around the message
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    with_tools = requests.post(node + "/tokenize", json={"model": "tiny-a", "messages": [{"role": "user",
+                                                                                         "content": "hi"}],
+                                                         "tools": [tool], "return_token_strs": True},
+                               headers=AUTH, timeout=30).json()
+    # the tools are rendered into the prompt, as they are for a chat request with them
+    assert with_tools["count"] > chat["count"] and "get_weather" in "".join(with_tools["token_strs"])
 
 
 @pytest.mark.parametrize("path, body, param", [
@@ -90,6 +97,8 @@ def test_tokenize_and_detokenize(node):
     ("/detokenize", {"model": "tiny-a", "tokens": [1, "x"]}, "tokens"),
     ("/detokenize", {"model": "tiny-a", "tokens": [10 ** 9]}, "tokens"),
     ("/tokenize", {"prompt": "a"}, "model"),
+    ("/tokenize", {"model": "tiny-a", "prompt": "a", "tools": [{"type": "function"}]}, "tools"),
+    ("/tokenize", {"model": "tiny-a", "messages": [{"role": "user", "content": "b"}], "tools": "x"}, "tools"),
 ])
 def test_tokenizer_endpoints_refuse_bad_input(node, path, body, param):
     assert_openai_error(requests.post(node + path, json=body, headers=AUTH, timeout=30), 400, param=param)
