@@ -10,7 +10,7 @@ format with NUMBA_NUM_THREADS=--threads, once per --isa level (ZEN_CPU_ISA; `nat
 picks for this CPU). --rounds repeats the lot, which side goes first alternating; each figure is the median
 over the rounds (within a round: llama-bench's mean of -r runs, our median of --repeats runs).
 
-Prints a table (llama.cpp, ours, ratio, issue 21's target) and writes --out (default bench-results/peers.json):
+Prints a table (llama.cpp, ours, ratio, the issue's target: 21's for Llama, 23's for Gemma 3) and writes --out (default bench-results/peers.json):
 every round's raw output of both, the machine (CPU model, vector features, our level), llama.cpp's build.
 """
 from __future__ import annotations
@@ -33,6 +33,7 @@ from benchmarks.bench_engine import STORED, print_markdown_table  # noqa: E402
 from benchmarks.llama_cpp_build import LLAMA_CPP_PACKAGE, build  # noqa: E402
 from benchmarks.serving_report import fmt_ratio, log, machine_info  # noqa: E402
 from engine.backends import cpu_isa  # noqa: E402
+from models.loader import read_gguf_fields  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "models" / "weights" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_OUT = ROOT / "bench-results" / "peers.json"
@@ -42,9 +43,19 @@ VECTOR_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "
 MEASURES = (("decode b=1", "tg128", ("decode_tok_s",)),
             ("prefill 128", "pp128", ("prefill_tok_s", "128")),
             ("prefill 512", "pp512", ("prefill_tok_s", "512")))
-# Issue 21's targets, ours / llama.cpp: batch-1 decode by our level, prefill on every level.
+# Targets, ours / llama.cpp. Issue 21's for a Llama model: batch-1 decode by our level, prefill on every
+# level. Issue 23's for Gemma 3: at the level this CPU runs ("native"), decode 1.5x and prefill 1x.
 DECODE_TARGET = {"avx512vnni": 2.0, "avxvnni": 1.5, "avx2": 1.5}
 PREFILL_TARGET = 1.0
+NATIVE_TARGETS = {"gemma3": (1.5, 1.0)}   # architecture -> (decode, prefill), native level only
+
+
+def target_of(architecture: str, isa: str, level: str, test: str) -> float | None:
+    """The target ratio of one row: `isa` as asked (native, avx2, ...), `level` what it resolved to."""
+    decode = test.startswith("tg")
+    if architecture in NATIVE_TARGETS:
+        return NATIVE_TARGETS[architecture][0 if decode else 1] if isa == "native" else None
+    return DECODE_TARGET.get(level) if decode else PREFILL_TARGET
 
 
 def cpu_vector_flags() -> list[str]:
@@ -114,7 +125,7 @@ def our_figure(engine_json: dict, key: tuple) -> float:
     return float(value)
 
 
-def summarize(rounds: list[dict], isas: list[str]) -> list[dict]:
+def summarize(rounds: list[dict], isas: list[str], architecture: str = "llama") -> list[dict]:
     """Per our level and measure: medians over the rounds of both sides, the ratio and its target."""
     rows = []
     for isa in isas:
@@ -122,7 +133,7 @@ def summarize(rounds: list[dict], isas: list[str]) -> list[dict]:
         for measure, test, key in MEASURES:
             peer = float(np.median([r["llama_bench"][test]["avg_ts"] for r in rounds]))
             ours = float(np.median([our_figure(r["ours"][isa], key) for r in rounds]))
-            target = DECODE_TARGET.get(level) if test.startswith("tg") else PREFILL_TARGET
+            target = target_of(architecture, isa, level, test)
             rows.append({"isa": level, "measure": measure, "llama_bench_test": test, "llama_cpp_tok_s": peer,
                          "ours_tok_s": ours, "ratio": ours / peer, "target_ratio": target,
                          "met": None if target is None else ours / peer >= target})
@@ -170,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         if k % 2 == 1:
             this_round["llama_bench"] = run_llama_bench(llama.bench, model, args.threads, args.repetitions)
         rounds.append(this_round)
-    rows = summarize(rounds, isas)
+    rows = summarize(rounds, isas, read_gguf_fields(str(model), "general.").get("architecture", "llama"))
     print_table(rows, args.threads)
     first_bench = next(iter(rounds[0]["llama_bench"].values()))
     report = {

@@ -116,6 +116,18 @@ def test_engine_table_takes_medians_over_rounds_and_targets_by_level():
     assert rows[("avx2", "pp128")]["met"] is True                           # equal is "no lower"
 
 
+def test_gemma_is_held_to_its_own_targets_at_the_native_level():
+    """Issue 23's targets for Gemma 3 (decode 1.5x, prefill 1x) at the level this CPU runs; none for
+    another level."""
+    peer = {"tg128": 100.0, "pp128": 100.0, "pp512": 100.0}
+    rounds = [_round(peer, {"native": (160.0, 95.0, 100.0), "avx2": (120.0, 50.0, 50.0)})]
+    rows = {(r["isa"], r["llama_bench_test"]): r for r in bench_peers.summarize(rounds, ["native", "avx2"],
+                                                                                 "gemma3")}
+    assert rows[("avx512vnni", "tg128")]["target_ratio"] == 1.5 and rows[("avx512vnni", "tg128")]["met"] is True
+    assert rows[("avx512vnni", "pp128")]["met"] is False and rows[("avx512vnni", "pp512")]["met"] is True
+    assert rows[("avx2", "tg128")]["target_ratio"] is None and rows[("avx2", "tg128")]["met"] is None
+
+
 def test_levels_the_cpu_cannot_run_are_named_not_run():
     avx512 = {"avx512f", "avx512bw", "avx512vnni", "avx2", "fma"}
     assert bench_peers.levels_to_run(["avx2", "native"], avx512) == (["native", "avx2"], [])

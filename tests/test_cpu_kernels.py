@@ -18,7 +18,6 @@ from engine.backends import cpu_matmul as L
 from engine.backends import cpu_ops as ops
 from engine.backends.cpu import CpuBackend, CpuLinear
 from models.formats import BLOCK_FORMATS
-from models.quant import QuantTensor
 from models.rope import rope_tables
 from tests import reference as R
 from tests.quant_blocks import random_tensor, row_length
