@@ -21,12 +21,14 @@ from tests.tiny_gemma import make_tiny_gemma_weights  # noqa: E402
 
 def test_forward_tiny_gemma_across_the_window():
     """A prefill of 6 (GEMM path) then two decode steps (GEMV path), window 3: the local layers' last
-    queries see only part of the context, each layer group through its own block table."""
-    weights = make_tiny_gemma_weights(seed=4, hidden=32, heads=2, kv_heads=1, head_dim=16, ffn=48, window=3)
+    queries see only part of the context, each layer group through its own block table. Three layers, every
+    third global (two local groups and the global one): each simulated thread is a Python thread."""
+    weights = make_tiny_gemma_weights(seed=4, hidden=32, heads=2, kv_heads=1, head_dim=16, ffn=48, window=3,
+                                      layers=3, pattern=3)
     be = CudaBackend(SIM_CONFIG)
     model = Gemma3Model(weights, be)
-    assert model.window_groups == 5
-    bs, groups = 4, 6
+    assert model.window_groups == 2
+    bs, groups = 4, 3
     kc, vc = model.allocate_kv_cache(num_blocks=2 * groups + 1, block_size=bs)
     tables = np.random.default_rng(0).permutation(2 * groups + 1)[:2 * groups].astype(np.int32)
     tables = tables.reshape(groups, 1, 2)

@@ -57,14 +57,15 @@ TINY_GEMMA_VOCAB = len(tiny_spm_fields()["ggml.tokens"])
 
 def make_tiny_gemma_weights(seed: int = 0, fmt: str = "f32", hidden: int = 64, heads: int = 2, kv_heads: int = 1,
                             head_dim: int = 64, ffn: int = 96, layers: int = TINY_GEMMA_LAYERS,
-                            window: int = TINY_GEMMA_WINDOW, max_position: int = 256) -> ModelWeights:
+                            window: int = TINY_GEMMA_WINDOW, max_position: int = 256,
+                            pattern: int = 6) -> ModelWeights:
     """Random Gemma 3 weights of sensible scale; q projects hidden -> heads * head_dim (not hidden), as in
     the real model. Norm factors (1 + w) ~ 1 +- 0.1; embeddings small, as the sqrt(hidden) scale expects."""
     cfg = ModelConfig(
         vocab_size=TINY_GEMMA_VOCAB, hidden_size=hidden, intermediate_size=ffn, num_layers=layers, num_heads=heads,
         num_kv_heads=kv_heads, head_dim=head_dim, rope_theta=1e6, rms_norm_eps=1e-6, max_position=max_position,
         tie_embeddings=True, bos_token_id=2, eos_token_id=1, architecture="gemma3", sliding_window=window,
-        sliding_window_pattern=6, rope_local_theta=1e4,
+        sliding_window_pattern=pattern, rope_local_theta=1e4,
     )
     rng = np.random.default_rng(seed)
 
