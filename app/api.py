@@ -128,9 +128,8 @@ def build_request(body: Mapping[str, Any], kind: str) -> tuple[InferenceRequest,
     params.string(body, "user")
 
     model = _catalog().resolve(alias, caller.tier)
-    if kind == CHAT and not model.chat:
-        raise bad_value(f"The model {alias!r} has no chat template: it serves /v1/completions only",
-                        "messages", "chat_not_supported")
+    if kind == CHAT:
+        model.check_chat()
     max_tokens, max_param = params.max_tokens(body, model.max_context, model.default_max_tokens)
     min_tokens = params.number(body, "min_tokens", maximum=max_tokens)
     if inputs.prompt_token_ids is not None and \

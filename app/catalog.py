@@ -12,6 +12,7 @@ from typing import Callable, Mapping
 
 from app.config import ModelConfig, TierConfig
 from app.errors import model_not_found
+from engine.protocol import bad_value
 
 CATALOG_CREATED = 1_735_689_600  # 2025-01-01: the `created` field of /v1/models entries
 
@@ -26,7 +27,14 @@ class ResolvedModel:
     max_context: int
     default_max_tokens: int
     cold_load_s: float
-    chat: bool = True        # whether the model has a chat template (false: completions only)
+    chat: bool = True        # whether the alias serves chat (false: completions only)
+    chat_template: str | None = None   # the catalog's template source, rendered in place of the model's own
+
+    def check_chat(self) -> None:
+        """400 chat_not_supported unless this alias serves chat: refused here, never sent to a node."""
+        if not self.chat:
+            raise bad_value(f"The model {self.alias!r} has no chat template: it serves /v1/completions only",
+                            "messages", "chat_not_supported")
 
     @property
     def key(self) -> tuple[str, str]:
@@ -39,7 +47,7 @@ class Catalog:
 
     def __init__(self, models: Mapping[str, ModelConfig]) -> None:
         self._models = {alias: ResolvedModel(alias, m.model, m.quantization, m.max_context,
-                                             m.default_max_tokens, m.cold_load_s, m.chat)
+                                             m.default_max_tokens, m.cold_load_s, m.chat, m.chat_template_source)
                         for alias, m in models.items()}
 
     def can_use(self, tier: TierConfig, alias: str) -> bool:

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any, Mapping, NamedTuple
 from urllib.parse import urlparse
 
-from engine.protocol import DEV_NODE_SECRET, LatencyClass, is_loopback_host
+from engine.protocol import DEV_NODE_SECRET, MAX_CHAT_TEMPLATE_CHARS, LatencyClass, is_loopback_host
+from models.chat_template import TemplateCompileError, cached_chat_template
 from models.formats import FORMATS
 
 
@@ -178,6 +179,21 @@ class OrgConfig:
     default_latency_class: LatencyClass
 
 
+def _read_chat_template(path: str, where: str) -> str:
+    """The source of the chat template at `path`, checked to compile and to fit in a node request."""
+    try:
+        source = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{where}: cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    _require(0 < len(source) <= MAX_CHAT_TEMPLATE_CHARS,
+             f"{where}: {path} must hold 1 to {MAX_CHAT_TEMPLATE_CHARS} characters")
+    try:
+        cached_chat_template(source)
+    except TemplateCompileError as exc:
+        raise ConfigError(f"{where}: {path}: {exc}") from None
+    return source
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     alias: str
@@ -187,10 +203,19 @@ class ModelConfig:
     default_max_tokens: int = 512
     cold_load_s: float = 5.0
     chat: bool = True          # false: the model has no chat template; chat requests get a 400 here
+    chat_template: str = ""    # a .jinja file (relative to the config file's folder) rendering this alias's chats
+    # the template's source, read from chat_template at load (sent to the nodes with each chat request)
+    chat_template_source: str | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         _require(bool(self.model), f"models.{self.alias}.model must not be empty")
         _require(isinstance(self.chat, bool), f"models.{self.alias}.chat must be true or false")
+        _require(isinstance(self.chat_template, str), f"models.{self.alias}.chat_template must be a file path")
+        if self.chat_template:
+            _require(self.chat, f"models.{self.alias}: chat = false and a chat_template contradict each other "
+                                "(a named template makes the alias serve chat)")
+            object.__setattr__(self, "chat_template_source", _read_chat_template(self.chat_template,
+                                                                                 f"models.{self.alias}.chat_template"))
         _require(self.quantization in FORMATS,
                  f"models.{self.alias}.quantization must be one of {FORMATS}")
         _require(self.max_context >= 16, f"models.{self.alias}.max_context must be >= 16")
@@ -332,7 +357,15 @@ def _section(cls: type, data: Mapping[str, Any], where: str) -> Any:
     return cls(**data)
 
 
-def _build(data: Mapping[str, Any]) -> GatewayConfig:
+def _model(alias: str, m: Mapping[str, Any], base: Path) -> ModelConfig:
+    m = dict(m)
+    _require("chat_template_source" not in m, f"[models.{alias}] unknown keys: ['chat_template_source']")
+    if isinstance(m.get("chat_template"), str) and m["chat_template"]:
+        m["chat_template"] = str(base / m["chat_template"])   # an absolute path stays as it is
+    return _section(ModelConfig, {"alias": alias, **m}, f"models.{alias}")
+
+
+def _build(data: Mapping[str, Any], base: Path) -> GatewayConfig:
     top_known = {"server", "auth", "limits", "nodes", "routing", "tracing", "tiers", "orgs", "models"}
     unknown = set(data) - top_known
     _require(not unknown, f"unknown config sections: {sorted(unknown)}")
@@ -369,8 +402,7 @@ def _build(data: Mapping[str, Any]) -> GatewayConfig:
         _require(not o, f"[orgs.{org_id}] unknown keys: {sorted(o)}")
         orgs[org_id] = OrgConfig(org_id, tier_name, max_cls, default_cls)
 
-    models = {alias: _section(ModelConfig, {"alias": alias, **m}, f"models.{alias}")
-              for alias, m in data.get("models", {}).items()}
+    models = {alias: _model(alias, m, base) for alias, m in data.get("models", {}).items()}
 
     return GatewayConfig(
         server=_section(ServerConfig, data.get("server", {}), "server"),
@@ -439,6 +471,6 @@ def load_config(path: str | os.PathLike | None = None, *,
     if overrides:
         data = _merge(data, overrides)
     try:
-        return _build(data)
+        return _build(data, path.resolve().parent)
     except TypeError as exc:  # a wrong type that the dataclass constructor refused
         raise ConfigError(f"{path}: {exc}") from None

@@ -103,4 +103,5 @@ class InferenceRequest:
         return GenerateRequest(
             request_id=self.node_request_id, model=self.model.model, quantization=self.model.quantization,
             org=self.org, latency_class=self.latency_class, sampling=self.params, stream=stream,
+            chat_template=self.model.chat_template if self.inputs.messages is not None else None,
             **self.inputs.to_node())

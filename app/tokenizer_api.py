@@ -22,6 +22,9 @@ def _forward(path: str, call):
     """Resolve the caller's model alias, send `call` to a node, and answer with the node's body."""
     model = current_app.extensions["zen.catalog"].resolve(call.model, g.caller.tier)
     call = replace(call, model=model.model, quantization=model.quantization)
+    if isinstance(call, TokenizeRequest) and call.messages is not None:   # as a chat request to the alias is
+        model.check_chat()
+        call = replace(call, chat_template=model.chat_template)
     g.log_fields.update(model=model.alias)
     answer = call_node(current_app.extensions["zen.nodes"], model, path, call.to_json(),
                        f"{g.caller.org}/{g.request_id}")
@@ -33,6 +36,7 @@ def _forward(path: str, call):
 def tokenize():
     body = dict(read_json_body())
     body.pop("quantization", None)   # the catalog decides it
+    body.pop("chat_template", None)   # and the chat template
     if body.get("tools") not in (None, []):   # checked and rendered as a chat request's tools are
         body["tools"] = list(tool_plan({"tools": body["tools"]}, False).tools)
     return _forward("/tokenize", TokenizeRequest.from_json(body))

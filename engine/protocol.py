@@ -30,6 +30,7 @@ STATE_FIELD = "state"                 # the same, in the final event of a /v1/ge
 
 # config/default.toml ships it ([nodes] secret), so it is public: nodes and gateways take it on loopback only.
 DEV_NODE_SECRET = "zen-development-node-secret"
+MAX_CHAT_TEMPLATE_CHARS = 100_000    # longest chat_template a request may carry (a catalog's template, app/config.py)
 NODE_SHUTDOWN = "node_shutdown"      # error code: the node's drain ended the request (retry elsewhere), not a failure
 
 
@@ -179,6 +180,7 @@ class GenerateRequest:
     prompt_token_ids: list[int] | None = None
     messages: list | None = None
     tools: list | None = None        # function tools the chat template renders (engine/tools.py); messages only
+    chat_template: str | None = None   # a template's source, rendered in place of the model's own; messages only
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"request_id": self.request_id, "model": self.model,
@@ -192,6 +194,8 @@ class GenerateRequest:
             out["messages"] = self.messages
             if self.tools:
                 out["tools"] = self.tools
+            if self.chat_template:
+                out["chat_template"] = self.chat_template
         out["sampling"] = sampling_to_json(self.sampling)
         out["stream"] = self.stream
         if self.queue_timeout_s is not None:
@@ -247,7 +251,19 @@ class GenerateRequest:
                                   or "messages" not in inputs):
             raise bad_value("tools must be a list of tool objects, sent with messages", "tools")
         return cls(request_id, model, quantization, org, latency_class, params, stream,
-                   None if qt is None else float(qt), **inputs, tools=tools or None)
+                   None if qt is None else float(qt), **inputs, tools=tools or None,
+                   chat_template=chat_template_of(body, "messages" in inputs))
+
+
+def chat_template_of(body: Mapping, has_messages: bool) -> str | None:
+    """A request's chat_template: the source of a template to render its messages with, or None."""
+    source = body.get("chat_template")
+    if source is None:
+        return None
+    if not isinstance(source, str) or not source or len(source) > MAX_CHAT_TEMPLATE_CHARS or not has_messages:
+        raise bad_value(f"chat_template must be a template's source (a string of 1 to {MAX_CHAT_TEMPLATE_CHARS} "
+                        "characters), sent with messages", "chat_template", "invalid_type")
+    return source
 
 
 def _inputs(body: Mapping) -> dict:
@@ -303,6 +319,7 @@ class TokenizeRequest:
     add_generation_prompt: bool = True
     return_token_strs: bool = False
     tools: list | None = None        # with messages: rendered by the template as a chat request's are
+    chat_template: str | None = None   # with messages: a template's source, used in place of the model's own
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in vars(self).items() if v is not None}
@@ -324,7 +341,7 @@ class TokenizeRequest:
             raise bad_value("tools must be a list of tool objects, sent with messages", "tools")
         return cls(model, quantization, body.get("prompt"), body.get("messages"),
                    _flag(body, "add_special_tokens", has_prompt), _flag(body, "add_generation_prompt", True),
-                   _flag(body, "return_token_strs", False), tools or None)
+                   _flag(body, "return_token_strs", False), tools or None, chat_template_of(body, has_messages))
 
 
 @dataclass

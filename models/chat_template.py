@@ -2,6 +2,7 @@
 and flattened to the strings templates expect."""
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from typing import Mapping, Sequence
@@ -13,6 +14,10 @@ import jinja2.sandbox
 
 class TemplateError(ValueError):
     """The chat template refused the messages (raise_exception) or failed to render."""
+
+
+class TemplateCompileError(ValueError):
+    """The chat template's source is not a valid Jinja2 template."""
 
 
 def compile_chat_template(source: str) -> jinja2.Template:
@@ -33,7 +38,22 @@ def compile_chat_template(source: str) -> jinja2.Template:
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
-    return env.from_string(source)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateError as e:
+        raise TemplateCompileError(f"the chat template does not compile: {e}") from None
+
+
+@functools.lru_cache(maxsize=16)
+def cached_chat_template(source: str) -> jinja2.Template:
+    """compile_chat_template, once per distinct source: a template sent with each request (a catalog's
+    template) is compiled on its first use only; a few distinct ones are kept."""
+    return compile_chat_template(source)
+
+
+def renders_tools(source: str | None) -> bool:
+    """Whether a template renders a `tools` variable itself (else callers describe tools in messages)."""
+    return bool(source) and "tools" in source
 
 
 def normalize_messages(messages) -> list[dict]:

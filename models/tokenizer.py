@@ -16,7 +16,8 @@ import jinja2
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
 
-from models.chat_template import TemplateError, compile_chat_template, normalize_messages
+from models.chat_template import (TemplateError, cached_chat_template, compile_chat_template, normalize_messages,
+                                  renders_tools)
 from models.tokenizer_spm import (  # noqa: F401 (the token types are re-exported)
     TOKEN_BYTE, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_UNUSED, TOKEN_USER_DEFINED, spm_piece_bytes,
     spm_tokenizer,
@@ -352,21 +353,24 @@ class Tokenizer:
     @property
     def supports_tools(self) -> bool:
         """The chat template renders a `tools` variable itself (else callers describe tools in messages)."""
-        return bool(self.chat_template) and "tools" in self.chat_template
+        return renders_tools(self.chat_template)
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True, **kwargs) -> str:
-        """Render the model's chat template (as transformers does); ValueError for malformed messages or a
-        template that refuses them."""
-        if not self.chat_template:
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, chat_template: str | None = None,
+                            **kwargs) -> str:
+        """Render the model's chat template, or `chat_template` (a template's source) in its place, as
+        transformers does; ValueError for malformed messages or a template that refuses them
+        (TemplateCompileError for one that does not compile)."""
+        if chat_template:
+            template = cached_chat_template(chat_template)
+        elif not self.chat_template:
             raise ValueError("this model has no chat template")
-        msgs = normalize_messages(messages)
-        if self._template is None:
-            try:
+        else:
+            if self._template is None:
                 self._template = compile_chat_template(self.chat_template)
-            except jinja2.TemplateError as e:
-                raise ValueError(f"the model's chat template does not compile: {e}") from None
+            template = self._template
+        msgs = normalize_messages(messages)
         try:
-            return self._template.render(
+            return template.render(
                 messages=msgs, add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "", eos_token=self.eos_token or "",
                 unk_token=self.unk_token or "", pad_token=self.pad_token or "", **kwargs,

@@ -5,6 +5,7 @@ cancels its request, whose blocks go back to the pool at once.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -25,6 +26,7 @@ from engine.node.registry import ResidentModel
 from engine.protocol import NODE_SHUTDOWN, STATE_FIELD, APIError, GenerateRequest, bad_value, stream_error_event
 from engine.request import EngineRequest
 from engine.tools import render_tool_prompt, template_messages, uses_tools
+from models.chat_template import TemplateCompileError, renders_tools
 
 if TYPE_CHECKING:
     from engine.node.node import Node
@@ -45,25 +47,30 @@ def model_not_found(e: LookupError) -> APIError:
 
 
 def prompt_token_ids(tok, prompt: str | None, messages: list | None, add_special_tokens: bool = True,
-                     add_generation_prompt: bool = True, tools: list | None = None) -> list[int]:
-    """The tokens of a text prompt, or of chat messages rendered by the model's template (which holds
-    the special tokens: add_special_tokens applies to a prompt only unless asked), with the tools as the
-    template takes them or in the default rendering (engine/tools.py); 400 when refused."""
+                     add_generation_prompt: bool = True, tools: list | None = None,
+                     chat_template: str | None = None) -> list[int]:
+    """The tokens of a text prompt, or of chat messages rendered by the model's template or by
+    `chat_template` (a template's source, the catalog's) in its place, which holds the special tokens
+    (add_special_tokens applies to a prompt only unless asked), with the tools as the template takes
+    them or in the default rendering (engine/tools.py); 400 when refused."""
     try:
         if prompt is not None:
             return tok.encode(prompt, add_special_tokens=add_special_tokens)
-        if not tok.chat_template:
+        template = chat_template or tok.chat_template
+        if not template:
             raise bad_value("This model has no chat template: it serves completions only (send a `prompt` to "
                             "/v1/completions)", "messages", "chat_not_supported")
+        render = functools.partial(tok.apply_chat_template, add_generation_prompt=add_generation_prompt,
+                                   chat_template=chat_template)
         if not uses_tools(messages, tools):
-            text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-        elif tok.supports_tools:
-            text = tok.apply_chat_template(template_messages(messages), add_generation_prompt=add_generation_prompt,
-                                           tools=tools)
+            text = render(messages)
+        elif renders_tools(template):
+            text = render(template_messages(messages), tools=tools)
         else:
-            text = tok.apply_chat_template(render_tool_prompt(messages, tools),
-                                           add_generation_prompt=add_generation_prompt)
+            text = render(render_tool_prompt(messages, tools))
         return tok.encode(text, add_special_tokens=add_special_tokens)
+    except TemplateCompileError as e:
+        raise bad_value(str(e), "chat_template") from None
     except ValueError as e:   # malformed messages, a template that refuses them
         raise bad_value(str(e), "messages" if messages is not None else "prompt") from None
 
@@ -73,7 +80,8 @@ def tokenize(call: GenerateRequest, m: ResidentModel) -> tuple[list[int], str | 
         return list(call.prompt_token_ids), None
     if call.prompt is not None:
         return prompt_token_ids(m.engine.tokenizer, call.prompt, None), call.prompt
-    return prompt_token_ids(m.engine.tokenizer, None, call.messages, add_special_tokens=False, tools=call.tools), None
+    return prompt_token_ids(m.engine.tokenizer, None, call.messages, add_special_tokens=False, tools=call.tools,
+                            chat_template=call.chat_template), None
 
 
 def _finite(x: float) -> float:

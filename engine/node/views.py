@@ -164,7 +164,7 @@ def tokenize():
     try:
         tok = m.engine.tokenizer
         ids = prompt_token_ids(tok, call.prompt, call.messages, call.add_special_tokens,
-                               call.add_generation_prompt, tools=call.tools)
+                               call.add_generation_prompt, tools=call.tools, chat_template=call.chat_template)
         return jsonify({"count": len(ids), "max_model_len": m.engine.max_model_len, "tokens": ids,
                         "token_strs": [tok.token_text(t) for t in ids] if call.return_token_strs else None})
     finally:
