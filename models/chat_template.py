@@ -44,10 +44,10 @@ def compile_chat_template(source: str) -> jinja2.Template:
         raise TemplateCompileError(f"the chat template does not compile: {e}") from None
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=64)
 def cached_chat_template(source: str) -> jinja2.Template:
-    """compile_chat_template, once per distinct source: a template sent with each request (a catalog's
-    template) is compiled on its first use only; a few distinct ones are kept."""
+    """compile_chat_template, once per distinct source: the models' own templates and those sent with each
+    request (a catalog's) are compiled on their first use only."""
     return compile_chat_template(source)
 
 

@@ -16,8 +16,7 @@ import jinja2
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
 
-from models.chat_template import (TemplateError, cached_chat_template, compile_chat_template, normalize_messages,
-                                  renders_tools)
+from models.chat_template import TemplateError, cached_chat_template, normalize_messages
 from models.tokenizer_spm import (  # noqa: F401 (the token types are re-exported)
     TOKEN_BYTE, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_UNUSED, TOKEN_USER_DEFINED, spm_piece_bytes,
     spm_tokenizer,
@@ -117,7 +116,6 @@ class Tokenizer:
         self.chat_template = chat_template
         self.pre = pre
         self.spm = _is_spm(hf)   # a SentencePiece vocabulary: pieces with ▁ and <0xXX>, not byte-level
-        self._template = None
         self._bos_id = self._id_of(bos_token)
         self._eos_id = self._id_of(eos_token)
         if self.add_bos_token and self._bos_id is None:
@@ -350,24 +348,15 @@ class Tokenizer:
 
     # ---- chat ---------------------------------------------------------------------------------------
 
-    @property
-    def supports_tools(self) -> bool:
-        """The chat template renders a `tools` variable itself (else callers describe tools in messages)."""
-        return renders_tools(self.chat_template)
-
     def apply_chat_template(self, messages, add_generation_prompt: bool = True, chat_template: str | None = None,
                             **kwargs) -> str:
         """Render the model's chat template, or `chat_template` (a template's source) in its place, as
         transformers does; ValueError for malformed messages or a template that refuses them
         (TemplateCompileError for one that does not compile)."""
-        if chat_template:
-            template = cached_chat_template(chat_template)
-        elif not self.chat_template:
+        source = chat_template or self.chat_template
+        if not source:
             raise ValueError("this model has no chat template")
-        else:
-            if self._template is None:
-                self._template = compile_chat_template(self.chat_template)
-            template = self._template
+        template = cached_chat_template(source)
         msgs = normalize_messages(messages)
         try:
             return template.render(

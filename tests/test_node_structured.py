@@ -110,13 +110,14 @@ def test_tokenizer_endpoints_need_the_secret(node):
 
 def test_a_template_with_tool_support_renders_the_tools_itself():
     from engine.node.generation import prompt_token_ids
+    from models.chat_template import renders_tools
     from tests.tiny_model import make_tiny_tokenizer
     tok = make_tiny_tokenizer()
     tok.chat_template = ("{% for t in tools or [] %}[tool {{ t.function.name }}]{% endfor %}"
                          "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
                          "{% for c in m.tool_calls or [] %}[call {{ c.function.arguments.city }}]{% endfor %}"
                          "{% endfor %}")
-    assert tok.supports_tools
+    assert renders_tools(tok.chat_template)
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     msgs = [{"role": "user", "content": "hi"},
             {"role": "assistant", "content": "", "tool_calls": [

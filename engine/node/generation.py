@@ -69,8 +69,8 @@ def prompt_token_ids(tok, prompt: str | None, messages: list | None, add_special
         else:
             text = render(render_tool_prompt(messages, tools))
         return tok.encode(text, add_special_tokens=add_special_tokens)
-    except TemplateCompileError as e:
-        raise bad_value(str(e), "chat_template") from None
+    except TemplateCompileError as e:   # the request's template, or the model's own
+        raise bad_value(str(e), "chat_template" if chat_template else "messages") from None
     except ValueError as e:   # malformed messages, a template that refuses them
         raise bad_value(str(e), "messages" if messages is not None else "prompt") from None
 
