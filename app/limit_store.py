@@ -32,6 +32,7 @@ import limits.storage
 from limits.storage.base import MovingWindowSupport, SlidingWindowCounterSupport, TimestampedSlidingWindow
 
 from app.token_buckets import BucketResult, TokenBuckets, apply_to_bucket, bucket_ttl_s
+from engine.memory_dir import memory_dir
 
 LIMITS_DIR_ENV = "ZEN_LIMITS_DIR"
 DB_NAME = "limits.sqlite3"
@@ -56,14 +57,9 @@ CREATE TABLE IF NOT EXISTS model_loads (
 """
 
 
-def default_parent_dir() -> str | None:
-    """/dev/shm where it exists and is writable (memory), else the system's temporary directory."""
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-
-
 def new_limits_dir() -> str:
     """A fresh directory for a gateway's store (what the gunicorn master calls at start)."""
-    return tempfile.mkdtemp(prefix=DIR_PREFIX, dir=default_parent_dir())
+    return tempfile.mkdtemp(prefix=DIR_PREFIX, dir=memory_dir())
 
 
 def _is_lock_error(exc: sqlite3.OperationalError) -> bool:

@@ -20,6 +20,7 @@ from gunicorn.glogging import Logger
 
 from app.config import ConfigError, load_config
 from app.limit_store import LIMITS_DIR_ENV, new_limits_dir
+from engine.memory_dir import memory_dir
 
 try:
     _cfg = load_config()
@@ -63,8 +64,11 @@ logconfig_dict = {       # gunicorn's own messages as JSON lines too
 # gateway and an engine node) on one host would fight over it.
 control_socket_disable = True
 
+# Files written on every request in memory (engine/memory_dir.py): the workers' heartbeat, touched at
+# every turn of a worker's event loop, and the metrics' mmapped values.
+worker_tmp_dir = memory_dir()
 if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="zen-gateway-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="zen-gateway-metrics-", dir=memory_dir())
 _metrics_dir = os.environ["PROMETHEUS_MULTIPROC_DIR"]
 
 # Made before any worker forks, so all of them inherit it; only a directory made here is removed at exit.

@@ -14,6 +14,7 @@ from flask import Flask
 from prometheus_client import disable_created_metrics
 
 from engine.logs import JsonFormatter
+from engine.memory_dir import memory_dir
 from engine.node.app import create_app
 from engine.node.config import NodeConfig
 
@@ -77,6 +78,7 @@ def serve(config: NodeConfig) -> None:
                 "accesslog": None, "errorlog": "-", "loglevel": config.log_level, "preload_app": False,
                 "worker_exit": _worker_exit, "proc_name": f"zen-node-{config.port}",
                 "control_socket_disable": True,   # one node per port; no shared control socket
+                "worker_tmp_dir": memory_dir(),    # the heartbeat file, touched at every turn of the event loop
             }
             for key, value in settings.items():
                 self.cfg.set(key, value)
