@@ -17,7 +17,9 @@ What is left over (printed as "the rest") is spent at the node outside the compu
 end, the hand-off to its compute thread and back, and its header write.
 
 Requests alternate between the stand-in straight and through the gateway, in pairs whose order
-alternates; medians and p90 of the per-pair differences are printed and written as JSON
+alternates; medians and p90 of the per-pair differences are printed and written as JSON, with the
+gateway's CPU time per request (all its processes, over the timed pairs: a figure that moves less with
+the machine's load than the times do)
 (bench-results/gateway-hop.json). `make bench-gateway-hop`. Everything runs on this machine's cores,
 as in bench_serving.
 """
@@ -34,6 +36,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Callable
+
+import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -161,6 +165,13 @@ class Endpoint:
         return sample
 
 
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds of a process and its children (the gunicorn master and its workers)."""
+    procs = [psutil.Process(pid)]
+    procs += procs[0].children(recursive=True)
+    return sum(sum(p.cpu_times()[:2]) for p in procs)
+
+
 def run(args) -> dict:
     node_port, gw_port = free_port(), free_port()
     secret = "bench-gateway-hop"
@@ -190,18 +201,21 @@ def run(args) -> dict:
             "model": ALIAS, "prompt": "Hello", "max_tokens": mt, "temperature": 0.0, "stream": True})
         pairs = []
         for i in range(args.warmup + args.pairs):   # which path goes first alternates
+            if i == args.warmup:
+                cpu_before = cpu_seconds(gateway.proc.pid)
             if i % 2 == 0:
                 d, g = direct.first_token(i), through.first_token(i)
             else:
                 g, d = through.first_token(i), direct.first_token(i)
             if i >= args.warmup:
                 pairs.append((d, g))
+        gateway_cpu_ms = (cpu_seconds(gateway.proc.pid) - cpu_before) / args.pairs * 1e3
     finally:
         for s in reversed(services):
             s.stop()
     result = {"config": {"pairs": args.pairs, "warmup": args.warmup, "compute_ms": args.compute_ms,
                          "max_tokens": args.max_tokens},
-              "meta": machine_info(), "parts": {}}
+              "meta": machine_info(), "gateway_cpu_ms_per_request": round(gateway_cpu_ms, 3), "parts": {}}
     for part in ("ttft", "before", "compute", "after", "rest"):
         result["parts"][part] = {"direct_ms": dist([d[part] for d, _ in pairs], 1e3),
                                  "gateway_ms": dist([g[part] for _, g in pairs], 1e3),
@@ -229,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     for part, r in result["parts"].items():
         print(f"{names[part]:34s} {r['direct_ms']['p50']:9.3f} {r['gateway_ms']['p50']:9.3f} "
               f"{r['diff_ms']['p50']:9.3f} {r['diff_ms']['p90']:9.3f}")
+    print(f"the gateway's CPU time per request: {result['gateway_cpu_ms_per_request']:.3f} ms")
     sys.stdout.flush()
     Path(args.output).write_text(json.dumps(result, indent=2))
     log(f"wrote {args.output}")
