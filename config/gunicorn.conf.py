@@ -64,11 +64,12 @@ logconfig_dict = {       # gunicorn's own messages as JSON lines too
 # gateway and an engine node) on one host would fight over it.
 control_socket_disable = True
 
-# Files written on every request in memory (engine/memory_dir.py): the workers' heartbeat, touched at
-# every turn of a worker's event loop, and the metrics' mmapped values.
+# The workers' heartbeat, touched at every turn of a worker's event loop, in memory (engine/memory_dir.py).
+# The metrics' mmapped files stay on disk: they grow with the orgs and models served, and a full /dev/shm
+# (64 MB in a container) would kill a worker writing to them with SIGBUS.
 worker_tmp_dir = memory_dir()
 if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="zen-gateway-metrics-", dir=memory_dir())
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="zen-gateway-metrics-")
 _metrics_dir = os.environ["PROMETHEUS_MULTIPROC_DIR"]
 
 # Made before any worker forks, so all of them inherit it; only a directory made here is removed at exit.

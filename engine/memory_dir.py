@@ -1,7 +1,7 @@
-"""Where a server keeps files it writes on every request: /dev/shm (memory) where it exists and is
-writable, else the system's temporary directory. Used for gunicorn's worker heartbeat files, the
-gateway's metrics files and its limits store; on a disk file system each such write may wait on the
-journal or fault in a page that was written back meanwhile."""
+"""Where a server keeps small files it writes on every request: /dev/shm (memory) where it exists and
+is writable, else the system's temporary directory. Used for gunicorn's worker heartbeat files and the
+gateway's limits store; on a disk file system each such write may wait on the journal or fault in a
+page that was written back meanwhile."""
 from __future__ import annotations
 
 import os
