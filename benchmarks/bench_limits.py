@@ -27,7 +27,8 @@ sys.path.insert(0, str(ROOT))
 from app.config import LimitsConfig, TierConfig  # noqa: E402
 from app.limit_store import LimitStore, new_limits_dir  # noqa: E402
 from app.limits import RequestLimiter, StorageHealth, TokenLimiter  # noqa: E402
-from benchmarks.bench_serving import dist, machine_info  # noqa: E402
+from benchmarks.serving_report import machine_info  # noqa: E402
+from benchmarks.serving_stats import dist  # noqa: E402
 
 WARMUP = 200
 STORES = ("memory://", "embedded://")
