@@ -18,8 +18,7 @@ end, the hand-off to its compute thread and back, and its header write.
 
 Requests alternate between the stand-in straight and through the gateway, in pairs whose order
 alternates; medians and p90 of the per-pair differences are printed and written as JSON, with the
-gateway's CPU time per request (all its processes, over the timed pairs: a figure that moves less with
-the machine's load than the times do)
+gateway's CPU time per request (all its processes, over the timed pairs)
 (bench-results/gateway-hop.json). `make bench-gateway-hop`. Everything runs on this machine's cores,
 as in bench_serving.
 """
