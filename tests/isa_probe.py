@@ -46,6 +46,8 @@ KERNELS = {
                                                  types.float64, types.uint64, types.uint64)),
     "silu_mul_row": (cpu_transforms.silu_mul_row, (types.uint64, types.uint64, types.int64, types.uint64,
                                                    types.uint64)),
+    "gelu_mul_row": (cpu_transforms.gelu_mul_row, (types.uint64, types.uint64, types.int64, types.uint64,
+                                                   types.uint64)),
     "attention_scores16": (cpu_ops._scores16, (types.uint64,) * 6),
 }
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from engine.backends import cpu_matmul as L
+from engine.backends import cpu_norm_act as norm_act
 from engine.backends import cpu_ops as ops
 from engine.backends.cpu import CpuBackend, CpuLinear
 from models.formats import BLOCK_FORMATS
@@ -190,7 +191,7 @@ def test_gather_rows_is_exact(rng, fmt):
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "q5_1", "q4_k", "q6_k", "f16", "f32"])
 @pytest.mark.parametrize("rows", [1, 5, 17])
 def test_matmul_with_fused_rmsnorm_and_silu_mul(rng, fmt, rows):
-    """The op before a product applied on the way in: rmsnorm(x) * w, or silu(gate) * up."""
+    """The op before a product applied on the way in: rmsnorm(x) * w, silu(gate) * up or gelu(gate) * up."""
     n, k = 37, row_length(fmt, 96)
     qt = _tensor(rng, fmt, n, k)
     dense = qt.dequantize().astype(np.float64)
@@ -208,6 +209,8 @@ def test_matmul_with_fused_rmsnorm_and_silu_mul(rng, fmt, rows):
         out = np.empty((rows, n), np.float32)
         lin(gu, out, silu_mul=True)
         assert _rel(out, R.silu_mul(gu) @ dense.T) < tol, _msg(f"silu_mul-matmul {fmt} int8={int8}")
+        lin(gu, out, gelu_mul=True)
+        assert _rel(out, R.gelu_tanh_mul(gu) @ dense.T) < tol, _msg(f"gelu_mul-matmul {fmt} int8={int8}")
 
 
 def test_fused_transform_on_stacked_parts_and_blas(rng):
@@ -249,7 +252,7 @@ def test_fused_ops_match_the_composed_ones(rng):
 
 
 # ----------------------------------------------------------------------------- elementwise ops
-def test_rmsnorm_and_silu_mul(rng):
+def test_rmsnorm_and_silu_and_gelu_mul(rng):
     for d in (64, 50):  # a width that is not a multiple of 16 exercises the scalar tail
         x = _nonzero(rng, (5, d), 2.0)
         w = _nonzero(rng, d)
@@ -261,6 +264,10 @@ def test_rmsnorm_and_silu_mul(rng):
         out = np.empty((5, d), np.float32)
         ops.silu_mul(gu, out)
         assert _rel(out, R.silu_mul(gu)) < 2e-6, _msg(f"silu_mul d={d}")
+        gu[0, d - 4:d] = [-100.0, 100.0, -12.0, 12.0]   # in the scalar tail too where d is not a multiple of 16
+        norm_act.gelu_mul(gu, out)
+        assert np.all(np.isfinite(out)), _msg(f"gelu_mul d={d}: not finite")
+        assert _rel(out, R.gelu_tanh_mul(gu)) < 2e-6, _msg(f"gelu_mul d={d}")
 
 
 def test_rope_store_kv(rng):

@@ -12,7 +12,7 @@ from engine.backends.cpu_layers import LayerStack
 from engine.backends.cpu_repack import QUANT_FAMILIES, TILE, repack
 from engine.backends.cpu_sampler import sample
 from engine.backends.cpu_isa import INT8_DEFAULT, log_level
-from engine.backends.cpu_transforms import X_PLAIN, X_RMSNORM, X_SILU_MUL, transform
+from engine.backends.cpu_transforms import X_GELU_MUL, X_PLAIN, X_RMSNORM, X_SILU_MUL, transform
 from engine.backends.sampling_batch import SampleResult, SamplingBatch
 from engine.backends.stacked_linear import StackedLinear
 from models.quant import QuantTensor
@@ -55,15 +55,15 @@ class CpuLinear(StackedLinear):
         self.blas_min_rows = BLAS_MIN_ROWS
 
     def __call__(self, x: np.ndarray, out: np.ndarray, accumulate: bool = False, norm: np.ndarray | None = None,
-                 eps: float = 1e-5, silu_mul: bool = False) -> None:
-        """out (+)= f(x) @ W.T with f(x) = x, rmsnorm(x) * norm (norm given), or silu(gate) * up
-        (silu_mul; x = [gate | up]): the op before the product, fused into it."""
+                 eps: float = 1e-5, silu_mul: bool = False, gelu_mul: bool = False) -> None:
+        """out (+)= f(x) @ W.T with f(x) = x, rmsnorm(x) * norm (norm given), silu(gate) * up (silu_mul)
+        or gelu_tanh(gate) * up (gelu_mul; x = [gate | up]): the op before the product, fused into it."""
         if x.dtype != np.float32 or not x.flags.c_contiguous:
             x = np.ascontiguousarray(x, dtype=np.float32)
         if norm is not None:
             kind, aux = X_RMSNORM, norm
         else:
-            kind, aux = (X_SILU_MUL if silu_mul else X_PLAIN), _NO_AUX
+            kind, aux = (X_SILU_MUL if silu_mul else X_GELU_MUL if gelu_mul else X_PLAIN), _NO_AUX
         eps = float(eps)
         if x.shape[0] >= self.blas_min_rows or len(self.parts) > 1 and kind != X_PLAIN:
             # one transform for every part (or for BLAS), then plain products
@@ -171,7 +171,6 @@ class CpuBackend:
         self.int8 = INT8_DEFAULT if int8_activations is None else bool(int8_activations)
         self.int8_passes = int8_passes
         self._scratch = _Scratch()
-        self._mlp_scratch = _Scratch()   # gelu_mul's output (the linears share the other)
 
     # --- weights and buffers
     def linear(self, tensors: list[QuantTensor]) -> CpuLinear:
@@ -252,10 +251,8 @@ class CpuBackend:
         lin(gate_up, out, accumulate, silu_mul=True)
 
     def gelu_mul_matmul(self, gate_up, lin: CpuLinear, out, accumulate: bool = False) -> None:
-        """out (+)= (gelu_tanh(gate) * up) @ W.T: gelu_mul into a scratch, then the product."""
-        mlp = self._mlp_scratch.get(gate_up.shape[0], gate_up.shape[1] // 2)
-        norm_act.gelu_mul(gate_up, mlp)
-        lin(mlp, out, accumulate)
+        """out (+)= (gelu_tanh(gate) * up) @ W.T"""
+        lin(gate_up, out, accumulate, gelu_mul=True)
 
     def rope_attention(self, qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables, token_seq,
                        num_heads, num_kv_heads, scale, out, next_linear: CpuLinear | None = None,

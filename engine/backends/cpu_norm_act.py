@@ -4,17 +4,12 @@ gating, and a scale of the activations. Serial, as cpu_ops' rmsnorm and silu_mul
 a token, less than a parallel region's start-up costs."""
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from numba import njit
 
 from engine.backends import cpu_simd, cpu_transforms
 from engine.backends.cpu_cache import flush_stale_caches
 from engine.backends.cpu_simd import U, addr
-
-_GELU_C = math.sqrt(2.0 / math.pi)
-
 
 @njit(cache=True, nogil=True, fastmath=True)
 def head_rmsnorm(qkv, q_w, k_w, num_heads, num_kv_heads, eps):
@@ -43,12 +38,8 @@ def rmsnorm_add(x, w, eps, out):
 def gelu_mul(gate_up, out):
     """out = gelu_tanh(gate) * up, with gate_up = [gate | up]."""
     f = out.shape[1]
-    c = np.float32(_GELU_C)
     for t in range(gate_up.shape[0]):
-        for i in range(f):
-            g = gate_up[t, i]
-            inner = c * (g + np.float32(0.044715) * g * g * g)
-            out[t, i] = np.float32(0.5) * g * (np.float32(1.0) + np.tanh(inner)) * gate_up[t, f + i]
+        cpu_transforms.gelu_mul_row(addr(gate_up), U(t) * U(2 * f), f, addr(out), U(t) * U(f))
 
 
 @njit(cache=True, nogil=True, fastmath=True)

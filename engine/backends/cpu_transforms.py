@@ -1,5 +1,6 @@
-"""Row transforms that a matmul applies to x on the way in (one kernel call instead of two): rmsnorm(x) * w
-and silu(gate) * up; the row functions also serve the standalone ops of cpu_ops."""
+"""Row transforms that a matmul applies to x on the way in (one kernel call instead of two): rmsnorm(x) * w,
+silu(gate) * up and gelu_tanh(gate) * up; the row functions also serve the standalone ops of cpu_ops and
+cpu_norm_act."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,7 +14,9 @@ from engine.backends.cpu_simd import (
 
 
 # what a matmul does to each row of x on the way in
-X_PLAIN, X_RMSNORM, X_SILU_MUL = 0, 1, 2
+X_PLAIN, X_RMSNORM, X_SILU_MUL, X_GELU_MUL = 0, 1, 2, 3
+
+_GELU_C = 0.7978845608028654   # sqrt(2 / pi)
 
 
 @njit(cache=True, fastmath=True)
@@ -51,18 +54,38 @@ def silu_mul_row(gp, go, f, op, oo):
 
 
 @njit(cache=True, fastmath=True)
+def gelu_mul_row(gp, go, f, op, oo):
+    """out[oo : oo + f] = gelu_tanh(gate) * up for gate | up = the 2f items at gp[go:].
+    0.5 g (1 + tanh(u)) is g / (1 + exp(-2u)): one exp, as silu's, with u = sqrt(2/pi) (g + 0.044715 g^3)."""
+    f16 = f - f % 16
+    one = vbcast_f(1.0)
+    c2 = vbcast_f(-2.0 * _GELU_C)
+    c3 = vbcast_f(-2.0 * _GELU_C * 0.044715)
+    for i in range(0, f16, 16):
+        g = vload_f(gp, go + U(i))
+        e = vexp(vmul(g, vfma(vmul(g, g), c3, c2)))   # exp(-2u), clamped inside vexp: no inf
+        vstore_f(op, oo + U(i), vmul(vdiv(g, vadd(one, e)), vload_f(gp, go + U(f + i))))
+    for i in range(f16, f):
+        g = ld_f(gp, go + U(i))
+        z = min(max(F(-2.0 * _GELU_C) * g * (F(1.0) + F(0.044715) * g * g), F(-87.0)), F(88.0))
+        st_f(op, oo + U(i), g / (F(1.0) + np.exp(z)) * ld_f(gp, go + U(f + i)))
+
+
+@njit(cache=True, fastmath=True)
 def _transform_row(x, i, kind, aux, eps, xt):
     k = xt.shape[1]
     if kind == X_RMSNORM:
         rmsnorm_row(addr(x), U(i) * U(x.shape[1]), addr(aux), k, eps, addr(xt), U(i) * U(k))
-    else:
+    elif kind == X_SILU_MUL:
         silu_mul_row(addr(x), U(i) * U(x.shape[1]), k, addr(xt), U(i) * U(k))
+    else:
+        gelu_mul_row(addr(x), U(i) * U(x.shape[1]), k, addr(xt), U(i) * U(k))
 
 
 @njit(cache=True, fastmath=True, inline="always")
 def transformed(x, kind, aux, eps):
-    """x itself (X_PLAIN), or rmsnorm(x) * aux (X_RMSNORM), or silu(gate) * up (X_SILU_MUL) as a new
-    array; rows in parallel when there are many."""
+    """x itself (X_PLAIN), or rmsnorm(x) * aux (X_RMSNORM), silu(gate) * up (X_SILU_MUL) or
+    gelu_tanh(gate) * up (X_GELU_MUL) as a new array; rows in parallel when there are many."""
     if kind == X_PLAIN:
         return x
     m = x.shape[0]
