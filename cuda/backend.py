@@ -106,7 +106,7 @@ def take_rows(src, index) -> DeviceTensor:
 
 # --------------------------------------------------------------------------- weights
 
-def _device_layout(t: QuantTensor):
+def device_layout(t: QuantTensor):
     """(family, host arrays (wa, wb, wc)) of a stored matrix (layouts in cuda/kernels/common.py)."""
     n = t.shape[0]
     dummy = np.zeros((1, 1), np.float16)
@@ -138,6 +138,12 @@ def _block_layout(t: QuantTensor, dummy: np.ndarray):
     return "q8m", (codes.view(np.uint32), d, m)
 
 
+def layout_nbytes(family: str, host: tuple) -> int:
+    """Bytes of a matrix in its device layout: the arrays its family's kernels read (the rest are dummies)."""
+    used = {"q4": 3, "q4k": 3, "q8m": 3, "q8": 2, "q8h": 2}.get(family, 1)
+    return sum(int(a.nbytes) for a in host[:used])
+
+
 class CudaLinear(StackedLinear):
     """y = x @ W.T for one or more stored matrices stacked along the output (q|k|v, gate|up), on the device."""
 
@@ -146,9 +152,8 @@ class CudaLinear(StackedLinear):
         super().__init__(tensors, self._upload)
 
     def _upload(self, t: QuantTensor) -> tuple[str, tuple]:
-        family, host = _device_layout(t)
-        used = {"q4": 3, "q4k": 3, "q8m": 3, "q8": 2, "q8h": 2}.get(family, 1)
-        self.nbytes += sum(int(a.nbytes) for a in host[:used])
+        family, host = device_layout(t)
+        self.nbytes += layout_nbytes(family, host)
         return family, tuple(_to_device(a) for a in host)
 
 

@@ -53,9 +53,9 @@ K_FALLBACK = {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
 
 
 # Bytes per weight in the kernels' layouts, the larger of the CPU's and CUDA's (docs/quantization.md): what a
-# loaded matrix takes, and what a memory budget must count (codes of 5 and 6 bits take a byte there).
+# loaded matrix takes, and what a memory budget must count (CUDA's codes of 5 and 6 bits take a byte).
 LAYOUT_BYTES_PER_WEIGHT = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 1.0625, "q4_0": 0.625, "q4_1": 0.625,
-                           "q5_0": 1.125, "q5_1": 1.25, "q4_k": 0.75, "q5_k": 1.25, "q6_k": 1.25}
+                           "q5_0": 1.0625, "q5_1": 1.25, "q4_k": 0.75, "q5_k": 1.25, "q6_k": 1.25}
 
 
 def bytes_per_weight(fmt: str) -> float:

@@ -36,8 +36,10 @@ _F2 = _arr(types.float32, 2)
 _ROWS_I8 = (_arr(types.int8, 3), _F2, _F2, types.uint64, _F2, types.int64, types.int64, types.boolean)
 KERNELS = {
     "rows_q4_i8": (cpu_matmul._rows_q4_i8, (_arr(types.uint8, 5), _arr(types.uint16, 4)) + _ROWS_I8),
+    "rows_q5_i8": (cpu_matmul._rows_q5_i8, (_arr(types.uint8, 5), _arr(types.uint16, 4)) + _ROWS_I8),
     "rows_q8_i8": (cpu_matmul._rows_q8_i8, (_arr(types.uint8, 5), _arr(types.uint16, 4)) + _ROWS_I8),
     # the K-quants: float32 scales (q4_k, q5_k), and q6_k's scale per 16 values
+    "rows_q5k_i8": (cpu_matmul._rows_q5_i8, (_arr(types.uint8, 5), _arr(types.float32, 4)) + _ROWS_I8),
     "rows_q4k_i8": (cpu_matmul._rows_q4_i8, (_arr(types.uint8, 5), _arr(types.float32, 4)) + _ROWS_I8),
     "rows_q8h_i8": (cpu_matmul._rows_q8h_i8, (_arr(types.uint8, 5), _arr(types.float32, 4)) + _ROWS_I8),
     "rows_float": (cpu_matmul.rows_float, (types.int64, _arr(types.float32, 3), types.uint64, _F2, types.uint64,

@@ -104,7 +104,7 @@ def test_avxvnni_compiles_to_vex_vpdpbusd_on_ymm(tmp_path):
     """Alder Lake: vpdpbusd on 256-bit registers in its VEX form ({vex}; no EVEX-only zmm), never run here."""
     code = _probe("asm", _env(**ALDERLAKE), tmp_path)
     assert code["isa"] == "avxvnni"
-    for name in ("rows_q4_i8", "rows_q8_i8", "rows_q4k_i8", "rows_q8h_i8"):
+    for name in ("rows_q4_i8", "rows_q5_i8", "rows_q8_i8", "rows_q4k_i8", "rows_q5k_i8", "rows_q8h_i8"):
         dots = [line for line in code[name].splitlines() if "vpdpbusd" in line]
         assert dots, f"{name}: no vpdpbusd"
         assert all("{vex}" in line and "%ymm" in line for line in dots), f"{name}: {dots[:3]}"
@@ -116,7 +116,7 @@ def test_avx2_compiles_to_vpmaddubsw_on_ymm(tmp_path):
     """Haswell (AVX2, no VNNI): vpmaddubsw + vpmaddwd on 256-bit registers."""
     code = _probe("asm", _env(ZEN_CPU_ISA="avx2", **RUN_TARGET["avx2"]), tmp_path)
     assert code["isa"] == "avx2"
-    for name in ("rows_q4_i8", "rows_q8_i8", "rows_q4k_i8", "rows_q8h_i8"):
+    for name in ("rows_q4_i8", "rows_q5_i8", "rows_q8_i8", "rows_q4k_i8", "rows_q5k_i8", "rows_q8h_i8"):
         assert re.search(r"vpmaddubsw\s+%ymm", code[name]) and re.search(r"vpmaddwd\s+", code[name]), name
         assert "vpdpbusd" not in code[name] and "%zmm" not in code[name]
 
@@ -127,12 +127,13 @@ def test_neondot_compiles_to_sdot_for_arm64(tmp_path):
     float kernels fused fmla; no x86 register anywhere."""
     code = _probe("asm", _env(**NEOVERSE_N1), tmp_path)
     assert code.pop("isa") == "neondot"
-    for name in ("rows_q4_i8", "rows_q8_i8"):
+    for name in ("rows_q4_i8", "rows_q5_i8", "rows_q8_i8"):
         assert re.search(r"\bsdot\s+v\d+\.4s, v\d+\.16b, v\d+\.16b", code[name]), name
         assert "llvm.aarch64" not in code[name]        # every intrinsic became an instruction
-    # q4's nibbles are below 128: one sdot per 4 bytes; q8's unsigned bytes take a second sdot (the 128 * b)
+    # q4's and q5's codes are below 128: one sdot per 4 bytes; q8's unsigned bytes take a second sdot (128 * b)
     assert re.search(r"\beor\s+v\d+\.16b", code["rows_q8_i8"])
     assert not re.search(r"\beor\s+v\d+\.16b", code["rows_q4_i8"])
+    assert not re.search(r"\beor\s+v\d+\.16b", code["rows_q5_i8"])
     for name, asm in code.items():
         assert not re.search(r"%[xyz]mm\d", asm), name
         assert re.search(r"\bv\d+\.(4s|16b|8h)", asm), f"{name}: no NEON vector instruction"

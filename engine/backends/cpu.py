@@ -81,6 +81,8 @@ class CpuLinear(StackedLinear):
             a = p.arrays
             if p.family == "q4" and self.int8:
                 mm.matmul_q4_i8(x, a[0], a[1], out, p.col0, p.rows, accumulate, self.passes, kind, aux, eps)
+            elif p.family == "q5" and self.int8:
+                mm.matmul_q5_i8(x, a[0], a[1], out, p.col0, p.rows, accumulate, self.passes, kind, aux, eps)
             elif p.family == "q8" and self.int8:
                 mm.matmul_q8_i8(x, a[0], a[1], out, p.col0, p.rows, accumulate, self.passes, kind, aux, eps)
             elif p.family == "q8h" and self.int8:

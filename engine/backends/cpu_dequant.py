@@ -12,27 +12,32 @@ from engine.backends.cpu_matmul import rows_float
 from engine.backends.cpu_repack import TILE
 from engine.backends.cpu_simd import (
     F, U, addr, f32_from_bits, vadd, vand, vbcast_f, vbcast_i, vcvt, vfma, vload_bf, vload_f, vload_h, vload_w,
-    vmul, vsrl, vstore_f,
+    vmul, vsll, vsrl, vstore_f, vzero_i,
 )
 from engine.backends.cpu_transforms import transformed
 from models.quant import QK
 
 
 @njit(cache=True, fastmath=True)
-def _dequant_quant_tile(ap, sp, ns, f32, is_q4, halves, t, nb, wtp, ldw, col):
-    """Tile t of a q4/q8/q8h matrix (at ap, scales at sp) as float32: item j * ldw + col + r of wtp is
-    W[16 t + r, j], i.e. W transposed."""
+def _dequant_quant_tile(ap, sp, ns, f32, groups, halves, t, nb, wtp, ldw, col):
+    """Tile t of a q4/q5/q8/q8h matrix (at ap, scales at sp; groups: 4, 5 or 8 byte groups a block) as
+    float32: item j * ldw + col + r of wtp is W[16 t + r, j], i.e. W transposed."""
     for b in range(U(nb)):
-        if is_q4:
+        if groups <= 5:
             d, m = block_scales(sp, t, b, nb, ns, f32, F(-8.0))
             mask = vbcast_i(0x0F)
+            one = vbcast_i(0x1)
+            base = (t * U(nb) + b) * U(64 * groups)
+            bits = vload_w(ap, base + U(256)) if groups == 5 else vzero_i()   # fifth bits (cpu_repack)
             for g in range(U(4)):
-                w = vload_w(ap, (t * U(nb) + b) * U(256) + g * U(64))
+                w = vload_w(ap, base + g * U(64))
                 for c in range(U(4)):
                     j = b * U(QK) + U(4) * g + c
-                    vstore_f(wtp, j * U(ldw) + U(col), vfma(vcvt(vand(vsrl(w, U(8) * c), mask)), d, m))
+                    lo = vsll(vand(vsrl(bits, U(8) * c + g), one), 4)
+                    hi = vsll(vand(vsrl(bits, U(8) * c + g + U(4)), one), 4)
+                    vstore_f(wtp, j * U(ldw) + U(col), vfma(vcvt(vadd(vand(vsrl(w, U(8) * c), mask), lo)), d, m))
                     vstore_f(wtp, (j + U(16)) * U(ldw) + U(col),
-                             vfma(vcvt(vand(vsrl(w, U(8) * c + U(4)), mask)), d, m))
+                             vfma(vcvt(vadd(vand(vsrl(w, U(8) * c + U(4)), mask), hi)), d, m))
         else:
             d, m = block_scales(sp, t, b, nb, ns, f32, F(-128.0))
             mask = vbcast_i(0xFF)
@@ -63,10 +68,10 @@ def _dequant_float_tile(kind, ap, t, k, wtp, ldw, col):
 
 @njit(cache=True, parallel=True)
 def dequantize_quant_t(qs, sc, wt, col0, halves):
-    """W^T of a tiled q4/q8/q8h (halves) matrix into columns col0 : col0 + 16 nt of wt [K, ldw] float32."""
+    """W^T of a tiled q4/q5/q8/q8h (halves) matrix into columns col0 : col0 + 16 nt of wt [K, ldw] float32."""
     ap, sp, wtp = addr(qs), addr(sc), addr(wt)
     for ti in prange(qs.shape[0]):
-        _dequant_quant_tile(ap, sp, sc.shape[2], sc.itemsize == 4, qs.shape[2] == 4, halves, U(ti), qs.shape[1],
+        _dequant_quant_tile(ap, sp, sc.shape[2], sc.itemsize == 4, qs.shape[2], halves, U(ti), qs.shape[1],
                             wtp, wt.shape[1], col0 + ti * 16)
 
 
@@ -84,14 +89,14 @@ def _rows_quant_exact(qs, sc, halves, t0, t1, x, out, col0, n_out, accumulate):
     w = np.empty(k * 16, np.float32)
     ap, sp, wp = addr(qs), addr(sc), addr(w)
     for ti in range(t0, t1):
-        _dequant_quant_tile(ap, sp, sc.shape[2], sc.itemsize == 4, qs.shape[2] == 4, halves, U(ti), qs.shape[1],
+        _dequant_quant_tile(ap, sp, sc.shape[2], sc.itemsize == 4, qs.shape[2], halves, U(ti), qs.shape[1],
                             wp, 16, 0)
         rows_float(0, w, wp, x, U(0), out, col0 + ti * 16, min(16, n_out - ti * 16), accumulate)
 
 
 @njit(cache=True, parallel=True, fastmath=True)
 def matmul_quant_exact(x, qs, sc, halves, out, col0, n_out, accumulate, kind, aux, eps):
-    """The q4/q8/q8h product with x as it is (no int8 rounding): exact, slower; the portable level's default."""
+    """The q4/q5/q8/q8h product with x as it is (no int8 rounding): exact, slower; the portable level's default."""
     nt = qs.shape[0]
     nch = min(nt, 8)
     xt = transformed(x, kind, aux, eps)
@@ -125,19 +130,24 @@ def _scale(sc, t, b, s, r):
 
 @njit(cache=True)
 def gather_quant(a, sc, halves, rows, out):
-    """out[i] = W[rows[i]] as float32 for a tiled q4, q8 or q8h (halves) matrix (the embedding lookup)."""
+    """out[i] = W[rows[i]] as float32 for a tiled q4, q5, q8 or q8h (halves) matrix (the embedding lookup)."""
     nb = a.shape[1]
-    q4 = a.shape[2] == 4
+    groups = a.shape[2]
     for i in range(rows.shape[0]):
         t, r = rows[i] // TILE, rows[i] % TILE
         for b in range(nb):
             d = _scale(sc, t, b, 0, r)
-            if q4:
+            if groups <= 5:
                 mn = _scale(sc, t, b, 1, r) if sc.shape[2] == 2 else np.float32(-8.0) * d
                 for j in range(16):
                     q = np.int32(a[t, b, j // 4, r, j % 4])
-                    out[i, b * QK + j] = np.float32(q & 15) * d + mn
-                    out[i, b * QK + j + 16] = np.float32(q >> 4) * d + mn
+                    lo, hi = q & 15, q >> 4
+                    if groups == 5:   # the fifth bits (cpu_repack)
+                        bits = np.int32(a[t, b, 4, r, j % 4])
+                        lo += ((bits >> (j // 4)) & 1) << 4
+                        hi += ((bits >> (j // 4 + 4)) & 1) << 4
+                    out[i, b * QK + j] = np.float32(lo) * d + mn
+                    out[i, b * QK + j + 16] = np.float32(hi) * d + mn
             else:
                 for j in range(QK):
                     u = np.float32(a[t, b, j // 4, r, j % 4])

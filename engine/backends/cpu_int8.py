@@ -20,7 +20,7 @@ from engine.backends import cpu_simd
 from engine.backends.cpu_cache import flush_stale_caches
 from engine.backends.cpu_simd import (
     F, U, ld_f, st_f, vabs, vadd, vand, vbcast4, vbcast_f, vbcast_i, vcvt, vdpbusd, vdpbusd4_nib, vfma, vhmax,
-    vload_f, vload_h, vload_w, vmax, vmin, vmul, vround_i, vsll, vsrl, vstore_i8, vsub, vsum, vzero_f, vzero_i,
+    vload_f, vload_h, vload_w, vmax, vmin, vmul, vor, vround_i, vsll, vsrl, vstore_i8, vsub, vsum, vzero_f, vzero_i,
 )
 from models.quant import QK
 
@@ -107,17 +107,30 @@ def _dot_q4_i8(l0, l1, l2, l3, h0, h1, h2, h3, xqp, xo, k, passes):
 
 
 @njit(cache=True, fastmath=True)
-def q4_tile_i8(qp, sp, ns, f32, xqp, xdp, xsp, k, passes, t, nb, i0, nrows):
+def fifth_bits(l0, l1, l2, l3, h0, h1, h2, h3, wh):
+    """The nibbles of a q5 tile block with their fifth bits: bit v of each byte of wh is the fifth bit of the
+    code at that byte in vector v (l0..l3, then h0..h3), moved to bit 4 by one shift within the byte."""
+    b4 = vbcast_i(0x10101010)
+    return (vor(l0, vand(vsll(wh, 4), b4)), vor(l1, vand(vsll(wh, 3), b4)),
+            vor(l2, vand(vsll(wh, 2), b4)), vor(l3, vand(vsll(wh, 1), b4)),
+            vor(h0, vand(wh, b4)), vor(h1, vand(vsrl(wh, 1), b4)),
+            vor(h2, vand(vsrl(wh, 2), b4)), vor(h3, vand(vsrl(wh, 3), b4)))
+
+
+@njit(cache=True, fastmath=True)
+def q4_tile_i8(qp, sp, ns, f32, five, xqp, xdp, xsp, k, passes, t, nb, i0, nrows):
     """Tile t against rows i0 .. i0+nrows-1 (nrows 1, 2 or 4) of the int8 x: 4 accumulators.
-    Per block: d * xd * sum(nibble * xq) + m * (sum of the x block)."""
+    Per block: d * xd * sum(code * xq) + m * (sum of the x block). five: q5 blocks, whose fifth bits
+    follow the nibbles (codes 0..31 keep the nibble dot exact, vdpbusd4_nib)."""
     a0 = vzero_f()
     a1 = vzero_f()
     a2 = vzero_f()
     a3 = vzero_f()
     mask = vbcast_i(0x0F0F0F0F)
     rs = U(passes * k)  # bytes between rows of xq
+    stride = U(320) if five else U(256)
     for b in range(U(nb)):
-        base = (t * U(nb) + b) * U(256)
+        base = (t * U(nb) + b) * stride
         w0 = vload_w(qp, base)
         w1 = vload_w(qp, base + U(64))
         w2 = vload_w(qp, base + U(128))
@@ -125,6 +138,8 @@ def q4_tile_i8(qp, sp, ns, f32, xqp, xdp, xsp, k, passes, t, nb, i0, nrows):
         l0, l1, l2, l3 = vand(w0, mask), vand(w1, mask), vand(w2, mask), vand(w3, mask)
         h0, h1 = vand(vsrl(w0, 4), mask), vand(vsrl(w1, 4), mask)
         h2, h3 = vand(vsrl(w2, 4), mask), vand(vsrl(w3, 4), mask)
+        if five:
+            l0, l1, l2, l3, h0, h1, h2, h3 = fifth_bits(l0, l1, l2, l3, h0, h1, h2, h3, vload_w(qp, base + U(256)))
         d, m = block_scales(sp, t, b, nb, ns, f32, F(-8.0))
         xo = i0 * rs + b * U(QK)
         so = i0 * U(nb) + b

@@ -133,8 +133,8 @@ def _dot_avx2(builder, acc, a, b):
 
 
 def _dot4_nibbles_avx2(builder, acc, pairs):
-    """acc + 4 dots of bytes a < 16 (q4 nibbles) with b: the 4 vpmaddubsw summed in int16 (at most
-    4 * 2 * 15 * 127 < 2^15), then one vpmaddwd per 256-bit half."""
+    """acc + 4 dots of bytes a < 32 (q4 nibbles, q5 codes) with b: the 4 vpmaddubsw summed in int16 (at
+    most 4 * 2 * 31 * 127 < 2^15; b is never -128), then one vpmaddwd per 256-bit half."""
     halves = []
     for h in (0, 1):
         s = None
@@ -211,10 +211,10 @@ def emit_dot_u8s8(builder, acc, a, b, level: str = ISA):
 
 
 def emit_dot4_nibbles(builder, acc, pairs, level: str = ISA):
-    """IR for acc + the dots of 4 (a, b) pairs as emit_dot_u8s8, a's bytes 0..15 (q4 nibbles)."""
+    """IR for acc + the dots of 4 (a, b) pairs as emit_dot_u8s8, a's bytes 0..31 (q4 nibbles, q5 codes)."""
     if level == "avx2":
         return _dot4_nibbles_avx2(builder, acc, pairs)
-    if level == "neondot":      # nibbles are non-negative signed bytes: one sdot each
+    if level == "neondot":      # codes below 128 are non-negative signed bytes: one sdot each
         for a, b in pairs:
             acc = _dot_neon(builder, acc, a, b, a_signed=True)
         return acc

@@ -5,7 +5,7 @@ interpreter and dispatch time on top of the kernel's own launch. Here one @njit 
 kernels, in the same order, on the same arrays: the logits are the same bit for bit, and the per-call
 cost is the launch alone.
 
-It needs each slot (q|k|v, o, gate|up, down) to be one q4/q8 matrix of the same shape in every
+It needs each slot (q|k|v, o, gate|up, down) to be one q4/q5/q8 matrix of the same shape in every
 layer, multiplied on int8 activations (the same number of passes everywhere), so that the slot's
 matrices stack into one array (`LayerStack`): a numba function takes a few arrays cheaply, not
 tuples of hundreds.
@@ -21,7 +21,7 @@ from numba.core.errors import NumbaPerformanceWarning
 from engine.backends import cpu_int8, cpu_matmul, cpu_simd, cpu_transforms
 from engine.backends import cpu_ops as ops
 from engine.backends.cpu_cache import flush_stale_caches
-from engine.backends.cpu_matmul import matmul_q4_i8, matmul_q8_i8
+from engine.backends.cpu_matmul import matmul_q4_i8, matmul_q5_i8, matmul_q8_i8
 from engine.backends.cpu_transforms import X_PLAIN, X_RMSNORM, X_SILU_MUL
 
 
@@ -35,8 +35,10 @@ warnings.filterwarnings("ignore", message=r"(?s).*'parallel=True' was specified 
 
 @njit(cache=True, parallel=True)
 def _linear(x, qs, sc, out, n_out, accumulate, passes, kind, aux, eps):
-    if qs.shape[2] == 4:   # 4 lanes of bytes per 32-block: q4; 8: q8
+    if qs.shape[2] == 4:   # 4 lanes of bytes per 32-block: q4; 5: q5; 8: q8
         matmul_q4_i8(x, qs, sc, out, 0, n_out, accumulate, passes, kind, aux, eps)
+    elif qs.shape[2] == 5:
+        matmul_q5_i8(x, qs, sc, out, 0, n_out, accumulate, passes, kind, aux, eps)
     else:
         matmul_q8_i8(x, qs, sc, out, 0, n_out, accumulate, passes, kind, aux, eps)
 
@@ -93,7 +95,7 @@ class LayerStack:
             ref = getattr(first, s)
             for ly in layers:
                 lin = getattr(ly, s)
-                if len(lin.parts) != 1 or lin.parts[0].family not in ("q4", "q8") or not lin.int8 \
+                if len(lin.parts) != 1 or lin.parts[0].family not in ("q4", "q5", "q8") or not lin.int8 \
                         or lin.passes != first.qkv.passes or lin.parts[0].rows != ref.parts[0].rows \
                         or any(a.shape != b.shape or a.dtype != b.dtype
                                for a, b in zip(lin.parts[0].arrays, ref.parts[0].arrays)):

@@ -107,9 +107,10 @@ def quantize_activations(x, passes=1):
 
 
 @njit(cache=True, fastmath=True, inline="always")
-def _rows_i8(is_q4, halves, qs, sc, xq, xd, xs, t, out, col, rn, accumulate):
+def _rows_i8(is_q4, five, halves, qs, sc, xq, xd, xs, t, out, col, rn, accumulate):
     """Tile t against every row of x: 4 rows at a time (4 x 16 accumulators in registers), then the rest.
-    Scales are float32 or IEEE halves (sc's item size); halves: q8 codes with a scale per 16 values."""
+    Scales are float32 or IEEE halves (sc's item size); five: q5 blocks (q4's with fifth bits);
+    halves: q8 codes with a scale per 16 values."""
     m, passes, k = xq.shape
     nb, ns, ld = qs.shape[1], sc.shape[2], out.shape[1]
     f32 = sc.itemsize == 4
@@ -118,7 +119,7 @@ def _rows_i8(is_q4, halves, qs, sc, xq, xd, xs, t, out, col, rn, accumulate):
     for i0 in range(0, m4, 4):
         i = U(i0)
         if is_q4:
-            a0, a1, a2, a3 = q4_tile_i8(qp, sp, ns, f32, xqp, xdp, xsp, k, passes, t, nb, i, 4)
+            a0, a1, a2, a3 = q4_tile_i8(qp, sp, ns, f32, five, xqp, xdp, xsp, k, passes, t, nb, i, 4)
         else:
             a0, a1, a2, a3 = q8_tile_i8(qp, sp, ns, f32, halves, xqp, xdp, xsp, k, passes, t, nb, i, 4)
         store_tile_row(op, ld, i, col, a0, rn, accumulate)
@@ -127,7 +128,7 @@ def _rows_i8(is_q4, halves, qs, sc, xq, xd, xs, t, out, col, rn, accumulate):
         store_tile_row(op, ld, i + U(3), col, a3, rn, accumulate)
     for i0 in range(m4, m):
         if is_q4:
-            a0, a1, a2, a3 = q4_tile_i8(qp, sp, ns, f32, xqp, xdp, xsp, k, passes, t, nb, U(i0), 1)
+            a0, a1, a2, a3 = q4_tile_i8(qp, sp, ns, f32, five, xqp, xdp, xsp, k, passes, t, nb, U(i0), 1)
         else:
             a0, a1, a2, a3 = q8_tile_i8(qp, sp, ns, f32, halves, xqp, xdp, xsp, k, passes, t, nb, U(i0), 1)
         store_tile_row(op, ld, U(i0), col, a0, rn, accumulate)
@@ -135,17 +136,22 @@ def _rows_i8(is_q4, halves, qs, sc, xq, xd, xs, t, out, col, rn, accumulate):
 
 @njit(cache=True, fastmath=True)
 def _rows_q4_i8(qs, sc, xq, xd, xs, t, out, col, rn, accumulate):
-    _rows_i8(True, False, qs, sc, xq, xd, xs, t, out, col, rn, accumulate)
+    _rows_i8(True, False, False, qs, sc, xq, xd, xs, t, out, col, rn, accumulate)
+
+
+@njit(cache=True, fastmath=True)
+def _rows_q5_i8(qs, sc, xq, xd, xs, t, out, col, rn, accumulate):
+    _rows_i8(True, True, False, qs, sc, xq, xd, xs, t, out, col, rn, accumulate)
 
 
 @njit(cache=True, fastmath=True)
 def _rows_q8_i8(qs, sc, xq, xd, xs, t, out, col, rn, accumulate):
-    _rows_i8(False, False, qs, sc, xq, xd, xs, t, out, col, rn, accumulate)
+    _rows_i8(False, False, False, qs, sc, xq, xd, xs, t, out, col, rn, accumulate)
 
 
 @njit(cache=True, fastmath=True)
 def _rows_q8h_i8(qs, sc, xq, xd, xs, t, out, col, rn, accumulate):
-    _rows_i8(False, True, qs, sc, xq, xd, xs, t, out, col, rn, accumulate)
+    _rows_i8(False, False, True, qs, sc, xq, xd, xs, t, out, col, rn, accumulate)
 
 
 @njit(cache=True, fastmath=True)
@@ -173,6 +179,13 @@ def matmul_q4_i8(x, qs, sc, out, col0, n_out, accumulate, passes, kind, aux, eps
     xq, xd, xs = _prepare(transformed(x, kind, aux, eps), passes)
     for ti in prange(qs.shape[0]):
         _rows_q4_i8(qs, sc, xq, xd, xs, U(ti), out, col0 + ti * 16, min(16, n_out - ti * 16), accumulate)
+
+
+@njit(cache=True, parallel=True, fastmath=True)
+def matmul_q5_i8(x, qs, sc, out, col0, n_out, accumulate, passes, kind, aux, eps):
+    xq, xd, xs = _prepare(transformed(x, kind, aux, eps), passes)
+    for ti in prange(qs.shape[0]):
+        _rows_q5_i8(qs, sc, xq, xd, xs, U(ti), out, col0 + ti * 16, min(16, n_out - ti * 16), accumulate)
 
 
 @njit(cache=True, parallel=True, fastmath=True)

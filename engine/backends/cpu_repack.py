@@ -10,21 +10,24 @@ Tiled layouts (N = rows, K = columns, nb = K // 32 blocks, nt = N / 16 row tiles
                    (its low nibble is value 4g+c of the block, its high nibble value 16+4g+c)
                    sc [nt, nb, S, 16]: scales d (and with S = 2 the offset m); w = d * nibble + m
                    (S = 1: m = -8 d)
-  q8 (q8_0, q5_0, q5_1, q5_k)  qs uint8 [nt, nb, 8, 16, 4] of unsigned codes u (as the int8 dot wants them)
-                   sc [nt, nb, S, 16]: S = 1: w = d * (u - 128) (q8_0: u = q + 128);
-                   S = 2: (d, m), w = d * u + m (q5_0: m = -16 d; q5_1, q5_k: u = the 5-bit code)
+  q5 (q5_0, q5_1, q5_k)  qs uint8 [nt, nb, 5, 16, 4]: g < 4 the low four bits of the codes, as q4's nibbles;
+                   g = 4, byte c of row r: bit v is the fifth bit of the code at byte c of row r in nibble
+                   vector v (v < 4: the low nibbles of g = v, value 4v+c; v >= 4: the high ones of g = v-4,
+                   value 16+4(v-4)+c); sc [nt, nb, 2, 16]: (d, m), w = d * u + m (q5_0: m = -16 d)
+  q8 (q8_0)        qs uint8 [nt, nb, 8, 16, 4] of unsigned codes u (as the int8 dot wants them)
+                   sc [nt, nb, 1, 16]: w = d * (u - 128) (u = q + 128)
   q8h (q6_k)       qs as q8, u = the 6-bit code; sc [nt, nb, 2, 16]: the scales of the block's two halves of
                    16 values, w = d_half * (u - 32)
-A code's offset stays near the middle of its range (m = -16 d for q5_0 rather than q5_0 as u - 128):
-the int8 kernels subtract the offset's product from the codes' product in float32, and an offset far
-larger than the codes' spread would cancel most of the result's digits.
+A code's offset stays near the middle of its range (m = -16 d for q5_0 rather than a signed code): the
+int8 kernels subtract the offset's product from the codes' product in float32, and an offset far larger
+than the codes' spread would cancel most of the result's digits.
   f32              w float32 [nt, K, 16]
   f16 / bf16       w uint16  [nt, K, 16], widened to float32 in the kernel
 Scales are IEEE halves (uint16) where the file stores them per block of 32 (the legacy formats), and
 float32 for the K-quants, whose scale per 32 (16) values is a half super-scale times a 6-bit (8-bit)
 integer: exact in float32, not in float16. Bytes per weight in these layouts: q8_0 1.0625, q4_0 0.5625,
-q4_1 0.625 (all as stored), q4_k 0.75 (stored 0.5625), q5_0 1.125 (0.6875), q5_1 1.125 (0.75),
-q5_k 1.25 (0.6875), q6_k 1.25 (0.8203): 5- and 6-bit codes take a byte so that the q8 kernels serve them.
+q4_1 0.625, q5_1 0.75 (all as stored), q4_k 0.75 (stored 0.5625), q5_0 0.75 (0.6875), q5_k 0.875
+(0.6875), q6_k 1.25 (0.8203): 6-bit codes take a byte so that the q8 kernels serve them.
 The four bytes of one int32 lane are four consecutive values of one row: the layout of vpdpbusd
 (AVX-512 VNNI, AVX-VNNI), which vpmaddubsw + vpmaddwd (AVX2) read the same way.
 """
@@ -35,7 +38,7 @@ import numpy as np
 from models.quant import CODE_ZERO, HALF_SCALES, QuantTensor
 
 TILE = 16  # rows per tile: one 16-lane register
-QUANT_FAMILIES = ("q4", "q8", "q8h")  # the block layouts below (the rest are float)
+QUANT_FAMILIES = ("q4", "q5", "q8", "q8h")  # the block layouts below (the rest are float)
 
 
 def _tiles(a: np.ndarray) -> np.ndarray:
@@ -75,7 +78,14 @@ def _repack_block(t: QuantTensor) -> tuple:
         return ("q4", _tile_bytes(nibbles), _tile_scales(half, *scales))
     if t.format == "q8_0":   # w = d * (u - 128), u = code
         return ("q8", _tile_bytes(codes), _tile_scales(half, d))
-    return ("q8", _tile_bytes(codes), _tile_scales(half, d, m))
+    # q5_0, q5_1, q5_k: q4's nibbles, then each row's fifth bits as 4 bytes (layout above)
+    low = codes & 15
+    nibbles = low[:, :, :16] | (low[:, :, 16:] << 4)
+    fifth = (codes >> 4).reshape(n, k // 32, 2, 4, 4)   # [row, block, half, g, c]
+    bits = np.zeros((n, k // 32, 4), np.uint8)
+    for v in range(8):
+        bits |= fifth[:, :, v // 4, v % 4, :] << v
+    return ("q5", _tile_bytes(np.concatenate([nibbles, bits], axis=2)), _tile_scales(half, d, m))
 
 
 def repack(t: QuantTensor) -> tuple:

@@ -255,6 +255,8 @@ def _binary(op):
                 return builder.call(_fn(builder, "llvm.minnum.v16f32", _VF, [_VF, _VF]), [x, y])
             if op == "and":
                 return builder.and_(x, y)
+            if op == "or":
+                return builder.or_(x, y)
             raise AssertionError(op)
         return a(a, b), cg
     return fn
@@ -267,6 +269,7 @@ vdiv = _binary("div")
 vmax = _binary("max")
 vmin = _binary("min")
 vand = _binary("and")
+vor = _binary("or")
 
 
 @intrinsic
@@ -413,8 +416,8 @@ def vdpbusd(typingctx, acc, a, b):
 
 @intrinsic
 def vdpbusd4_nib(typingctx, acc, a0, b0, a1, b1, a2, b2, a3, b3):
-    """vdpbusd of 4 (a, b) pairs into acc, a's bytes 0..15 (q4 nibbles): on avx2 their int16 pair sums
-    add up without saturating, so one vpmaddwd serves all four."""
+    """vdpbusd of 4 (a, b) pairs into acc, a's bytes 0..31 (q4 nibbles, q5 codes): on avx2 their int16
+    pair sums add up without saturating (4 * 2 * 31 * 127 < 2^15), so one vpmaddwd serves all four."""
     def cg(context, builder, sig, args):
         return cpu_isa.emit_dot4_nibbles(builder, args[0], [(args[i], args[i + 1]) for i in (1, 3, 5, 7)])
     return I32x16(acc, a0, b0, a1, b1, a2, b2, a3, b3), cg
