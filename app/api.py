@@ -168,10 +168,15 @@ def _generate(body: Mapping[str, Any], kind: str) -> Response:
     sock = request.environ.get("gunicorn.socket")
     gone = lambda: client_gone(sock)  # noqa: E731
     prepared: list[Response] = []
+    if not _config().limits.uses_redis:
+        # a store in this process or on its disk: CPU work, done before the node's kernels start on the
+        # same cores (read after the send, it lengthened the node's prefill; docs/serving.md)
+        request_limit_headers()
 
     def prepare(stream: NodeStream) -> None:
         # While the node reads the request the gateway's core is idle: the answer is set up now rather
-        # than once the node computes the first token, on the cores its kernels need.
+        # than once the node computes the first token, on the cores its kernels need. A Redis store's
+        # round trip for the limit headers waits here too (read once: a local store's are read already).
         request_limit_headers()
         if req.stream:
             prepared.append(_answer_stream(req, kind, stream, reservation, include_usage, logprobs_top,
