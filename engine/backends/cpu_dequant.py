@@ -12,32 +12,48 @@ from engine.backends.cpu_matmul import rows_float
 from engine.backends.cpu_repack import TILE
 from engine.backends.cpu_simd import (
     F, U, addr, f32_from_bits, vadd, vand, vbcast_f, vbcast_i, vcvt, vfma, vload_bf, vload_f, vload_h, vload_w,
-    vmul, vsll, vsrl, vstore_f, vzero_i,
+    vmul, vsll, vsrl, vstore_f,
 )
 from engine.backends.cpu_transforms import transformed
 from models.quant import QK
+
+
+@njit(cache=True, fastmath=True, inline="always")
+def _dequant_q5_block(ap, base, b, d, m, mask, wtp, ldw, col):
+    """One q5 block: q4's nibbles plus the fifth bit of each code from the block's bit plane (cpu_repack)."""
+    one = vbcast_i(0x1)
+    bits = vload_w(ap, base + U(256))
+    for g in range(U(4)):
+        w = vload_w(ap, base + g * U(64))
+        for c in range(U(4)):
+            j = b * U(QK) + U(4) * g + c
+            lo = vsll(vand(vsrl(bits, U(8) * c + g), one), 4)
+            hi = vsll(vand(vsrl(bits, U(8) * c + g + U(4)), one), 4)
+            vstore_f(wtp, j * U(ldw) + U(col), vfma(vcvt(vadd(vand(vsrl(w, U(8) * c), mask), lo)), d, m))
+            vstore_f(wtp, (j + U(16)) * U(ldw) + U(col),
+                     vfma(vcvt(vadd(vand(vsrl(w, U(8) * c + U(4)), mask), hi)), d, m))
 
 
 @njit(cache=True, fastmath=True)
 def _dequant_quant_tile(ap, sp, ns, f32, groups, halves, t, nb, wtp, ldw, col):
     """Tile t of a q4/q5/q8/q8h matrix (at ap, scales at sp; groups: 4, 5 or 8 byte groups a block) as
     float32: item j * ldw + col + r of wtp is W[16 t + r, j], i.e. W transposed."""
+    five = groups == 5
     for b in range(U(nb)):
         if groups <= 5:
             d, m = block_scales(sp, t, b, nb, ns, f32, F(-8.0))
             mask = vbcast_i(0x0F)
-            one = vbcast_i(0x1)
             base = (t * U(nb) + b) * U(64 * groups)
-            bits = vload_w(ap, base + U(256)) if groups == 5 else vzero_i()   # fifth bits (cpu_repack)
-            for g in range(U(4)):
-                w = vload_w(ap, base + g * U(64))
-                for c in range(U(4)):
-                    j = b * U(QK) + U(4) * g + c
-                    lo = vsll(vand(vsrl(bits, U(8) * c + g), one), 4)
-                    hi = vsll(vand(vsrl(bits, U(8) * c + g + U(4)), one), 4)
-                    vstore_f(wtp, j * U(ldw) + U(col), vfma(vcvt(vadd(vand(vsrl(w, U(8) * c), mask), lo)), d, m))
-                    vstore_f(wtp, (j + U(16)) * U(ldw) + U(col),
-                             vfma(vcvt(vadd(vand(vsrl(w, U(8) * c + U(4)), mask), hi)), d, m))
+            if five:
+                _dequant_q5_block(ap, base, b, d, m, mask, wtp, ldw, col)
+            else:
+                for g in range(U(4)):
+                    w = vload_w(ap, base + g * U(64))
+                    for c in range(U(4)):
+                        j = b * U(QK) + U(4) * g + c
+                        vstore_f(wtp, j * U(ldw) + U(col), vfma(vcvt(vand(vsrl(w, U(8) * c), mask)), d, m))
+                        vstore_f(wtp, (j + U(16)) * U(ldw) + U(col),
+                                 vfma(vcvt(vand(vsrl(w, U(8) * c + U(4)), mask)), d, m))
         else:
             d, m = block_scales(sp, t, b, nb, ns, f32, F(-128.0))
             mask = vbcast_i(0xFF)
