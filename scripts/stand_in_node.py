@@ -161,6 +161,7 @@ class StandInNode:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True   # as gunicorn does for a real node: small chunks go out at once
 
             def log_message(self, *args):  # keep test output quiet
                 pass
