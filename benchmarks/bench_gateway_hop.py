@@ -187,9 +187,13 @@ def run(args) -> dict:
         services.append(node)
         wait_http(f"http://127.0.0.1:{node_port}/ready", node, 120)
         gw_env = {**env, "PORT": str(gw_port), "ZEN_NODES": f"http://127.0.0.1:{node_port}"}
-        gateway = Service("gateway", [sys.executable, "-m", "app", "serve"], gw_env, out_dir / "gateway-hop-gateway.log")
+        if args.limits_url:
+            gw_env["REDIS_URL"] = args.limits_url
+        gateway = Service("gateway", [sys.executable, "-m", "app", "serve"], gw_env, out_dir / "gateway-hop-gateway.log",
+                          cwd=args.gateway_from)
         services.append(gateway)
-        wait_http(f"http://127.0.0.1:{gw_port}/ready", gateway, 120)
+        # another checkout may predate /ready: then /health, and the warm-up pairs make the first node poll
+        wait_http(f"http://127.0.0.1:{gw_port}/{'health' if args.gateway_from else 'ready'}", gateway, 120)
         token = subprocess.run([sys.executable, "-m", "app.devtoken", "--org", "initech"], cwd=ROOT, env=env,
                                capture_output=True, text=True, check=True).stdout.split()[-1]
         mt = args.max_tokens
@@ -213,7 +217,8 @@ def run(args) -> dict:
         for s in reversed(services):
             s.stop()
     result = {"config": {"pairs": args.pairs, "warmup": args.warmup, "compute_ms": args.compute_ms,
-                         "max_tokens": args.max_tokens},
+                         "max_tokens": args.max_tokens, "gateway_from": args.gateway_from,
+                         "gateway_commit": getattr(args, "gateway_commit", None), "limits_url": args.limits_url},
               "meta": machine_info(), "gateway_cpu_ms_per_request": round(gateway_cpu_ms, 3), "parts": {}}
     for part in ("ttft", "before", "compute", "after", "rest"):
         result["parts"][part] = {"direct_ms": dist([d[part] for d, _ in pairs], 1e3),
@@ -229,7 +234,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compute-ms", type=float, default=8.0, help="the stand-in's compute per request, on every core")
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--output", default=str(ROOT / "bench-results" / "gateway-hop.json"))
+    ap.add_argument("--gateway-from", default=None, metavar="DIR",
+                    help="run the gateway from this checkout (another commit; same Python), to compare commits")
+    ap.add_argument("--limits-url", default=None, help="the gateway's limits storage (as REDIS_URL), e.g. memory://")
     args = ap.parse_args(argv)
+    if args.gateway_from:
+        args.gateway_from = str(Path(args.gateway_from).resolve())
+        args.gateway_commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=args.gateway_from, capture_output=True,
+                                             text=True).stdout.strip() or None
     try:
         result = run(args)
     except RuntimeError as exc:   # the stand-in or the gateway exited or never became ready

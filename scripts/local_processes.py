@@ -57,14 +57,15 @@ def terminate(proc: subprocess.Popen, timeout_s: float) -> None:
 class Service:
     """A server process (its own process group, its output in `log_path`). stop() sends `stop_signal` to
     its process group (or to the process alone: `signal_group=False`), SIGKILL to the group after
-    `stop_timeout_s`. `env` None: this process's environment."""
+    `stop_timeout_s`. `env` None: this process's environment; `cwd` None: the repository."""
 
     def __init__(self, name: str, argv: list[str], env: dict | None, log_path: Path, *,
-                 stop_signal: int = signal.SIGTERM, signal_group: bool = True, stop_timeout_s: float = 30.0):
+                 stop_signal: int = signal.SIGTERM, signal_group: bool = True, stop_timeout_s: float = 30.0,
+                 cwd: Path | None = None):
         self.name, self.log_path = name, Path(log_path)
         self.stop_signal, self.signal_group, self.stop_timeout_s = stop_signal, signal_group, stop_timeout_s
         self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(argv, cwd=cwd or ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
 
     def alive(self) -> bool:
