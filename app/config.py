@@ -417,12 +417,12 @@ def _build(data: Mapping[str, Any], base: Path) -> GatewayConfig:
     )
 
 
-def _merge(base: dict, overrides: Mapping[str, Any]) -> dict:
+def merge_tables(base: dict, overrides: Mapping[str, Any]) -> dict:
     """Deep-merge `overrides` into a copy of `base` (tables merge, other values replace)."""
     out = copy.deepcopy(base)
     for key, value in overrides.items():
         if isinstance(value, Mapping) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
+            out[key] = merge_tables(out[key], value)
         else:
             out[key] = copy.deepcopy(value)
     return out
@@ -467,9 +467,9 @@ def load_config(path: str | os.PathLike | None = None, *,
         raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
-    data = _merge(data, _env_overrides(env))
+    data = merge_tables(data, _env_overrides(env))
     if overrides:
-        data = _merge(data, overrides)
+        data = merge_tables(data, overrides)
     try:
         return _build(data, path.resolve().parent)
     except TypeError as exc:  # a wrong type that the dataclass constructor refused

@@ -21,7 +21,6 @@ the process that owns the engine (NodeProcess.proc is the master): `node_worker_
 """
 from __future__ import annotations
 
-import copy
 import json
 import os
 import re
@@ -37,7 +36,7 @@ import psutil
 import pytest
 import requests
 
-from app.config import load_config
+from app.config import load_config, merge_tables
 from app.devtoken import mint_token
 from scripts.local_processes import RedisProcess, Service, free_port, stop_all, wait_http
 from tests.node_fixtures import NodeProcess, launch_node, node_state, tiny_models  # noqa: F401
@@ -119,21 +118,11 @@ def dump_toml(data: dict, prefix: str = "") -> str:
     return out
 
 
-def merge(base: dict, over: dict) -> dict:
-    out = copy.deepcopy(base)
-    for key, value in over.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
-
-
 def gateway_config(overrides: dict | None = None) -> dict:
     """config/default.toml, then TEST_CONFIG, then `overrides` (the file the test gateway runs)."""
     with open(DEFAULT_CONFIG, "rb") as fh:
         base = tomllib.load(fh)
-    return merge(merge(base, TEST_CONFIG), overrides or {})
+    return merge_tables(merge_tables(base, TEST_CONFIG), overrides or {})
 
 
 # ------------------------------------------------------------------------------- process inspection
