@@ -171,6 +171,10 @@ def cpu_seconds(pid: int) -> float:
     return sum(sum(p.cpu_times()[:2]) for p in procs)
 
 
+def _head_commit(checkout: str) -> str | None:
+    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=checkout, capture_output=True, text=True).stdout.strip() or None
+
+
 def run(args) -> dict:
     node_port, gw_port = free_port(), free_port()
     secret = "bench-gateway-hop"
@@ -218,7 +222,8 @@ def run(args) -> dict:
             s.stop()
     result = {"config": {"pairs": args.pairs, "warmup": args.warmup, "compute_ms": args.compute_ms,
                          "max_tokens": args.max_tokens, "gateway_from": args.gateway_from,
-                         "gateway_commit": getattr(args, "gateway_commit", None), "limits_url": args.limits_url},
+                         "gateway_commit": _head_commit(args.gateway_from) if args.gateway_from else None,
+                         "limits_url": args.limits_url},
               "meta": machine_info(), "gateway_cpu_ms_per_request": round(gateway_cpu_ms, 3), "parts": {}}
     for part in ("ttft", "before", "compute", "after", "rest"):
         result["parts"][part] = {"direct_ms": dist([d[part] for d, _ in pairs], 1e3),
@@ -240,8 +245,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.gateway_from:
         args.gateway_from = str(Path(args.gateway_from).resolve())
-        args.gateway_commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=args.gateway_from, capture_output=True,
-                                             text=True).stdout.strip() or None
     try:
         result = run(args)
     except RuntimeError as exc:   # the stand-in or the gateway exited or never became ready

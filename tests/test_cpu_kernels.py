@@ -55,14 +55,19 @@ def _rel(got, want):
     return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
 
 
-def _int8_x(x, passes):
-    """x as the int8 kernels see it: rounded per 32-block to one int8 plane or two (~16 bits)."""
-    xq, xd, _ = L.quantize_activations(np.ascontiguousarray(x, np.float32), passes)
-    m, _, k = xq.shape
+def _int8_codes(xq):
+    """The int8 planes [M, passes, K] as one code per value, [M, K // 32, 32], in units of the block's d."""
+    m, passes, k = xq.shape
     q = xq[:, 0].astype(np.float64) * (256.0 if passes == 2 else 1.0)
     if passes == 2:
         q += xq[:, 1]
-    return (q.reshape(m, k // 32, 32) * xd.astype(np.float64)[:, :, None]).reshape(m, k)
+    return q.reshape(m, k // 32, 32)
+
+
+def _int8_x(x, passes):
+    """x as the int8 kernels see it: rounded per 32-block to one int8 plane or two (~16 bits)."""
+    xq, xd, _ = L.quantize_activations(np.ascontiguousarray(x, np.float32), passes)
+    return (_int8_codes(xq) * xd.astype(np.float64)[:, :, None]).reshape(x.shape)
 
 
 # --------------------------------------------------------------------------------- activations
@@ -84,8 +89,7 @@ def test_quantize_activations_rounds_each_block_to_int8(rng):
     err = np.abs(xq[:, 0].reshape(5, 3, 32) * xd[:, :, None] - blocks)
     assert (err <= xd[:, :, None] * 0.5001 + 1e-7).all(), _msg("rounding")
     assert np.abs(xq.astype(np.int32)).max() <= 127
-    q = xq[:, 0].reshape(5, 3, 32).astype(np.float64)
-    _assert_block_sums(xs, xd, q, _msg("sums"))
+    _assert_block_sums(xs, xd, _int8_codes(xq), _msg("sums"))
     assert (xq[2, 0, 32:64] == 0).all() and xd[2, 1] == 0
     # two planes: ~16 bits
     xq, xd, xs = L.quantize_activations(x, 2)
@@ -93,8 +97,7 @@ def test_quantize_activations_rounds_each_block_to_int8(rng):
     x2 = _int8_x(x, 2).reshape(5, 3, 32)
     # half a unit of d / 256, a whole one where the rest reached d / 2 and was clamped to 127
     assert (np.abs(x2 - blocks) <= amax[:, :, None] / 127 / 256 * 1.0001 + 1e-7).all(), _msg("2 planes")
-    q2 = (256.0 * xq[:, 0].astype(np.float64) + xq[:, 1]).reshape(5, 3, 32)
-    _assert_block_sums(xs, xd, q2, _msg("sums, 2 planes"))
+    _assert_block_sums(xs, xd, _int8_codes(xq), _msg("sums, 2 planes"))
 
 
 # ------------------------------------------------------------------------------------- matmuls
