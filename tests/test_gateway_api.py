@@ -465,6 +465,40 @@ def test_all_nodes_busy_is_a_503_with_retry_after(two_nodes):
     assert "busy" in err["message"] and r.headers["Retry-After"] == "2"
 
 
+def test_a_stream_no_node_accepts_is_an_http_503_with_its_headers(two_nodes):
+    """A streaming answer is returned before a node accepted the request; when none does, the client
+    still gets the HTTP error (not a 200 stream), with the limit headers, and the org is charged
+    nothing."""
+    app, cfg, a, b = two_nodes
+    a.busy = b.busy = True
+    c = app.test_client()
+    r = c.post(CHAT, headers=bearer(cfg), json=chat_body(stream=True, max_tokens=3))
+    err = assert_error(r, 503, None, "no_node_available")
+    r.close()                                      # the request's bookkeeping runs at its close
+    assert "busy" in err["message"] and r.headers["Retry-After"] == "2"
+    assert r.headers["Content-Type"] == "application/json"
+    assert int(r.headers["x-ratelimit-remaining-requests"]) >= 0
+    held = int(r.headers["x-ratelimit-remaining-tokens"])   # after the request's reservation
+    assert held < int(r.headers["x-ratelimit-limit-tokens"])
+    assert len(a.received) == 1 and len(b.received) == 1
+    metrics = c.get("/metrics", headers=METRICS_HEADERS).get_data(as_text=True)
+    assert 'zen_gateway_org_errors_total{org="acme",status="503"} 1.0' in metrics
+    a.busy = b.busy = False
+    r = c.post(CHAT, headers=bearer(cfg), json=chat_body(stream=True, max_tokens=3))
+    assert r.status_code == 200 and sse_events(r.get_data(as_text=True))[-1] == "[DONE]"
+    assert int(r.headers["x-ratelimit-remaining-tokens"]) >= held   # the refused one's reservation came back
+
+
+def test_a_stream_the_node_finds_too_long_is_an_http_400_naming_the_parameter(client, auth, node):
+    r = client.post(CHAT, headers=auth, json=chat_body(stream=True, messages=[{"role": "user",
+                                                                              "content": "x" * 40000}]))
+    assert_error(r, 400, "messages", "context_length_exceeded")
+    r = client.post(COMPLETIONS, headers=auth, json={"model": "zen-small", "prompt": "x" * 40000,
+                                                     "stream": True})
+    assert_error(r, 400, "prompt", "context_length_exceeded")
+    assert len(node.received) == 2
+
+
 def test_stream_that_breaks_before_the_first_token_fails_over(two_nodes):
     app, cfg, a, b = two_nodes
     first, second = sorted([a, b], key=lambda n: n.url)
