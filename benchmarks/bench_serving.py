@@ -30,7 +30,10 @@ path goes first alternates too); requests are paired by position, and p50/p90/p9
 difference of TTFT and of end-to-end latency are reported (greedy decoding with ignore_eos: both paths
 generate the same number of tokens, which is checked). An unmeasured pass first puts the prompts in
 the node's prefix cache, so that prefill, whose time varies far more than the gateway's own cost, is
-the same short recomputation of the prompt's last block on both paths.
+the same short recomputation of the prompt's last block on both paths. --compare-base-url URL measures
+another gateway in front of the same node (another commit's checkout) against this one instead: at
+concurrency 1, each prompt straight, through one and through the other, the order rotating request by
+request, and the median per-prompt difference between the two gateways.
 
 Output: bench-results/serving.json (every figure, the settings, the machine, the load average before
 and after, the client's own CPU time) and bench-results/serving.png (latency against throughput;
@@ -76,7 +79,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script: benchmarks/ is a package of the repository
 
 from benchmarks.constrained_pass import measure_constrained  # noqa: E402
-from benchmarks.gateway_overhead import measure_overhead  # noqa: E402
+from benchmarks.gateway_overhead import compare_gateways, measure_overhead  # noqa: E402
 from benchmarks.http_client import httpx  # noqa: E402
 from benchmarks.llama_cpp_build import build as build_llama_cpp  # noqa: E402
 from benchmarks.local_stack import NODE_LOG, start_stack  # noqa: E402
@@ -142,6 +145,10 @@ def build_args(argv: list[str] | None) -> argparse.Namespace:
                     help="direct/gateway pass pairs per level (the default gives 512 pairs: the median of a "
                          "small difference between two noisy TTFTs needs hundreds)")
     ap.add_argument("--overhead-max-tokens", type=int, default=16)
+    ap.add_argument("--compare-base-url", default=None, metavar="URL",
+                    help="instead of the overhead passes, compare this gateway with another one (e.g. a "
+                         "checkout of another commit, in front of the same node): request by request, the "
+                         "order rotating, --overhead-requests x --overhead-rounds prompts at concurrency 1")
     ap.add_argument("--no-constrained", action="store_true", help="skip the constrained (JSON schema) pass")
     ap.add_argument("--constrained-only", action="store_true", help="only the constrained pass (after the warm-up)")
     ap.add_argument("--constrained-concurrency", type=int, default=16)
@@ -286,6 +293,24 @@ async def run_overhead(args, base_url: str, token: str, node_url: str, node_secr
     return overhead
 
 
+async def run_compare(args, base_url: str, token: str, node_url: str, node_secret: str, model_id: str,
+                      quant: str | None, prompts: list[dict]) -> dict:
+    """This gateway's overhead against --compare-base-url's, interleaved request by request."""
+    over_prompts = [p for p in prompts if p["length"] == "short"]
+    rng = random.Random(args.seed + 1000)
+    sample = [over_prompts[rng.randrange(len(over_prompts))]
+              for _ in range(args.overhead_requests * args.overhead_rounds)]
+    gateways = {"other": args.compare_base_url.rstrip("/"), "this": base_url}
+    o = await compare_gateways(args, gateways, token, node_url, node_secret, args.model, model_id, quant, sample)
+    if o["complete"]:
+        t, b, d = o["overhead_ms"]["this"], o["overhead_ms"]["other"], o["this_minus_other_ms"]
+        log(f"overhead c=1 | {o['complete']}/{o['requests']} prompts | TTFT p50, gateway - direct: this "
+            f"{t['p50']:.2f} ms, other {b['p50']:.2f} ms | this - other: p50 {d['p50']:.2f} ms")
+    else:
+        log(f"overhead comparison: no prompt completed on every path: {o['errors'][:2]}")
+    return o
+
+
 def peer_settings(args) -> PeerSettings | None:
     """None without --peer; else the llama-server to run (built now if it is not yet) and the passes' sizes."""
     if not (args.peer or args.peer_server):
@@ -333,7 +358,10 @@ async def bench(args, base_url: str, token: str, node_url: str | None, node_secr
             result["levels"] = await run_levels(driver, order, args, concurrency)
         if not args.no_constrained:
             result["constrained"] = await measure_constrained(args, base_url, token, prompts)
-        if node_url and not args.no_overhead and not args.constrained_only:
+        if node_url and args.compare_base_url:
+            result["overhead_compare"] = await run_compare(args, base_url, token, node_url, node_secret, model_id,
+                                                           quant, prompts)
+        elif node_url and not args.no_overhead and not args.constrained_only:
             result["overhead"] = await run_overhead(args, base_url, token, node_url, node_secret, model_id, quant,
                                                     prompts)
         if peer is not None:

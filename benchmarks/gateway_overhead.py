@@ -89,25 +89,40 @@ async def overhead_pass(client, prompts: list[dict], concurrency: int, make) -> 
     return results  # type: ignore[return-value]
 
 
+class Paths:
+    """One request of a prompt straight to the node (`direct`) or through a gateway (`through`), on one
+    raw client."""
+
+    def __init__(self, client, args, token: str, node_url: str, node_secret: str, model: str, model_id: str,
+                 quantization: str) -> None:
+        self.client, self.args, self.node_url, self.model = client, args, node_url, model
+        self.model_id, self.quantization = model_id, quantization
+        self.gw_headers = {"Authorization": f"Bearer {token}", "X-Latency-Class": args.latency_class}
+        self.node_headers = {"X-Node-Secret": node_secret}
+
+    async def direct(self, p: dict) -> dict:
+        body = node_body(p, self.model_id, self.quantization, self.args.latency_class, self.args.overhead_max_tokens)
+        return {**await raw_stream(self.client, self.node_url + "/v1/generate", body, self.node_headers, False),
+                "request_id": body["request_id"]}
+
+    async def through(self, base_url: str, p: dict) -> dict:
+        path, body = gateway_body(p, self.model, self.args.overhead_max_tokens)
+        rid = "bench-gw-" + uuid.uuid4().hex   # the node sees it as <org>/<rid>
+        return {**await raw_stream(self.client, base_url + path, body, {**self.gw_headers, "X-Request-Id": rid},
+                                   True), "request_id": rid}
+
+
 async def measure_overhead(args, base_url: str, token: str, node_url: str, node_secret: str, model: str,
                            model_id: str, quantization: str, prompts: list[dict], concurrency: int,
                            rounds: int, node_log: Path | None = None) -> dict:
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(args.request_timeout, connect=10.0)) as client:
-        gw_headers = {"Authorization": f"Bearer {token}", "X-Latency-Class": args.latency_class}
-        node_headers = {"X-Node-Secret": node_secret}
+        paths = Paths(client, args, token, node_url, node_secret, model, model_id, quantization)
         mt = args.overhead_max_tokens
-
-        async def direct(p):
-            body = node_body(p, model_id, quantization, args.latency_class, mt)
-            return {**await raw_stream(client, node_url + "/v1/generate", body, node_headers, False),
-                    "request_id": body["request_id"]}
+        direct = paths.direct
 
         async def through(p):
-            path, body = gateway_body(p, model, mt)
-            rid = "bench-gw-" + uuid.uuid4().hex   # the node sees it as <org>/<rid>
-            return {**await raw_stream(client, base_url + path, body, {**gw_headers, "X-Request-Id": rid}, True),
-                    "request_id": rid}
+            return await paths.through(base_url, p)
 
         # One unmeasured pass puts every prompt in the node's prefix cache: then both paths find it
         # there alike, and the prefill (whose time varies far more than the gateway's cost) shrinks to
@@ -137,6 +152,37 @@ async def measure_overhead(args, base_url: str, token: str, node_url: str, node_
         "gateway_e2e_ms": dist([g["e2e"] for _, g in good], 1e3),
         **({"node_side_diff_ms": node_side} if node_side else {}),
     }
+
+
+async def compare_gateways(args, gateways: dict[str, str], token: str, node_url: str, node_secret: str,
+                           model: str, model_id: str, quantization: str, prompts: list[dict]) -> dict:
+    """Two gateways' overheads in one run, at concurrency 1, request by request: each prompt straight to
+    the node and through every gateway, the order rotating. Within a pass the machine drifts by more
+    than a gateway change is worth; interleaved this way, the drift hits every path alike, and the
+    per-prompt difference between the gateways measures the change."""
+    names = list(gateways)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout, connect=10.0)) as client:
+        paths = Paths(client, args, token, node_url, node_secret, model, model_id, quantization)
+        for p in prompts:   # unmeasured: the prompts into the node's prefix cache
+            await paths.direct(p)
+        order = [None] + names
+        rows, errors = [], []
+        for i, p in enumerate(prompts):
+            turn = order[i % len(order):] + order[:i % len(order)]
+            got = {}
+            for name in turn:
+                got[name] = await (paths.direct(p) if name is None else paths.through(gateways[name], p))
+            if all(r["ok"] for r in got.values()):
+                rows.append({name or "direct": r["ttft"] for name, r in got.items()})
+            else:
+                errors += [r["error"] for r in got.values() if not r["ok"]]
+    result = {"gateways": gateways, "requests": len(prompts), "complete": len(rows), "errors": errors[:10],
+              "overhead_ms": {n: dist([r[n] - r["direct"] for r in rows], 1e3) for n in names},
+              "direct_ttft_ms": dist([r["direct"] for r in rows], 1e3)}
+    if len(names) == 2:
+        a, b = names
+        result[f"{b}_minus_{a}_ms"] = dist([r[b] - r[a] for r in rows], 1e3)
+    return result
 
 
 def node_side_diffs(pairs: list[tuple[dict, dict]], node_log: Path) -> dict | None:
