@@ -466,27 +466,33 @@ def test_all_nodes_busy_is_a_503_with_retry_after(two_nodes):
 
 
 def test_a_stream_no_node_accepts_is_an_http_503_with_its_headers(two_nodes):
-    """A streaming answer is returned before a node accepted the request; when none does, the client
-    still gets the HTTP error (not a 200 stream), with the limit headers, and the org is charged
-    nothing."""
-    app, cfg, a, b = two_nodes
-    a.busy = b.busy = True
-    c = app.test_client()
-    r = c.post(CHAT, headers=bearer(cfg), json=chat_body(stream=True, max_tokens=3))
-    err = assert_error(r, 503, None, "no_node_available")
-    r.close()                                      # the request's bookkeeping runs at its close
-    assert "busy" in err["message"] and r.headers["Retry-After"] == "2"
-    assert r.headers["Content-Type"] == "application/json"
-    assert int(r.headers["x-ratelimit-remaining-requests"]) >= 0
-    held = int(r.headers["x-ratelimit-remaining-tokens"])   # after the request's reservation
-    assert held < int(r.headers["x-ratelimit-limit-tokens"])
-    assert len(a.received) == 1 and len(b.received) == 1
-    metrics = c.get("/metrics", headers=METRICS_HEADERS).get_data(as_text=True)
-    assert 'zen_gateway_org_errors_total{org="acme",status="503"} 1.0' in metrics
-    a.busy = b.busy = False
-    r = c.post(CHAT, headers=bearer(cfg), json=chat_body(stream=True, max_tokens=3))
-    assert r.status_code == 200 and sse_events(r.get_data(as_text=True))[-1] == "[DONE]"
-    assert int(r.headers["x-ratelimit-remaining-tokens"]) >= held   # the refused one's reservation came back
+    """When no node accepts a stream, the client gets the HTTP error (not a 200 stream), with the limit
+    headers, and the org is charged nothing."""
+    _, _, a, b = two_nodes
+    # a bucket that refills too slowly to hide a reservation that was not given back
+    cfg = make_config([a.url, b.url], tiers={"pro": {"tokens_per_second": 0.001, "burst_tokens": 10000}})
+    app = create_app(cfg)
+    try:
+        a.busy = b.busy = True
+        c = app.test_client()
+        r = c.post(CHAT, headers=bearer(cfg), json=chat_body(stream=True, max_tokens=3))
+        err = assert_error(r, 503, None, "no_node_available")
+        r.close()
+        assert "busy" in err["message"] and r.headers["Retry-After"] == "2"
+        assert r.headers["Content-Type"] == "application/json"
+        assert int(r.headers["x-ratelimit-remaining-requests"]) >= 0
+        held = int(r.headers["x-ratelimit-remaining-tokens"])   # after the request's reservation
+        assert held < 10000
+        assert len(a.received) == 1 and len(b.received) == 1
+        metrics = c.get("/metrics", headers=METRICS_HEADERS).get_data(as_text=True)
+        assert 'zen_gateway_org_errors_total{org="acme",status="503"} 1.0' in metrics
+        a.busy = b.busy = False
+        r = c.post(CHAT, headers=bearer(cfg), json=chat_body(stream=True, max_tokens=3))
+        assert r.status_code == 200 and sse_events(r.get_data(as_text=True))[-1] == "[DONE]"
+        r.close()
+        assert int(r.headers["x-ratelimit-remaining-tokens"]) == held   # the refused one's reservation came back
+    finally:
+        close_app(app)
 
 
 def test_a_stream_the_node_finds_too_long_is_an_http_400_naming_the_parameter(client, auth, node):
