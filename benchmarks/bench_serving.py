@@ -73,7 +73,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script: benchmarks/ is a package of the repository
@@ -204,6 +204,8 @@ def build_args(argv: list[str] | None) -> argparse.Namespace:
         args.constrained_requests = min(args.constrained_requests, 16)
         args.constrained_rounds = 1
         args.constrained_ttft_pairs = min(args.constrained_ttft_pairs, 4)
+    if args.compare_base_url and (args.no_overhead or args.constrained_only):
+        ap.error("--compare-base-url is an overhead measurement: not with --no-overhead or --constrained-only")
     return args
 
 
@@ -264,6 +266,13 @@ async def run_levels(driver: OpenAIDriver, order: PromptOrder, args, concurrency
     return levels
 
 
+def overhead_samples(args, prompts: list[dict]) -> Callable[[int], list[dict]]:
+    """The overhead measurements' workload: n short prompts at each call, drawn with --seed."""
+    short = [p for p in prompts if p["length"] == "short"]
+    rng = random.Random(args.seed + 1000)
+    return lambda n: [short[rng.randrange(len(short))] for _ in range(n)]
+
+
 async def run_overhead(args, base_url: str, token: str, node_url: str, node_secret: str, model_id: str,
                        quant: str | None, prompts: list[dict]) -> list[dict]:
     """The gateway overhead at each of --overhead-concurrency, on the short prompts."""
@@ -271,10 +280,9 @@ async def run_overhead(args, base_url: str, token: str, node_url: str, node_secr
     # The node --start started logs each request at level info: then its own timings split the overhead.
     node_log = (Path(args.output).parent / NODE_LOG
                 if args.start and args.node_log_level.lower() in ("info", "debug") else None)
-    over_prompts = [p for p in prompts if p["length"] == "short"]
-    rng = random.Random(args.seed + 1000)
+    draw = overhead_samples(args, prompts)
     for c in parse_list(args.overhead_concurrency, int):
-        sample = [over_prompts[rng.randrange(len(over_prompts))] for _ in range(args.overhead_requests)]
+        sample = draw(args.overhead_requests)
         o = await measure_overhead(args, base_url, token, node_url, node_secret, args.model, model_id,
                                    quant, sample, c, args.overhead_rounds, node_log)
         overhead.append(o)
@@ -296,12 +304,9 @@ async def run_overhead(args, base_url: str, token: str, node_url: str, node_secr
 async def run_compare(args, base_url: str, token: str, node_url: str, node_secret: str, model_id: str,
                       quant: str | None, prompts: list[dict]) -> dict:
     """This gateway's overhead against --compare-base-url's, interleaved request by request."""
-    over_prompts = [p for p in prompts if p["length"] == "short"]
-    rng = random.Random(args.seed + 1000)
-    sample = [over_prompts[rng.randrange(len(over_prompts))]
-              for _ in range(args.overhead_requests * args.overhead_rounds)]
-    gateways = {"other": args.compare_base_url.rstrip("/"), "this": base_url}
-    o = await compare_gateways(args, gateways, token, node_url, node_secret, args.model, model_id, quant, sample)
+    sample = overhead_samples(args, prompts)(args.overhead_requests * args.overhead_rounds)
+    o = await compare_gateways(args, base_url, args.compare_base_url.rstrip("/"), token, node_url, node_secret,
+                               args.model, model_id, quant, sample)
     if o["complete"]:
         t, b, d = o["overhead_ms"]["this"], o["overhead_ms"]["other"], o["this_minus_other_ms"]
         log(f"overhead c=1 | {o['complete']}/{o['requests']} prompts | TTFT p50, gateway - direct: this "

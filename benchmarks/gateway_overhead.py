@@ -3,6 +3,8 @@ one raw HTTP client on both paths (how it is measured: the docstring of bench_se
 from __future__ import annotations
 
 import asyncio
+import functools
+import itertools
 import json
 import time
 import uuid
@@ -119,10 +121,7 @@ async def measure_overhead(args, base_url: str, token: str, node_url: str, node_
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(args.request_timeout, connect=10.0)) as client:
         paths = Paths(client, args, token, node_url, node_secret, model, model_id, quantization)
         mt = args.overhead_max_tokens
-        direct = paths.direct
-
-        async def through(p):
-            return await paths.through(base_url, p)
+        direct, through = paths.direct, functools.partial(paths.through, base_url)
 
         # One unmeasured pass puts every prompt in the node's prefix cache: then both paths find it
         # there alike, and the prefill (whose time varies far more than the gateway's cost) shrinks to
@@ -154,35 +153,41 @@ async def measure_overhead(args, base_url: str, token: str, node_url: str, node_
     }
 
 
-async def compare_gateways(args, gateways: dict[str, str], token: str, node_url: str, node_secret: str,
+async def compare_gateways(args, this_url: str, other_url: str, token: str, node_url: str, node_secret: str,
                            model: str, model_id: str, quantization: str, prompts: list[dict]) -> dict:
     """Two gateways' overheads in one run, at concurrency 1, request by request: each prompt straight to
-    the node and through every gateway, the order rotating. Within a pass the machine drifts by more
-    than a gateway change is worth; interleaved this way, the drift hits every path alike, and the
-    per-prompt difference between the gateways measures the change."""
-    names = list(gateways)
+    the node and through both gateways, in each of the six orders in turn (so that each path follows
+    each other path as often: what a gateway still does after its answer lands on the next request).
+    Within a pass the machine drifts by more than a gateway change is worth; interleaved this way, the
+    drift hits every path alike, and the per-prompt difference between the gateways measures the change."""
+    urls = {"this": this_url, "other": other_url}
+    orders = list(itertools.permutations(["direct", "this", "other"]))
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout, connect=10.0)) as client:
         paths = Paths(client, args, token, node_url, node_secret, model, model_id, quantization)
-        for p in prompts:   # unmeasured: the prompts into the node's prefix cache
-            await paths.direct(p)
-        order = [None] + names
-        rows, errors = [], []
+
+        async def request(path: str, p: dict) -> dict:
+            return await (paths.direct(p) if path == "direct" else paths.through(urls[path], p))
+
+        # unmeasured: every prompt into the node's prefix cache, and a few requests through each gateway
         for i, p in enumerate(prompts):
-            turn = order[i % len(order):] + order[:i % len(order)]
-            got = {}
-            for name in turn:
-                got[name] = await (paths.direct(p) if name is None else paths.through(gateways[name], p))
+            for path in (("direct", "this", "other") if i < WARM_UP_THROUGH else ("direct",)):
+                await request(path, p)
+        rows, errors, mismatches = [], [], 0
+        for i, p in enumerate(prompts):
+            got = {path: await request(path, p) for path in orders[i % len(orders)]}
             if all(r["ok"] for r in got.values()):
-                rows.append({name or "direct": r["ttft"] for name, r in got.items()})
+                rows.append({path: r["ttft"] for path, r in got.items()})
+                mismatches += len({r["tokens"] for r in got.values()}) > 1
             else:
-                errors += [r["error"] for r in got.values() if not r["ok"]]
-    result = {"gateways": gateways, "requests": len(prompts), "complete": len(rows), "errors": errors[:10],
-              "overhead_ms": {n: dist([r[n] - r["direct"] for r in rows], 1e3) for n in names},
-              "direct_ttft_ms": dist([r["direct"] for r in rows], 1e3)}
-    if len(names) == 2:
-        a, b = names
-        result[f"{b}_minus_{a}_ms"] = dist([r[b] - r[a] for r in rows], 1e3)
-    return result
+                errors += [f"{path}: {r['error']}" for path, r in got.items() if not r["ok"]]
+    return {"gateways": urls, "requests": len(prompts), "complete": len(rows), "errors": errors[:10],
+            "token_count_mismatches": mismatches,
+            "overhead_ms": {n: dist([r[n] - r["direct"] for r in rows], 1e3) for n in urls},
+            "direct_ttft_ms": dist([r["direct"] for r in rows], 1e3),
+            "this_minus_other_ms": dist([r["this"] - r["other"] for r in rows], 1e3)}
+
+
+WARM_UP_THROUGH = 8   # prompts also sent, unmeasured, through each gateway before the comparison
 
 
 def node_side_diffs(pairs: list[tuple[dict, dict]], node_log: Path) -> dict | None:
