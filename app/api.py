@@ -11,14 +11,16 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from flask import Blueprint, Response, current_app, g, jsonify, request
+from werkzeug.wsgi import ClosingIterator
 
 from app import params, structured, tool_params
 from app.auth import login_required
 from app.catalog import Catalog
 from app.config import GatewayConfig
+from app.errors import unexpected_error
 from app.inference import InferenceRequest, PromptInput, sampling_params
 from app.limits import TokenLimiter, request_limit_headers, token_headers
 from app.metrics import GatewayMetrics
@@ -167,29 +169,31 @@ def _generate(body: Mapping[str, Any], kind: str) -> Response:
     started = g.started
     sock = request.environ.get("gunicorn.socket")
     gone = lambda: client_gone(sock)  # noqa: E731
-    prepared: list[Response] = []
     if not _config().limits.uses_redis:
         # a store in this process or on its disk: CPU work, done before the node's kernels start on the
         # same cores (read after the send, it lengthened the node's prefill; docs/serving.md)
         request_limit_headers()
 
-    def prepare(stream: NodeStream) -> None:
-        # While the node reads the request the gateway's core is idle: the answer is set up now rather
-        # than once the node computes the first token, on the cores its kernels need. A Redis store's
-        # round trip for the limit headers waits here too (read once: a local store's are read already).
-        request_limit_headers()
-        if req.stream:
-            prepared.append(_answer_stream(req, kind, stream, reservation, include_usage, logprobs_top,
-                                           started, gone))
-
     try:
-        outcome = _nodes().dispatch(req, on_sent=prepare)
-        if not req.stream:
-            try:
-                result = collect_result(outcome, gone)
-            finally:
+        outcome = _nodes().send(req)
+        try:
+            # While the node reads the request the gateway's core is idle: a Redis store's round trip
+            # for the limit headers waits here (a local store's were read above), and a stream's answer
+            # is returned now, its status settled by the node's answer in its first iteration: Flask's
+            # and gunicorn's work on the response is done before the node computes, not during.
+            request_limit_headers()
+            if req.stream:
+                return _answer_stream(req, kind, outcome, reservation, include_usage, logprobs_top, started,
+                                      gone)
+            outcome.accept()
+            result = collect_result(outcome, gone)
+        except BaseException:
+            outcome.close()
+            raise
+        finally:
+            if not req.stream:
                 g.log_fields.update(node=outcome.node, node_attempts=outcome.attempts)
-            return _answer_json(req, kind, outcome.node, result, reservation, logprobs_top, started)
+        return _answer_json(req, kind, outcome.node, result, reservation, logprobs_top, started)
     except ClientGone:
         _tokens().settle(reservation, 0)
         g.log_fields.update(client="gone")
@@ -202,14 +206,54 @@ def _generate(body: Mapping[str, Any], kind: str) -> Response:
         raise APIError(502, f"The engine node failed during generation: {exc}", code="engine_error") from None
     except APIError as exc:
         _tokens().settle(reservation, 0)
-        if exc.param in ("prompt", "messages", "prompt_token_ids") or (
-                exc.code == "context_length_exceeded" and exc.param != "max_tokens"):
-            exc.param = "messages" if kind == CHAT else "prompt"
+        _name_prompt_param(exc, kind)
         raise
     except BaseException:
         _tokens().settle(reservation, 0)
         raise
-    return prepared[0]   # built by prepare: a node took the request, so it was sent one
+
+
+def _name_prompt_param(exc: APIError, kind: str) -> None:
+    """A node's error about the prompt names the request's own parameter (messages or prompt)."""
+    if exc.param in ("prompt", "messages", "prompt_token_ids") or (
+            exc.code == "context_length_exceeded" and exc.param != "max_tokens"):
+        exc.param = "messages" if kind == CHAT else "prompt"
+
+
+class AcceptedStream(Response):
+    """A streaming answer returned before the node accepted the request: its first iteration waits for
+    the node's answer (`accept`); when no node takes the request, the client gets the HTTP error the
+    view would have answered (`refused` turns the exception into it and records it), with the
+    response's limit headers but not the stream's own."""
+
+    def __init__(self, body: Any, accept: Callable[[], None], refused: Callable[[Exception], APIError],
+                 **kwargs: Any) -> None:
+        super().__init__(body, **kwargs)
+        self._accept, self._refused = accept, refused
+
+    def __call__(self, environ: dict, start_response: Callable) -> Any:
+        app_iter, status, headers = self.get_wsgi_response(environ)
+        return ClosingIterator(self._iterate(environ, app_iter, status, headers, start_response),
+                               app_iter.close)
+
+    def _iterate(self, environ: dict, app_iter: Any, status: str, headers: list,
+                 start_response: Callable) -> Iterator[bytes]:
+        # WSGI lets the first iteration call start_response: nothing has been sent yet
+        try:
+            self._accept()
+        except Exception as error:   # noqa: BLE001 (as the app's error handlers: nothing else reaches a client)
+            exc = self._refused(error)
+            answer = Response(json.dumps(exc.body()), exc.status, mimetype="application/json")
+            for key, value in headers:
+                if key.lower() not in _STREAM_HEADERS:
+                    answer.headers.add(key, value)
+            answer.headers.update(exc.headers)
+            app_iter, status, headers = answer.get_wsgi_response(environ)
+        start_response(status, headers)
+        yield from app_iter
+
+
+_STREAM_HEADERS = ("content-type", "content-length", "cache-control", "x-accel-buffering", "x-latency-class")
 
 
 def _answer_json(req: InferenceRequest, kind: str, node: str, result: dict, reservation,
@@ -255,8 +299,8 @@ def _answer_stream(req: InferenceRequest, kind: str, outcome: NodeStream, reserv
         # wake-up take a core from the node's prefill (docs/serving.md).
         opening = "".join(writer.start())
         try:
-            # The headers go out now, as the node starts on the request: the response's set-up is done
-            # while the node computes, and the first token's path is short.
+            # The node accepted the request (AcceptedStream): the headers go out now, as the node starts
+            # on it, so that the first token's path is short.
             yield ""
             for event in outcome.events():
                 kind_ = event.get("type")
@@ -332,8 +376,15 @@ def _answer_stream(req: InferenceRequest, kind: str, outcome: NodeStream, reserv
             "status": result["status"], "duration_ms": round((ended - started) * 1e3, 3),
             "prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"]})
 
-    resp = Response(generate(), mimetype="text/event-stream",
-                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
-                             "x-latency-class": req.latency_class.label})
+    def refused(error: Exception) -> APIError:
+        # no node took the request: the error the view would have raised, with finish()'s bookkeeping
+        exc = error if isinstance(error, APIError) else unexpected_error(req.request_id)
+        _name_prompt_param(exc, kind)
+        result["status"] = exc.status
+        return exc
+
+    resp = AcceptedStream(generate(), outcome.accept, refused, mimetype="text/event-stream",
+                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                   "x-latency-class": req.latency_class.label})
     resp.call_on_close(finish)
     return resp

@@ -27,6 +27,14 @@ def model_not_found(model: str) -> APIError:
                     param="model", code="model_not_found")
 
 
+def unexpected_error(request_id: str | None) -> APIError:
+    """The exception being handled, which nothing expected: logged with its traceback, answered as a 500
+    that names the request id."""
+    log.exception("unhandled error", extra={"event": "unhandled_error"})
+    return APIError(500, f"The server had an error while processing your request "
+                    f"(request id {request_id}).", code="internal_error")
+
+
 def register_error_handlers(app: Flask) -> None:
     """Answer every error in OpenAI's shape."""
 
@@ -55,7 +63,4 @@ def register_error_handlers(app: Flask) -> None:
 
     @app.errorhandler(Exception)
     def _unexpected(exc: Exception):
-        log.exception("unhandled error", extra={"event": "unhandled_error"})
-        rid = getattr(g, "request_id", None)
-        return APIError(500, f"The server had an error while processing your request "
-                        f"(request id {rid}).", code="internal_error").response()
+        return unexpected_error(getattr(g, "request_id", None)).response()

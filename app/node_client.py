@@ -1,8 +1,9 @@
 """Forwarding a request to engine nodes, with failover before the first token.
 
-`dispatch` walks the router's ranked nodes until one accepts the request (HTTP 200: the node has
-queued it): on a connection error, a 503, a node that cannot serve the model or refuses the
-gateway's credentials, it tries the next one. A node's 400 (bad input, prompt over the context) is
+`send` writes the request to the router's best node and `NodeStream.accept` reads its answer,
+walking the ranked nodes until one accepts the request (HTTP 200: the node has queued it): on a
+connection error, a 503, a node that cannot serve the model or refuses the gateway's credentials, it
+tries the next one. A node's 400 (bad input, prompt over the context) is
 the client's error and is passed back as is. The accepted stream (`NodeStream`) still fails over
 while no token has come: a node that breaks or answers an error event before its first token hands
 the request to the next node, unseen by the client. Once a token has come the request belongs to
@@ -49,10 +50,8 @@ class NodeStream:
     node when that one fails. `node` and `attempts` say where it is now."""
 
     def __init__(self, client: "NodeClient", req: InferenceRequest, candidates: list[str],
-                 on_sent: Callable[["NodeStream"], None] | None = None, needs_load: frozenset[str] = frozenset()
-                 ) -> None:
+                 needs_load: frozenset[str] = frozenset()) -> None:
         self._client = client
-        self._on_sent = on_sent
         self._req = req
         self._candidates = iter(candidates[: client.config.max_attempts])
         self._needs_load = needs_load     # the candidates that do not hold the model: their answer settles a load
@@ -70,9 +69,16 @@ class NodeStream:
         self._lines: Iterator[bytes] | None = None
         self.started = False     # a token (or the done event) was read: no failover from here on
         self.finished = False    # the node's "done" event was read
+        self._pending: tuple[str, http.client.HTTPConnection, bool] | None = None   # sent, answer not read
 
     def open_next(self) -> None:
         """Send the request to the next candidate until one accepts it; APIError when none does."""
+        self.send()
+        self.accept()
+
+    def send(self) -> None:
+        """Write the request to the next candidate that takes it; APIError when none is left. `accept`
+        reads the node's answer: what runs in between overlaps the node's reading of the request."""
         while True:
             url = next(self._candidates, None)
             if url is None:
@@ -81,13 +87,30 @@ class NodeStream:
                                headers={"Retry-After": str(self._retry_after)})
             self.attempts += 1
             try:
-                conn, resp = self._client.post_generate(url, self._body, self._headers, self._sent)
+                self._pending = (url, *self._client.send_request(url, self._body, self._headers))
             except TRANSPORT_ERRORS as exc:
-                self._last = f"{url}: {exc.__class__.__name__}"
-                self._client.pool.mark_down(url, self._last)
-                if url in self._needs_load:
-                    self._client.pool.load_result(self._req.model.key, url, None)
-                self._failover(url, "connect_error")
+                self._unreachable(url, exc)
+                continue
+            return
+
+    def accept(self) -> None:
+        """Wait for the answer to `send`; a node that refuses the request, or cannot be reached, hands it
+        to the next candidate (`send` again), until one accepts it; APIError when none does."""
+        try:
+            self._accept()
+        except BaseException as exc:
+            self.end_span(exc)
+            raise
+
+    def _accept(self) -> None:
+        while True:
+            url, conn, kept_alive = self._pending
+            self._pending = None
+            try:
+                conn, resp = self._client.read_answer(url, conn, kept_alive, self._body, self._headers)
+            except TRANSPORT_ERRORS as exc:
+                self._unreachable(url, exc)
+                self.send()
                 continue
             if url in self._needs_load or resp.status != 200:
                 # the node's state now: what a load changed, or why it refused (a stream that starts on a
@@ -99,12 +122,14 @@ class NodeStream:
                 self.node, self.response, self._conn, self._lines = url, resp, conn, _lines(resp)
                 return
             self._refused(url, conn, resp)
+            self.send()
 
-    def _sent(self) -> None:
-        """The request is on its way to a node for the first time: run on_sent, once."""
-        hook, self._on_sent = self._on_sent, None
-        if hook is not None:
-            hook(self)
+    def _unreachable(self, url: str, exc: BaseException) -> None:
+        self._last = f"{url}: {exc.__class__.__name__}"
+        self._client.pool.mark_down(url, self._last)
+        if url in self._needs_load:
+            self._client.pool.load_result(self._req.model.key, url, None)
+        self._failover(url, "connect_error")
 
     def _refused(self, url: str, conn: http.client.HTTPConnection, resp: http.client.HTTPResponse) -> None:
         """A node's answer other than 200: note it and go on, or raise the client's own error."""
@@ -172,6 +197,10 @@ class NodeStream:
         [DONE] line and the end of the chunked body), which gives its connection back to the pool
         for the next request; one closed early drops the connection, and the node aborts the sequence."""
         self.end_span()
+        if self._pending is not None:   # sent, its answer never read: the node aborts it
+            url, conn, _ = self._pending
+            self._pending = None
+            conn.close()
         if self.response is None:
             return
         try:
@@ -335,27 +364,58 @@ class NodeClient:
         self.on_failover: Callable[[str, str], None] | None = None   # (node, reason): the gateway's metric
         self.tracing: Tracing | None = None   # set by create_app when tracing is on
 
-    def post_generate(self, url: str, body: bytes, headers: dict, on_sent: Callable[[], None] | None = None,
+    def post_generate(self, url: str, body: bytes, headers: dict,
                       path: str | None = None) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
         """POST {url}/v1/generate (or {url}{path}): (the connection, its response with the body left
-        unread). on_sent runs between the request's write and the wait for the node's answer. Hand both
-        back with `release`."""
+        unread). Hand both back with `release`."""
+        conn, kept_alive = self.send_request(url, body, headers, path)
+        return self.read_answer(url, conn, kept_alive, body, headers, path)
+
+    def send_request(self, url: str, body: bytes, headers: dict,
+                     path: str | None = None) -> tuple[http.client.HTTPConnection, bool]:
+        """Write the POST on a connection to the node: (the connection, whether it was kept alive from
+        an earlier request); `read_answer` reads the answer."""
+        conn, kept_alive = self._connections_of(url).take()
+        try:
+            conn.request("POST", self._target(url, path), body=body, headers=headers)
+            return conn, kept_alive
+        except BaseException as exc:
+            conn.close()
+            if not (kept_alive and isinstance(exc, (ConnectionResetError, BrokenPipeError))):
+                raise
+        return self._send_fresh(url, body, headers, path), False
+
+    def read_answer(self, url: str, conn: http.client.HTTPConnection, kept_alive: bool, body: bytes,
+                    headers: dict, path: str | None = None
+                    ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+        """The node's answer to what send_request wrote: (the connection, a fresh one if it had to be
+        sent again; the response with its body left unread)."""
+        try:
+            return conn, conn.getresponse()
+        except BaseException as exc:
+            conn.close()
+            if not (kept_alive and isinstance(exc, (ConnectionResetError, BrokenPipeError))):
+                raise
+        conn = self._send_fresh(url, body, headers, path)
+        return conn, conn.getresponse()
+
+    def _send_fresh(self, url: str, body: bytes, headers: dict, path: str | None) -> http.client.HTTPConnection:
+        """The request again on a new connection: the node closed the kept-alive one (its idle timeout)
+        just as it was reused, so the request never reached it; the node is up and must not be marked
+        down for it. A fresh connection tells that from a node that is down (it is refused). Should the
+        node have read the first copy after all, the second meets its request id and is answered 409
+        duplicate_request_id: an error, never a second run."""
+        conn = self._connections_of(url).connect()
+        try:
+            conn.request("POST", self._target(url, path), body=body, headers=headers)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _target(self, url: str, path: str | None) -> str:
         connections = self._connections_of(url)
-        conn, kept_alive = connections.take()
-        target = connections.path if path is None else connections.base + path
-        while True:
-            try:
-                return conn, _send(conn, target, body, headers, on_sent)
-            except BaseException as exc:
-                conn.close()
-                if not (kept_alive and isinstance(exc, (ConnectionResetError, BrokenPipeError))):
-                    raise
-            # The node closed the kept-alive connection (its idle timeout) just as it was reused, so
-            # the request never reached it; the node is up and must not be marked down for it. A
-            # fresh connection tells that from a node that is down (it is refused). Should the node
-            # have read the first copy after all, the second meets its request id and is answered 409
-            # duplicate_request_id: an error, never a second run.
-            conn, kept_alive = connections.connect(), False
+        return connections.path if path is None else connections.base + path
 
     def observe(self, url: str, brief: str | dict | None) -> NodeState | None:
         """The node's state from the brief its answer carried (a header's text, or the dict of a stream's
@@ -413,16 +473,14 @@ class NodeClient:
         if connections is not None:
             connections.close()
 
-    def dispatch(self, req: InferenceRequest, on_sent: Callable[[NodeStream], None] | None = None) -> NodeStream:
-        """The stream of `req` from the best node that accepts it; APIError when none does. on_sent(the
-        stream) runs once, when the request is first on its way to a node and its answer not yet read:
-        work done there overlaps the node's reading of the request.
+    def send(self, req: InferenceRequest) -> NodeStream:
+        """`req` written to the best node that takes it; APIError when none does. `NodeStream.accept`
+        reads the node's answer (failing over to the next node when that one refuses): what the caller
+        does in between overlaps the node's reading of the request.
 
-        It returns as soon as a node has queued the request, before its first token: a streaming
-        answer's headers then go out while the node computes, not after. The node always streams: a
-        JSON answer is collected from the stream (collect_result), so the gateway can watch its
-        client the whole time and close the node's stream — which aborts the sequence — when nobody
-        is left to read it."""
+        The node always streams: a JSON answer is collected from the stream (collect_result), so the
+        gateway can watch its client the whole time and close the node's stream — which aborts the
+        sequence — when nobody is left to read it."""
         if self.tracing is None:
             ranked = self.pool.rank(req.model, req.inputs.estimated_tokens, req.params.max_tokens,
                                     req.latency_class, req.inputs)
@@ -431,10 +489,10 @@ class NodeClient:
         if not ranked:
             raise APIError(503, "No engine node is available to serve this request; retry shortly.",
                            code="no_node_available", headers={"Retry-After": "1"})
-        stream = NodeStream(self, req, [score.url for score in ranked], on_sent,
+        stream = NodeStream(self, req, [score.url for score in ranked],
                             frozenset(score.url for score in ranked if score.needs_load))
         try:
-            stream.open_next()
+            stream.send()
         except BaseException as exc:
             stream.end_span(exc)
             raise
@@ -443,7 +501,7 @@ class NodeClient:
 
 def call_node(client: NodeClient, model: ResolvedModel, path: str, payload: dict, request_id: str) -> dict:
     """POST a small JSON request (/tokenize, /detokenize) to the best node for `model`, failing over as
-    dispatch does; the node's JSON answer, or APIError (the node's 4xx as is, 503 when none answers)."""
+    send and accept do; the node's JSON answer, or APIError (the node's 4xx as is, 503 when none answers)."""
     ranked = client.pool.rank(model, 1, 1)
     body = json.dumps(payload).encode()
     headers = {SECRET_HEADER: client.config.secret, REQUEST_ID_HEADER: request_id,
@@ -473,14 +531,6 @@ def call_node(client: NodeClient, model: ResolvedModel, path: str, payload: dict
                        param=err.get("param"), code=err.get("code"))
     raise APIError(503, f"No engine node could serve this request ({last}); retry shortly.",
                    code="no_node_available", headers={"Retry-After": "1"})
-
-
-def _send(conn: http.client.HTTPConnection, path: str, body: bytes, headers: dict,
-          on_sent: Callable[[], None] | None = None) -> http.client.HTTPResponse:
-    conn.request("POST", path, body=body, headers=headers)
-    if on_sent is not None:
-        on_sent()
-    return conn.getresponse()
 
 
 def collect_result(stream: NodeStream, client_gone: Callable[[], bool]) -> dict:

@@ -390,8 +390,13 @@ def test_a_kept_alive_connection_the_node_closed_while_idle_is_not_used_again(cl
     """A connection the node closed after its last request (its keep-alive timeout) is seen to be
     closed before the next request would be written to it: one send, on a new connection."""
     sends, checks = [], []
-    real_send, real_still_open = node_client._send, node_client._still_open
-    monkeypatch.setattr(node_client, "_send", lambda conn, *a: sends.append(conn) or real_send(conn, *a))
+    real_send, real_still_open = node_client.NodeClient.send_request, node_client._still_open
+
+    def send_request(self, *args, **kwargs):
+        conn, kept_alive = real_send(self, *args, **kwargs)
+        sends.append(conn)
+        return conn, kept_alive
+    monkeypatch.setattr(node_client.NodeClient, "send_request", send_request)
     monkeypatch.setattr(node_client, "_still_open",
                         lambda sock: checks.append(real_still_open(sock)) or checks[-1])
     node.close_after_stream = True
@@ -744,6 +749,21 @@ def test_unexpected_errors_are_a_500_without_a_trace(client, auth, monkeypatch):
     err = assert_error(r, 500, None, "internal_error")
     assert "secret internals" not in r.get_data(as_text=True)
     assert r.headers["x-request-id"] in err["message"]
+
+
+def test_an_unexpected_error_reading_the_node_s_answer_to_a_stream_is_a_500(client, auth, node, monkeypatch):
+    """The stream's answer is returned before the node's answer is read; an exception there still
+    reaches the client as the 500 the error handler would give, and the server goes on."""
+    def boom(self):
+        raise RuntimeError("secret internals")
+    monkeypatch.setattr(node_client.NodeStream, "_accept", boom)
+    r = client.post(CHAT, headers=auth, json=chat_body(stream=True))
+    err = assert_error(r, 500, None, "internal_error")
+    assert "secret internals" not in r.get_data(as_text=True)
+    assert r.headers["x-request-id"] in err["message"] and "x-ratelimit-limit-tokens" in r.headers
+    monkeypatch.undo()
+    r = client.post(CHAT, headers=auth, json=chat_body(stream=True))
+    assert r.status_code == 200 and sse_events(r.get_data(as_text=True))[-1] == "[DONE]"
 
 
 # -- openapi, metrics, logs ----------------------------------------------------------------------
