@@ -32,8 +32,8 @@ generate the same number of tokens, which is checked). An unmeasured pass first 
 the node's prefix cache, so that prefill, whose time varies far more than the gateway's own cost, is
 the same short recomputation of the prompt's last block on both paths. --compare-base-url URL measures
 another gateway in front of the same node (another commit's checkout) against this one instead: at
-concurrency 1, each prompt straight, through one and through the other, the order rotating request by
-request, and the median per-prompt difference between the two gateways.
+concurrency 1, each prompt straight, through one and through the other, in each of the six orders of
+the three in turn, and the median per-prompt difference between the two gateways.
 
 Output: bench-results/serving.json (every figure, the settings, the machine, the load average before
 and after, the client's own CPU time) and bench-results/serving.png (latency against throughput;
@@ -147,8 +147,8 @@ def build_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--overhead-max-tokens", type=int, default=16)
     ap.add_argument("--compare-base-url", default=None, metavar="URL",
                     help="instead of the overhead passes, compare this gateway with another one (e.g. a "
-                         "checkout of another commit, in front of the same node): request by request, the "
-                         "order rotating, --overhead-requests x --overhead-rounds prompts at concurrency 1")
+                         "checkout of another commit, in front of the same node): request by request, in "
+                         "each of the six orders in turn, --overhead-requests x --overhead-rounds prompts at concurrency 1")
     ap.add_argument("--no-constrained", action="store_true", help="skip the constrained (JSON schema) pass")
     ap.add_argument("--constrained-only", action="store_true", help="only the constrained pass (after the warm-up)")
     ap.add_argument("--constrained-concurrency", type=int, default=16)
