@@ -274,6 +274,10 @@ class CudaBackend(ComposedOps):
         """No one-call layer loop on this backend: the forward runs the layers op by op."""
         return None
 
+    def gemma3_layer_stack(self, layers, layer_kv) -> None:
+        """No one-call Gemma 3 layer loop on this backend: the forward runs its layers op by op."""
+        return None
+
     def fused_decode(self, model, k_cache, v_cache):
         """The one-launch decode step for this model (cuda/fused_decode.py), or None where it cannot serve it
         (the per-op path then serves every step): a role whose layers mix weight formats, a head shape the

@@ -47,8 +47,9 @@ class Gemma3Model(LlamaModel):
             )
             for i, lw in enumerate(weights.layers)
         ]
-        self.layer_stack = None
         self._group_layers(cfg)
+        # the layer loop as one backend call where the backend has one for these layers; None: op by op
+        self.layer_stack = backend.gemma3_layer_stack(self.layers, self.layer_kv)
         self.final_norm = b.vector(weights.final_norm)
         self.scale = cfg.head_dim ** -0.5
         self.nbytes = sum(m.nbytes for m in self._linears()) \
@@ -90,6 +91,9 @@ class Gemma3Model(LlamaModel):
 
         b.embedding(self.embed, step.tokens, h)                                   # h = E[tokens] * sqrt(D)
         b.scale(h, cfg.embed_scale)
+        if self.layer_stack is not None:                                          # the loop below, in one call
+            self.layer_stack.run(h, qkv, attn, gate_up, branch, step, k_cache, v_cache, H, Hkv, self.scale, eps)
+            return self.head(h[step.logits_indices])
         for i, ly in enumerate(self.layers):
             group, slot = self.layer_kv[i]
             slots, tables = step.slot_mapping, step.block_tables

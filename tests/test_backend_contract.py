@@ -40,8 +40,8 @@ def _mismatches(impl: type) -> list[str]:
 def test_the_contract_lists_the_ops_the_model_and_runner_call():
     assert set(_ops(Backend)) == {
         "linear", "vector", "zeros", "upload", "download", "rope_tables", "share_cpu", "embedding",
-        "rmsnorm_matmul", "rope_attention", "matmul", "silu_mul_matmul", "layer_stack", "fused_decode", "sample",
-        "scale", "head_rmsnorm", "rmsnorm_add", "gelu_mul_matmul"}
+        "rmsnorm_matmul", "rope_attention", "matmul", "silu_mul_matmul", "layer_stack", "gemma3_layer_stack", "fused_decode",
+        "sample", "scale", "head_rmsnorm", "rmsnorm_add", "gelu_mul_matmul"}
     assert all(inspect.getdoc(getattr(Backend, name)) for name in _ops(Backend))
 
 
@@ -62,7 +62,7 @@ def test_cuda_backend_instance_satisfies_the_contract():
     from cuda.backend import CudaBackend
     backend = CudaBackend()
     assert isinstance(backend, Backend) and _mismatches(type(backend)) == []
-    assert backend.layer_stack([]) is None
+    assert backend.layer_stack([]) is None and backend.gemma3_layer_stack([], []) is None
 
 
 def test_importing_sampling_params_does_not_load_numba():

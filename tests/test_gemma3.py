@@ -227,3 +227,50 @@ def test_layer_groups_of_other_depths(layers, groups):
     got = run_chunks(model, tokens, [5, 6])
     want = R.gemma3_forward(weights, tokens)
     assert np.abs(got - want).max() / np.abs(want).max() < 1e-4
+
+
+# ---- every layer in one call ---------------------------------------------------------------------------
+
+def test_layer_stack_matches_the_layer_loop_bit_for_bit():
+    """run_gemma3_layers (one call for every layer) runs the forward's kernels in its order: the logits are
+    identical, with formats that change from layer to layer and within q|k|v (as in a K-quant mix), scales
+    of both kinds (halves in the legacy formats, float32 in the K-quants), every layer group and slot of
+    the cache, prefill chunks and decodes across the window."""
+    import dataclasses
+    from itertools import cycle
+
+    from models.quant import QuantTensor
+    w = make_tiny_gemma_weights(7, hidden=256, heads=4, head_dim=64, ffn=256, layers=12, window=5)
+    mixes = cycle([("q5_0", "q5_0", "q8_0", "q4_k", "q5_0", "q6_k"), ("q4_k", "q6_k", "q6_k", "q8_0", "q4_1", "q4_k"),
+                   ("q5_1", "q5_1", "q5_1", "q4_0", "q5_k", "q6_k")])
+
+    def enc(m, fmt):
+        return QuantTensor.from_float(m.dequantize(), fmt)
+    layers = [dataclasses.replace(ly, q=enc(ly.q, q), k=enc(ly.k, k), v=enc(ly.v, v), o=enc(ly.o, o),
+                                  gate=enc(ly.gate, gu), up=enc(ly.up, gu), down=enc(ly.down, down))
+              for ly, (q, k, v, o, gu, down) in zip(w.layers, mixes)]
+    model = Gemma3Model(dataclasses.replace(w, layers=layers), CpuBackend(int8_activations=True))
+    stack = model.layer_stack
+    assert stack is not None and (model.group_size, model.window_groups) == (2, 5)
+    parts = [p for ly in model.layers for s in ("qkv", "o", "gate_up", "down") for p in getattr(ly, s).parts]
+    assert {p.family for p in parts} == {"q4", "q5", "q8", "q8h"} and stack.s32.size and stack.s16.size
+    assert any(len(ly.qkv.parts) > 1 for ly in model.layers)
+    # the layers read the packed weights: one copy, not two
+    assert all(np.shares_memory(p.arrays[0], stack.codes) for p in parts)
+    tokens = list(np.random.default_rng(4).integers(0, w.config.vocab_size, 3 * 5 + 9))
+    logits = {}
+    for use_stack in (True, False):
+        model.layer_stack = stack if use_stack else None
+        logits[use_stack] = run_chunks(model, tokens, [7, 9] + [1] * (len(tokens) - 16))
+    np.testing.assert_array_equal(logits[True], logits[False])
+    # and right: the packed copy is what the layers' own linears read too, so the reference checks both
+    want = R.gemma3_forward(dataclasses.replace(w, layers=layers), tokens)
+    for g, r in zip(logits[True], want):
+        assert np.dot(g, r) / (np.linalg.norm(g) * np.linalg.norm(r)) > 0.999
+
+
+def test_layer_stack_only_on_int8_products():
+    w = make_tiny_gemma_weights(2, hidden=64, fmt="q8_0")
+    assert Gemma3Model(w, CpuBackend(int8_activations=True)).layer_stack is not None
+    assert Gemma3Model(w, CpuBackend(int8_activations=False)).layer_stack is None   # exact float path
+    assert Gemma3Model(make_tiny_gemma_weights(2, hidden=64), CpuBackend()).layer_stack is None   # float weights

@@ -15,7 +15,7 @@ from models.llama import StepInput
 from models.quant import QuantTensor
 from models.rope import rope_tables
 
-__all__ = ["Backend", "ComposedOps", "FusedDecodeStep", "LayerLoop", "LinearPart", "QuantTensor", "RowSpec", "SampleResult",
+__all__ = ["Backend", "ComposedOps", "FusedDecodeStep", "Gemma3LayerLoop", "LayerLoop", "LinearPart", "QuantTensor", "RowSpec", "SampleResult",
            "SamplingBatch", "SamplingParams", "StackedLinear", "StepInput", "rope_tables"]
 
 
@@ -25,6 +25,14 @@ class LayerLoop(Protocol):
     def run(self, h, qkv, attn, gate_up, step: StepInput, k_cache, v_cache, cos, sin, num_heads: int,
             num_kv_heads: int, scale: float, eps: float) -> None:
         """The forward's layer loop: h (the residual stream) in and out, K/V written into the caches."""
+
+
+class Gemma3LayerLoop(Protocol):
+    """Every Gemma 3 decoder layer of a step in one call (what Backend.gemma3_layer_stack returns)."""
+
+    def run(self, h, qkv, attn, gate_up, branch, step: StepInput, k_cache, v_cache, num_heads: int,
+            num_kv_heads: int, scale: float, eps: float) -> None:
+        """models/gemma3.py's layer loop: h (the residual stream) in and out, K/V written into the caches."""
 
 
 class FusedDecodeStep(Protocol):
@@ -99,6 +107,10 @@ class Backend(Protocol):
 
     def layer_stack(self, layers: list) -> LayerLoop | None:
         """The layer loop as one call for these layers, or None (not supported): the forward then runs it op by op."""
+
+    def gemma3_layer_stack(self, layers: list, layer_kv: list) -> Gemma3LayerLoop | None:
+        """Gemma 3's layer loop as one call (layer_kv: each layer's cache group and slot), or None (not
+        supported): the forward then runs it op by op."""
 
     def fused_decode(self, model, k_cache, v_cache) -> FusedDecodeStep | None:
         """A pure decode step (one new token per sequence) of this model as one device call, or None (not

@@ -8,6 +8,7 @@ from engine.backends import cpu_dequant as dq
 from engine.backends import cpu_matmul as mm
 from engine.backends import cpu_norm_act as norm_act
 from engine.backends import cpu_ops as ops
+from engine.backends.cpu_gemma3_layers import Gemma3LayerStack
 from engine.backends.cpu_layers import LayerStack
 from engine.backends.cpu_repack import QUANT_FAMILIES, TILE, repack
 from engine.backends.cpu_sampler import sample
@@ -118,10 +119,10 @@ class CpuLinear(StackedLinear):
         else:
             np.matmul(x, wt, out=out)
 
-    def use_arrays(self, arrays: tuple) -> None:
-        """Read the (single) matrix from these arrays instead: the same data, stored elsewhere (a
-        LayerStack's slice)."""
-        self.parts[0].arrays = arrays
+    def use_arrays(self, arrays: tuple, part: int = 0) -> None:
+        """Read a part's matrix from these arrays instead: the same data, stored elsewhere (a layer
+        stack's slice)."""
+        self.parts[part].arrays = arrays
         self._set_warm()
 
     def _set_warm(self) -> None:
@@ -209,6 +210,13 @@ class CpuBackend:
         if any(getattr(ly, s).blas_min_rows != BLAS_MIN_ROWS for ly in layers for s in LayerStack.SLOTS):
             return None   # a matrix sent to numpy's BLAS for large batches: the op-by-op path does that
         return LayerStack.of(layers)
+
+    def gemma3_layer_stack(self, layers, layer_kv) -> Gemma3LayerStack | None:
+        """Gemma 3's layers for run_gemma3_layers (one call per step for every layer), where their products
+        allow it; None otherwise."""
+        if any(getattr(ly, s).blas_min_rows != BLAS_MIN_ROWS for ly in layers for s in LayerStack.SLOTS):
+            return None
+        return Gemma3LayerStack.of(layers, layer_kv)
 
     # --- ops
     def embedding(self, table: CpuLinear, tokens: np.ndarray, out: np.ndarray) -> None:

@@ -1,0 +1,188 @@
+"""Every Gemma 3 decoder layer of a step in one kernel call (the loop of models/gemma3.py's forward).
+
+The forward calls eight kernels a layer from Python, more where q|k|v are stored in several formats, and
+each call costs interpreter and dispatch time on top of the kernel's launch (cpu_layers.py says why one
+call serves better). Gemma files mix formats from layer to layer (a K-quant mix: one layer's down
+projection q6_k, the next one's q4_k), so the layers' matrices cannot stack into one array a slot as
+cpu_layers' do. Here every matrix lies in one of three flat arrays instead (codes, float32 scales, half
+scales), and a table says where each part lies and what it is; the loop views each part from them and
+runs the same kernels, in the same order, as the forward's layer loop: the logits are the same bit for bit.
+"""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+from numba import njit
+from numba.core.errors import NumbaPerformanceWarning
+
+from engine.backends import cpu_int8, cpu_matmul, cpu_norm_act, cpu_simd, cpu_transforms
+from engine.backends import cpu_ops as ops
+from engine.backends.cpu_cache import flush_stale_caches
+from engine.backends.cpu_matmul import matmul_q4_i8, matmul_q5_i8, matmul_q8_i8, matmul_q8h_i8
+from engine.backends.cpu_norm_act import head_rmsnorm, rmsnorm_add
+from engine.backends.cpu_transforms import X_GELU_MUL, X_PLAIN, X_RMSNORM, transform
+
+# parallel=True although nothing here is a parallel loop: callers of parallel kernels must be (cpu_layers.py)
+warnings.filterwarnings("ignore", message=r"(?s).*'parallel=True' was specified but no transformation.*"
+                        r"cpu_gemma3_layers\.py", category=NumbaPerformanceWarning)
+
+FAMILIES = ("q4", "q5", "q8", "q8h")     # the int8 kernels' families, by their index in the part table
+# the part table's columns
+FAMILY, Q_OFF, TILES, BLOCKS, LANES, S_OFF, SCALES, F32, COL0, ROWS = range(10)
+SLOTS = ("qkv", "o", "gate_up", "down")
+QKV, O, GATE_UP, DOWN = range(4)
+
+
+@njit(cache=True, parallel=True)
+def _product(family, x, qs, sc, out, col0, rows, accumulate, passes, kind, aux, eps):
+    """The family's kernel (compiled once for each kind of scales: float32, IEEE halves)."""
+    if family == 0:
+        matmul_q4_i8(x, qs, sc, out, col0, rows, accumulate, passes, kind, aux, eps)
+    elif family == 1:
+        matmul_q5_i8(x, qs, sc, out, col0, rows, accumulate, passes, kind, aux, eps)
+    elif family == 2:
+        matmul_q8_i8(x, qs, sc, out, col0, rows, accumulate, passes, kind, aux, eps)
+    else:
+        matmul_q8h_i8(x, qs, sc, out, col0, rows, accumulate, passes, kind, aux, eps)
+
+
+@njit(cache=True, parallel=True)
+def _part(x, parts, j, codes, s32, s16, out, accumulate, passes, kind, aux, eps):
+    """Part j of the table: out[:, col0 : col0 + rows] (+)= f(x) @ W.T."""
+    p = parts[j]
+    nt, nb, lanes, ns = p[TILES], p[BLOCKS], p[LANES], p[SCALES]
+    qs = codes[p[Q_OFF]:p[Q_OFF] + nt * nb * lanes * 64].reshape((nt, nb, lanes, 16, 4))
+    n = nt * nb * ns * 16
+    if p[F32]:
+        _product(p[FAMILY], x, qs, s32[p[S_OFF]:p[S_OFF] + n].reshape((nt, nb, ns, 16)), out, p[COL0], p[ROWS],
+                 accumulate, passes, kind, aux, eps)
+    else:
+        _product(p[FAMILY], x, qs, s16[p[S_OFF]:p[S_OFF] + n].reshape((nt, nb, ns, 16)), out, p[COL0], p[ROWS],
+                 accumulate, passes, kind, aux, eps)
+
+
+@njit(cache=True, parallel=True)
+def _linear(x, layout, i, slot, parts, codes, s32, s16, out, accumulate, passes, kind, aux, eps):
+    """CpuLinear.__call__ for slot `slot` of layer i: a transform shared by several parts runs once first."""
+    first, count = layout[i, slot, 0], layout[i, slot, 1]
+    if count > 1 and kind != X_PLAIN:
+        x = transform(x, kind, aux, eps)
+        kind = X_PLAIN
+    for j in range(first, first + count):
+        _part(x, parts, j, codes, s32, s16, out, accumulate, passes, kind, aux, eps)
+
+
+@njit(cache=True, parallel=True)
+def run_gemma3_layers(h, qkv, attn, gate_up, branch, positions, token_seq, slot_mapping, block_tables,
+                      window_slot_mapping, window_block_tables, k_cache, v_cache, cos, sin, num_heads,
+                      num_kv_heads, scale, eps, passes, layer_kv, rope, window, norms, head_norms, layout, parts,
+                      codes, s32, s16, warm_o):
+    """The layer loop of Gemma3Model.forward. layer_kv [L, 2]: each layer's cache group and slot in it;
+    rope [L]: its (cos, sin) table; window [L]: its attention window (0: global); norms [L, 4, hidden]:
+    the attn, post-attn, ffn and post-ffn norms; head_norms [L, 2, head_dim]: q's and k's; layout [L, 4,
+    2]: each slot's first part and part count; warm_o [L, 4]: the byte ranges of o's first part in codes
+    and in its scales' array, which rope_attention reads into the caches."""
+    no_aux = norms[0, 0, :1]
+    for i in range(layer_kv.shape[0]):
+        group, slot = layer_kv[i, 0], layer_kv[i, 1]
+        if group == 0:
+            slots, tables = slot_mapping, block_tables
+        else:
+            slots, tables = window_slot_mapping[group - 1], window_block_tables[group - 1]
+        _linear(h, layout, i, QKV, parts, codes, s32, s16, qkv, False, passes, X_RMSNORM, norms[i, 0], eps)
+        head_rmsnorm(qkv, head_norms[i, 0], head_norms[i, 1], num_heads, num_kv_heads, np.float32(eps))
+        o = parts[layout[i, O, 0]]
+        scales = s32.view(np.uint8) if o[F32] else s16.view(np.uint8)
+        ops.rope_attention(qkv, positions, cos[rope[i]], sin[rope[i]], k_cache[slot], v_cache[slot], slots, tables,
+                           token_seq, num_heads, num_kv_heads, scale, attn, codes[warm_o[i, 0]:warm_o[i, 1]],
+                           scales[warm_o[i, 2]:warm_o[i, 3]], window[i])
+        _linear(attn, layout, i, O, parts, codes, s32, s16, branch, False, passes, X_PLAIN, no_aux, eps)
+        rmsnorm_add(branch, norms[i, 1], np.float32(eps), h)
+        _linear(h, layout, i, GATE_UP, parts, codes, s32, s16, gate_up, False, passes, X_RMSNORM, norms[i, 2], eps)
+        _linear(gate_up, layout, i, DOWN, parts, codes, s32, s16, branch, False, passes, X_GELU_MUL, no_aux, eps)
+        rmsnorm_add(branch, norms[i, 3], np.float32(eps), h)
+
+
+class Gemma3LayerStack:
+    """Gemma 3's layers for run_gemma3_layers: their matrices moved into three flat arrays (each layer's
+    CpuLinear then reads its parts there, so the weights are held once) and the tables of where they lie."""
+
+    def __init__(self, layers, layer_kv):
+        self.passes = layers[0].qkv.passes
+        self.layer_kv = np.array(layer_kv, np.int64)
+        tables = {id(ly.rope[0]): ly.rope for ly in layers}   # one (cos, sin) per RoPE base
+        order = list(tables)
+        self.rope = np.array([order.index(id(ly.rope[0])) for ly in layers], np.int64)
+        self.cos = np.ascontiguousarray(np.stack([tables[k][0] for k in order]), np.float32)
+        self.sin = np.ascontiguousarray(np.stack([tables[k][1] for k in order]), np.float32)
+        self.window = np.array([ly.window for ly in layers], np.int64)
+        self.norms = np.ascontiguousarray(np.stack([[ly.attn_norm, ly.post_attn_norm, ly.ffn_norm, ly.post_ffn_norm]
+                                                    for ly in layers]), np.float32)
+        self.head_norms = np.ascontiguousarray(np.stack([[ly.q_norm, ly.k_norm] for ly in layers]), np.float32)
+        self._pack([[getattr(ly, s) for s in SLOTS] for ly in layers])
+
+    def _pack(self, slots) -> None:
+        rows, codes, scales = [], [], {True: [], False: []}
+        size = {"codes": 0, True: 0, False: 0}
+        self.layout = np.zeros((len(slots), len(SLOTS), 2), np.int64)
+        for i, layer in enumerate(slots):
+            for s, lin in enumerate(layer):
+                self.layout[i, s] = len(rows), len(lin.parts)
+                for p in lin.parts:
+                    qs, sc = p.arrays
+                    f32 = sc.dtype == np.float32
+                    nt, nb, lanes = qs.shape[:3]
+                    rows.append((FAMILIES.index(p.family), size["codes"], nt, nb, lanes, size[f32], sc.shape[2],
+                                 f32, p.col0, p.rows))
+                    codes.append(qs.reshape(-1).view(np.uint8))
+                    scales[f32].append(sc.reshape(-1))
+                    size["codes"] += qs.nbytes
+                    size[f32] += sc.size
+        self.parts = np.array(rows, np.int64)
+        self.codes = np.concatenate(codes)
+        self.s32 = np.concatenate(scales[True] or [np.zeros(0, np.float32)]).astype(np.float32, copy=False)
+        self.s16 = np.concatenate(scales[False] or [np.zeros(0, np.uint16)]).astype(np.uint16, copy=False)
+        del codes, scales
+        # the layers' own linears now read the packed copy (the op-by-op path, the warm ranges below)
+        self.warm_o = np.zeros((len(slots), 4), np.int64)
+        for i, layer in enumerate(slots):
+            for s, lin in enumerate(layer):
+                for k, p in enumerate(lin.parts):
+                    row = self.parts[self.layout[i, s, 0] + k]
+                    qs, sc = p.arrays
+                    store = self.s32 if row[F32] else self.s16
+                    arrays = (self.codes[row[Q_OFF]:row[Q_OFF] + qs.nbytes].view(qs.dtype).reshape(qs.shape),
+                              store[row[S_OFF]:row[S_OFF] + sc.size].reshape(sc.shape))
+                    lin.use_arrays(arrays, part=k)
+                    if s == O and k == 0:
+                        item = store.itemsize
+                        self.warm_o[i] = (row[Q_OFF], row[Q_OFF] + qs.nbytes, row[S_OFF] * item,
+                                          (row[S_OFF] + sc.size) * item)
+
+    @classmethod
+    def of(cls, layers, layer_kv) -> "Gemma3LayerStack | None":
+        """A stack of these layers, or None where a product does not run on int8 activations (float
+        weights, the exact float path) or the passes differ."""
+        if not layers:
+            return None
+        passes = layers[0].qkv.passes
+        for ly in layers:
+            for s in SLOTS:
+                lin = getattr(ly, s)
+                if not lin.int8 or lin.passes != passes or any(p.family not in FAMILIES for p in lin.parts):
+                    return None
+        return cls(layers, layer_kv)
+
+    def run(self, h, qkv, attn, gate_up, branch, step, k_cache, v_cache, num_heads, num_kv_heads, scale, eps):
+        win_slots = step.slot_mapping[None] if step.window_slot_mapping is None else step.window_slot_mapping
+        win_tables = step.block_tables[None] if step.window_block_tables is None else step.window_block_tables
+        run_gemma3_layers(h, qkv, attn, gate_up, branch, step.positions, step.token_seq, step.slot_mapping,
+                          step.block_tables, win_slots, win_tables, k_cache, v_cache, self.cos, self.sin,
+                          num_heads, num_kv_heads, np.float32(scale), float(eps), self.passes, self.layer_kv,
+                          self.rope, self.window, self.norms, self.head_norms, self.layout, self.parts, self.codes,
+                          self.s32, self.s16, self.warm_o)
+
+
+flush_stale_caches(globals(), "cpu_gemma3_layers", cpu_simd.__file__, cpu_int8.__file__, cpu_transforms.__file__,
+                   cpu_matmul.__file__, cpu_norm_act.__file__, ops.__file__)
