@@ -28,7 +28,7 @@ from app.node_client import PING, NodeClient, NodeStream, NodeStreamError, colle
 from app.priority import LATENCY_CLASS_HEADER, latency_class_for
 from app.responses import (CHAT, COMPLETIONS, SSE_DONE, ChunkWriter, chat_completion,
                            text_completion, usage_of)
-from app.tracing import request_span
+from app.tracing import record_status, request_span
 from engine.client_socket import ClientGone, client_gone
 from engine.protocol import NODE_SHUTDOWN, APIError, bad_value, sse_error_event
 
@@ -250,7 +250,8 @@ class AcceptedStream(Response):
             answer.headers.update(exc.headers)
             app_iter, status, headers = answer.get_wsgi_response(environ)
         start_response(status, headers)
-        yield from app_iter
+        for chunk in app_iter:   # not `yield from`: it would close app_iter too, which ClosingIterator does
+            yield chunk
 
 
 _STREAM_HEADERS = ("content-type", "content-length", "cache-control", "x-accel-buffering", "x-latency-class")
@@ -376,11 +377,15 @@ def _answer_stream(req: InferenceRequest, kind: str, outcome: NodeStream, reserv
             "status": result["status"], "duration_ms": round((ended - started) * 1e3, 3),
             "prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"]})
 
+    trace = g.get("trace")
+
     def refused(error: Exception) -> APIError:
         # no node took the request: the error the view would have raised, with finish()'s bookkeeping
         exc = error if isinstance(error, APIError) else unexpected_error(req.request_id)
         _name_prompt_param(exc, kind)
         result["status"] = exc.status
+        if trace is not None:
+            record_status(trace, exc.status)
         return exc
 
     resp = AcceptedStream(generate(), outcome.accept, refused, mimetype="text/event-stream",

@@ -30,7 +30,7 @@ def model_not_found(model: str) -> APIError:
 def unexpected_error(request_id: str | None) -> APIError:
     """The exception being handled, which nothing expected: logged with its traceback, answered as a 500
     that names the request id."""
-    log.exception("unhandled error", extra={"event": "unhandled_error"})
+    log.exception("unhandled error", extra={"event": "unhandled_error", "request_id": request_id})
     return APIError(500, f"The server had an error while processing your request "
                     f"(request id {request_id}).", code="internal_error")
 

@@ -397,7 +397,11 @@ class NodeClient:
             if not (kept_alive and isinstance(exc, (ConnectionResetError, BrokenPipeError))):
                 raise
         conn = self._send_fresh(url, body, headers, path)
-        return conn, conn.getresponse()
+        try:
+            return conn, conn.getresponse()
+        except BaseException:
+            conn.close()
+            raise
 
     def _send_fresh(self, url: str, body: bytes, headers: dict, path: str | None) -> http.client.HTTPConnection:
         """The request again on a new connection: the node closed the kept-alive one (its idle timeout)

@@ -84,7 +84,7 @@ def start_request_span(tracing: Tracing) -> RequestTrace:
 def describe_response(trace: RequestTrace, response: Response) -> None:
     """The outcome on the server span; a stream's span ends when its last byte went out."""
     span = trace.span
-    span.set_attribute("http.response.status_code", response.status_code)
+    record_status(trace, response.status_code)
     if g.get("org"):
         span.set_attribute("zen.org", g.org)
     for field, attribute in (("model", "zen.model"), ("latency_class", "zen.latency_class"),
@@ -92,12 +92,18 @@ def describe_response(trace: RequestTrace, response: Response) -> None:
         value = g.get("log_fields", {}).get(field)
         if value is not None:
             span.set_attribute(attribute, value)
-    if response.status_code >= 500:
-        from opentelemetry.trace import Status, StatusCode
-        span.set_status(Status(StatusCode.ERROR))
     if response.is_streamed:
         trace.ends_with_stream = True
         response.call_on_close(span.end)
+
+
+def record_status(trace: RequestTrace, status: int) -> None:
+    """The response's status on the server span; again for a stream that no node accepted after its view
+    returned (app/api.py's AcceptedStream), whose 200 turned into the error it answers."""
+    trace.span.set_attribute("http.response.status_code", status)
+    if status >= 500:
+        from opentelemetry.trace import Status, StatusCode
+        trace.span.set_status(Status(StatusCode.ERROR))
 
 
 def end_request_span(trace: RequestTrace, exc: BaseException | None) -> None:

@@ -262,6 +262,11 @@ def test_client_disconnect_closes_the_node_stream(client, auth, node):
     while node.client_disconnects < 1:
         assert time.monotonic() < deadline, "node never saw the disconnect"
         time.sleep(0.02)
+    # its bookkeeping ran once (the response's close, not once more by each iterator around it)
+    metrics = client.get("/metrics", headers=METRICS_HEADERS).get_data(as_text=True)
+    counts = [line.rsplit(" ", 1)[1] for line in metrics.splitlines()
+              if line.startswith("zen_gateway_org_requests_total{") and 'status="disconnect"' in line]
+    assert counts == ["1.0"]
 
 
 def test_a_stream_starts_when_the_node_takes_the_request_not_at_its_first_token(client, auth, node):

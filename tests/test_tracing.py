@@ -152,6 +152,25 @@ def test_failover_attempts_are_events_of_the_node_request_span():
     assert event.attributes["zen.node"] == busy.url and event.attributes["zen.failover_reason"] == "busy"
 
 
+def test_a_stream_no_node_accepts_is_an_error_on_the_server_span():
+    """The stream's response is returned before a node accepts the request; when none does, its server
+    span says so (the status the client got, an error) rather than the 200 the view returned."""
+    busy = StandInNode(node_id="busy").start()
+    busy.busy = True
+    app, config, spans = traced_gateway([busy.url])
+    try:
+        r = app.test_client().post("/v1/completions", headers=bearer(config),
+                                   json={"model": "zen-small", "prompt": "hi", "max_tokens": 3, "stream": True})
+        assert r.status_code == 503
+        r.close()
+        root = wait_for_spans(spans, {"POST /v1/completions"})["POST /v1/completions"]
+    finally:
+        close_app(app)
+        busy.stop()
+    from opentelemetry.trace import StatusCode
+    assert root.attributes["http.response.status_code"] == 503 and root.status.status_code == StatusCode.ERROR
+
+
 def test_without_an_endpoint_nothing_is_set_up(node, tiny_models):  # noqa: F811
     config = make_config([node.url])
     assert config.tracing.endpoint == ""
