@@ -116,6 +116,8 @@ class Gemma3LayerStack:
         self.rope = np.array([order.index(id(ly.rope[0])) for ly in layers], np.int64)
         self.cos = np.ascontiguousarray(np.stack([tables[k][0] for k in order]), np.float32)
         self.sin = np.ascontiguousarray(np.stack([tables[k][1] for k in order]), np.float32)
+        for ly, r in zip(layers, self.rope):   # the layers' tables become views of the stacked ones: held once
+            ly.rope = (self.cos[r], self.sin[r])
         self.window = np.array([ly.window for ly in layers], np.int64)
         self.norms = np.ascontiguousarray(np.stack([[ly.attn_norm, ly.post_attn_norm, ly.ffn_norm, ly.post_ffn_norm]
                                                     for ly in layers]), np.float32)
