@@ -381,7 +381,7 @@ class NodeClient:
             return conn, kept_alive
         except BaseException as exc:
             conn.close()
-            if not (kept_alive and isinstance(exc, (ConnectionResetError, BrokenPipeError))):
+            if not _closed_while_idle(kept_alive, exc):
                 raise
         return self._send_fresh(url, body, headers, path), False
 
@@ -394,7 +394,7 @@ class NodeClient:
             return conn, conn.getresponse()
         except BaseException as exc:
             conn.close()
-            if not (kept_alive and isinstance(exc, (ConnectionResetError, BrokenPipeError))):
+            if not _closed_while_idle(kept_alive, exc):
                 raise
         conn = self._send_fresh(url, body, headers, path)
         try:
@@ -535,6 +535,11 @@ def call_node(client: NodeClient, model: ResolvedModel, path: str, payload: dict
                        param=err.get("param"), code=err.get("code"))
     raise APIError(503, f"No engine node could serve this request ({last}); retry shortly.",
                    code="no_node_available", headers={"Retry-After": "1"})
+
+
+def _closed_while_idle(kept_alive: bool, exc: BaseException) -> bool:
+    """A kept-alive connection the node had closed (its idle timeout): send again on a fresh one."""
+    return kept_alive and isinstance(exc, (ConnectionResetError, BrokenPipeError))
 
 
 def collect_result(stream: NodeStream, client_gone: Callable[[], bool]) -> dict:

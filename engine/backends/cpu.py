@@ -152,6 +152,11 @@ class CpuLinear(StackedLinear):
         return out
 
 
+def _uses_blas(layers) -> bool:
+    """Whether a layer's matrix goes to numpy's BLAS for large batches (blas_min_rows set on it)."""
+    return any(getattr(ly, s).blas_min_rows != BLAS_MIN_ROWS for ly in layers for s in LayerStack.SLOTS)
+
+
 def _tiled_layout(t: QuantTensor) -> tuple[str, tuple]:
     family, *arrays = repack(t)
     return family, tuple(arrays)
@@ -207,16 +212,14 @@ class CpuBackend:
     def layer_stack(self, layers) -> LayerStack | None:
         """The layers' weights stacked for run_layers (one call per step for every layer), where their
         layouts allow it; None otherwise (the forward then calls the ops layer by layer)."""
-        if any(getattr(ly, s).blas_min_rows != BLAS_MIN_ROWS for ly in layers for s in LayerStack.SLOTS):
+        if _uses_blas(layers):
             return None   # a matrix sent to numpy's BLAS for large batches: the op-by-op path does that
         return LayerStack.of(layers)
 
     def gemma3_layer_stack(self, layers, layer_kv) -> Gemma3LayerStack | None:
         """Gemma 3's layers for run_gemma3_layers (one call per step for every layer), where their products
         allow it; None otherwise."""
-        if any(getattr(ly, s).blas_min_rows != BLAS_MIN_ROWS for ly in layers for s in LayerStack.SLOTS):
-            return None
-        return Gemma3LayerStack.of(layers, layer_kv)
+        return None if _uses_blas(layers) else Gemma3LayerStack.of(layers, layer_kv)
 
     # --- ops
     def embedding(self, table: CpuLinear, tokens: np.ndarray, out: np.ndarray) -> None:

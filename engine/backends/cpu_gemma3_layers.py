@@ -77,12 +77,11 @@ def _linear(x, layout, i, slot, parts, codes, s32, s16, out, accumulate, passes,
 def run_gemma3_layers(h, qkv, attn, gate_up, branch, positions, token_seq, slot_mapping, block_tables,
                       window_slot_mapping, window_block_tables, k_cache, v_cache, cos, sin, num_heads,
                       num_kv_heads, scale, eps, passes, layer_kv, rope, window, norms, head_norms, layout, parts,
-                      codes, s32, s16, warm_o):
+                      codes, s32, s16):
     """The layer loop of Gemma3Model.forward. layer_kv [L, 2]: each layer's cache group and slot in it;
     rope [L]: its (cos, sin) table; window [L]: its attention window (0: global); norms [L, 4, hidden]:
     the attn, post-attn, ffn and post-ffn norms; head_norms [L, 2, head_dim]: q's and k's; layout [L, 4,
-    2]: each slot's first part and part count; warm_o [L, 4]: the byte ranges of o's first part in codes
-    and in its scales' array, which rope_attention reads into the caches."""
+    2]: each slot's first part and part count."""
     no_aux = norms[0, 0, :1]
     for i in range(layer_kv.shape[0]):
         group, slot = layer_kv[i, 0], layer_kv[i, 1]
@@ -92,11 +91,14 @@ def run_gemma3_layers(h, qkv, attn, gate_up, branch, positions, token_seq, slot_
             slots, tables = window_slot_mapping[group - 1], window_block_tables[group - 1]
         _linear(h, layout, i, QKV, parts, codes, s32, s16, qkv, False, passes, X_RMSNORM, norms[i, 0], eps)
         head_rmsnorm(qkv, head_norms[i, 0], head_norms[i, 1], num_heads, num_kv_heads, np.float32(eps))
+        # o's first part, which rope_attention reads into the caches (CpuLinear.warm)
         o = parts[layout[i, O, 0]]
+        item = 4 if o[F32] else 2
         scales = s32.view(np.uint8) if o[F32] else s16.view(np.uint8)
+        o_codes = codes[o[Q_OFF]:o[Q_OFF] + o[TILES] * o[BLOCKS] * o[LANES] * 64]
+        o_scales = scales[o[S_OFF] * item:(o[S_OFF] + o[TILES] * o[BLOCKS] * o[SCALES] * 16) * item]
         ops.rope_attention(qkv, positions, cos[rope[i]], sin[rope[i]], k_cache[slot], v_cache[slot], slots, tables,
-                           token_seq, num_heads, num_kv_heads, scale, attn, codes[warm_o[i, 0]:warm_o[i, 1]],
-                           scales[warm_o[i, 2]:warm_o[i, 3]], window[i])
+                           token_seq, num_heads, num_kv_heads, scale, attn, o_codes, o_scales, window[i])
         _linear(attn, layout, i, O, parts, codes, s32, s16, branch, False, passes, X_PLAIN, no_aux, eps)
         rmsnorm_add(branch, norms[i, 1], np.float32(eps), h)
         _linear(h, layout, i, GATE_UP, parts, codes, s32, s16, gate_up, False, passes, X_RMSNORM, norms[i, 2], eps)
@@ -145,9 +147,7 @@ class Gemma3LayerStack:
         self.codes = np.concatenate(codes)
         self.s32 = np.concatenate(scales[True] or [np.zeros(0, np.float32)]).astype(np.float32, copy=False)
         self.s16 = np.concatenate(scales[False] or [np.zeros(0, np.uint16)]).astype(np.uint16, copy=False)
-        del codes, scales
-        # the layers' own linears now read the packed copy (the op-by-op path, the warm ranges below)
-        self.warm_o = np.zeros((len(slots), 4), np.int64)
+        # the layers' own linears now read the packed copy
         for i, layer in enumerate(slots):
             for s, lin in enumerate(layer):
                 for k, p in enumerate(lin.parts):
@@ -157,10 +157,6 @@ class Gemma3LayerStack:
                     arrays = (self.codes[row[Q_OFF]:row[Q_OFF] + qs.nbytes].view(qs.dtype).reshape(qs.shape),
                               store[row[S_OFF]:row[S_OFF] + sc.size].reshape(sc.shape))
                     lin.use_arrays(arrays, part=k)
-                    if s == O and k == 0:
-                        item = store.itemsize
-                        self.warm_o[i] = (row[Q_OFF], row[Q_OFF] + qs.nbytes, row[S_OFF] * item,
-                                          (row[S_OFF] + sc.size) * item)
 
     @classmethod
     def of(cls, layers, layer_kv) -> "Gemma3LayerStack | None":
@@ -183,7 +179,7 @@ class Gemma3LayerStack:
                           step.block_tables, win_slots, win_tables, k_cache, v_cache, self.cos, self.sin,
                           num_heads, num_kv_heads, np.float32(scale), float(eps), self.passes, self.layer_kv,
                           self.rope, self.window, self.norms, self.head_norms, self.layout, self.parts, self.codes,
-                          self.s32, self.s16, self.warm_o)
+                          self.s32, self.s16)
 
 
 flush_stale_caches(globals(), "cpu_gemma3_layers", cpu_simd.__file__, cpu_int8.__file__, cpu_transforms.__file__,
