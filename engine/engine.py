@@ -14,6 +14,7 @@ from engine.backends import get_backend
 from engine.backends.sampling_batch import RowSpec, SamplingBatch
 from engine.config import EngineConfig
 from engine.grammar import GrammarCompiler
+from engine.heap import release_free_heap
 from engine.kv_cache import BlockPool, KVCacheManager
 from engine.request import EngineRequest
 from engine.runner import ModelRunner
@@ -93,6 +94,7 @@ class Engine:
         self.runner = ModelRunner(self.model, config.block_size, self.pool.num_blocks, self.eos_token_ids,
                                   self.grammars)
         self.warm_up()
+        release_free_heap()   # what the load freed (the file's tensors, repacking's temporaries)
         self.load_time_s = time.monotonic() - t0
         self._seq_ids = itertools.count()
         self._requests: dict[str, list[Sequence]] = {}

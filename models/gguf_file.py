@@ -5,6 +5,7 @@ package's own dequantization, so a file in any type the package reads loads and 
 """
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from functools import cached_property
 
@@ -97,7 +98,9 @@ class _LazyArrayField:
 
     def __init__(self, reader: "FastGGUFReader", offset: int, name: str, head: list, value_offs: int,
                  itype: GGUFValueType, n: int, starts: np.ndarray | None):
-        self._reader, self.offset, self.name = reader, offset, name
+        # a weak reference: the reader holds its fields, and a cycle would keep the file's mapping (every
+        # page a load read) until the collector ran, which the node's gc.freeze() after a load prevents
+        self._reader, self.offset, self.name = weakref.proxy(reader), offset, name
         self._head, self._value_offs = head, value_offs   # parts of the key and type; where the value starts
         self._itype, self._n = itype, n
         self._starts = starts    # string arrays: where each string's length field begins, and the end
