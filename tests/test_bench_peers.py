@@ -94,8 +94,9 @@ def test_targets_come_from_the_measured_peer_only():
     assert t["c16_vs_peer_output_tokens_per_s_met"] is True and t["c16_vs_peer_ttft_p50_met"] is False
 
 
-def _round(peer: dict, ours: dict) -> dict:
-    return {"llama_bench": {t: {"avg_ts": v} for t, v in peer.items()},
+def _round(peer: dict, ours: dict, peer_avx2: dict | None = None) -> dict:
+    builds = {"native": peer, "avx2": peer_avx2 or peer}
+    return {"llama_bench": {level: {t: {"avg_ts": v} for t, v in p.items()} for level, p in builds.items()},
             "ours": {isa: {"machine": {"cpu_isa": "avx512vnni" if isa == "native" else isa},
                            "results": [{"decode_tok_s": d, "prefill_tok_s": {"128": p1, "512": p5}}]}
                      for isa, (d, p1, p5) in ours.items()}}
@@ -104,16 +105,30 @@ def _round(peer: dict, ours: dict) -> dict:
 def test_engine_table_takes_medians_over_rounds_and_targets_by_level():
     rng = np.random.default_rng()
     peer = [rng.uniform(50, 150, 3) for _ in range(3)]                      # tg128, pp128, pp512 per round
-    rounds = [_round(dict(zip(("tg128", "pp128", "pp512"), p)),
-                     {"native": (2.1 * p[0], 2 * p[1], 0.9 * p[2]), "avx2": (1.4 * p[0], p[1], p[2])})
+    tests = ("tg128", "pp128", "pp512")
+    rounds = [_round(dict(zip(tests, p)),
+                     {"native": (2.1 * p[0], 2 * p[1], 0.9 * p[2]), "avx2": (1.4 * p[0], p[1], p[2])},
+                     dict(zip(tests, 0.5 * p)))                              # llama.cpp's AVX2 build: half as fast
               for p in peer]
     rows = {(r["isa"], r["llama_bench_test"]): r for r in bench_peers.summarize(rounds, ["native", "avx2"])}
     tg = rows[("avx512vnni", "tg128")]
     assert tg["llama_cpp_tok_s"] == pytest.approx(np.median([p[0] for p in peer]))
     assert tg["ratio"] == pytest.approx(2.1) and tg["target_ratio"] == 2.0 and tg["met"] is True
+    assert tg["llama_cpp_build"] == "native"
     assert rows[("avx512vnni", "pp512")]["met"] is False                    # 0.9x < llama.cpp's prefill
-    assert rows[("avx2", "tg128")]["target_ratio"] == 1.5 and rows[("avx2", "tg128")]["met"] is False
-    assert rows[("avx2", "pp128")]["met"] is True                           # equal is "no lower"
+    avx2 = rows[("avx2", "tg128")]                                          # against the AVX2 build
+    assert avx2["llama_cpp_build"] == "avx2" and avx2["ratio"] == pytest.approx(2.8)
+    assert avx2["target_ratio"] == 1.5 and avx2["met"] is True
+    assert rows[("avx2", "pp128")]["ratio"] == pytest.approx(2.0)
+
+
+def test_each_level_is_measured_against_the_llama_cpp_build_of_its_instructions():
+    assert bench_peers.peer_level("native") == "native" and bench_peers.peer_level("avx2") == "avx2"
+    assert bench_peers.peer_level("avxvnni") == "native"                   # no llama.cpp build of that level
+    assert "-DGGML_AVX512=OFF" in llama_cpp_build.LEVEL_OPTIONS["avx2"]
+    assert llama_cpp_build.build_dir_of("avx2") != llama_cpp_build.build_dir_of("native")
+    with pytest.raises(SystemExit, match="no llama.cpp build level"):
+        llama_cpp_build.build(level="sse9")
 
 
 def test_gemma_is_held_to_its_own_targets_at_the_native_level():
