@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from engine.backends import cpu_isa
@@ -113,12 +114,15 @@ def test_avxvnni_compiles_to_vex_vpdpbusd_on_ymm(tmp_path):
 
 @pytest.mark.slow
 def test_avx2_compiles_to_vpmaddubsw_on_ymm(tmp_path):
-    """Haswell (AVX2, no VNNI): vpmaddubsw + vpmaddwd on 256-bit registers."""
+    """Haswell (AVX2, no VNNI): vpmaddubsw + vpmaddwd on 256-bit registers; byte codes (q8, q6_k) also
+    zero-extended to 16 bits for vpmaddwd against both activation planes at once."""
     code = _probe("asm", _env(ZEN_CPU_ISA="avx2", **RUN_TARGET["avx2"]), tmp_path)
     assert code["isa"] == "avx2"
     for name in ("rows_q4_i8", "rows_q5_i8", "rows_q8_i8", "rows_q4k_i8", "rows_q5k_i8", "rows_q8h_i8"):
         assert re.search(r"vpmaddubsw\s+%ymm", code[name]) and re.search(r"vpmaddwd\s+", code[name]), name
         assert "vpdpbusd" not in code[name] and "%zmm" not in code[name]
+    for name in ("rows_q8_i8", "rows_q8h_i8"):   # byte codes: widened for one int16 dot of both planes
+        assert re.search(r"vpmovzxbw\s+", code[name]), name
 
 
 @pytest.mark.slow
@@ -189,3 +193,41 @@ def test_each_level_keeps_its_own_cached_kernels(tmp_path):
     assert run(ZEN_CPU_ISA="portable") == (0, 1)    # not the host level's code
     assert run() == (1, 0)                          # still cached
     assert run(ZEN_CPU_ISA="portable") == (1, 0)
+
+
+_BYTE_CODE_PRODUCTS = """
+import sys
+import numpy as np
+from engine.backends.cpu import CpuBackend
+from models.quant import QuantTensor
+rng = np.random.default_rng(7)
+out = {}
+for fmt, rows, k in (("q8_0", 96, 576), ("q6_k", 48, 512)):
+    w = QuantTensor.from_float(rng.standard_normal((rows, k), np.float32), fmt)
+    lin = CpuBackend(int8_activations=True).linear([w])
+    for m in (1, 5):
+        x = (rng.standard_normal((m, k)) * 4).astype(np.float32)
+        y = np.zeros((m, rows), np.float32)
+        lin(x, y)
+        out[f"{fmt}-{m}"] = y
+np.savez(sys.argv[1], **out)
+"""
+
+
+@pytest.mark.slow
+def test_byte_code_products_are_the_same_at_every_int8_level(tmp_path):
+    """q8_0 and q6_k products at every int8 level this host runs, bit for bit: each level's dot is an
+    exact integer sum (avx2's int16 dot of both activation planes included), so only the kernels'
+    shared float arithmetic follows it."""
+    levels = [level for level in HOST_LEVELS if level != "portable"]
+    results = {}
+    for level in levels:
+        path = tmp_path / f"{level}.npz"
+        r = subprocess.run([sys.executable, "-c", _BYTE_CODE_PRODUCTS, str(path)], cwd=ROOT, capture_output=True,
+                           text=True, timeout=1200, env=_env(ZEN_CPU_ISA=level, **RUN_TARGET.get(level, {})))
+        assert r.returncode == 0, r.stderr[-3000:]
+        results[level] = np.load(path)
+    first = results[levels[0]]
+    for level in levels[1:]:
+        for key in first.files:
+            assert np.array_equal(results[level][key], first[key]), (level, key)

@@ -16,13 +16,18 @@ from __future__ import annotations
 
 from numba import njit
 
-from engine.backends import cpu_simd
+from engine.backends import cpu_isa, cpu_simd
 from engine.backends.cpu_cache import flush_stale_caches
 from engine.backends.cpu_simd import (
-    F, U, ld_f, st_f, vabs, vadd, vand, vbcast4, vbcast_f, vbcast_i, vcvt, vdpbusd, vdpbusd4_nib, vfma, vhmax,
-    vload_f, vload_h, vload_w, vmax, vmin, vmul, vor, vround_i, vsll, vsrl, vstore_i8, vsub, vsum, vzero_f, vzero_i,
+    F, U, ld_f, st_f, vabs, vadd, vand, vbcast4, vbcast_f, vbcast_i, vcvt, vdot4_x16, vdot8_x16, vdpbusd, vdpbusd4_nib,
+    vfma, vhmax, vload_f, vload_h, vload_w, vmax, vmin, vmul, vor, vround_i, vsll, vsrl, vstore_i8, vsub, vsum, vzero_f,
+    vzero_i,
 )
 from models.quant import QK
+
+# avx2 splits each byte code against vpmaddubsw's saturation: a whole q8 block's two planes in one
+# int16 dot instead (cpu_isa.emit_dot_u8_x16), the same sum
+Q8_X16 = cpu_isa.ISA == "avx2"
 
 
 @njit(cache=True, fastmath=True)
@@ -199,11 +204,18 @@ def _q8_row(acc, w0, w1, w2, w3, w4, w5, w6, w7, d, m, halves, xqp, xdp, xsp, xo
     halves (d, m are the halves' scales): per half h, scale_h * (xd * sum_h(u * xq) - 32 * (its x sum))."""
     xd = vbcast_f(ld_f(xdp, so))
     if halves:
-        lo = _dot16_i8(w0, w1, w2, w3, xqp, xo, k, passes)
-        hi = _dot16_i8(w4, w5, w6, w7, xqp, xo + U(16), k, passes)
+        if Q8_X16 and passes == 2:
+            lo = vdot4_x16(w0, w1, w2, w3, xqp, xo, U(k))
+            hi = vdot4_x16(w4, w5, w6, w7, xqp, xo + U(16), U(k))
+        else:
+            lo = _dot16_i8(w0, w1, w2, w3, xqp, xo, k, passes)
+            hi = _dot16_i8(w4, w5, w6, w7, xqp, xo + U(16), k, passes)
         acc = vfma(d, vfma(vcvt(lo), xd, vbcast_f(F(-32.0) * ld_f(xsp, U(2) * so))), acc)
         return vfma(m, vfma(vcvt(hi), xd, vbcast_f(F(-32.0) * ld_f(xsp, U(2) * so + U(1)))), acc)
-    s = _dot_q8_i8(w0, w1, w2, w3, w4, w5, w6, w7, xqp, xo, k, passes)
+    if Q8_X16 and passes == 2:
+        s = vdot8_x16(w0, w1, w2, w3, w4, w5, w6, w7, xqp, xo, U(k))
+    else:
+        s = _dot_q8_i8(w0, w1, w2, w3, w4, w5, w6, w7, xqp, xo, k, passes)
     return vfma(m, vbcast_f(ld_f(xsp, so)), vfma(vcvt(s), vmul(d, xd), acc))
 
 

@@ -145,6 +145,34 @@ def _dot4_nibbles_avx2(builder, acc, pairs):
     return builder.add(acc, _join(builder, *halves))
 
 
+def emit_dot_u8_x16(builder, codes, x0, x1):
+    """IR (avx2): per int32 lane the sum of codes * x over n code vectors (lane = row, 4 consecutive values
+    each; vector v holds values 4v .. 4v+3), x the 4n activations as 256 * x0 + x1 (two int8 planes, <4n x
+    i8> each): that is 256 * dot(x0) + dot(x1), the two planes' vpmaddubsw sums, exactly. Here x fits int16
+    (|256 * 127 + 127| < 2^15), so vpmaddwd multiplies zero-extended codes by it: no split of the codes
+    against saturation, and one dot for both planes."""
+    w16, xs = ir.VectorType(_I16, 64), ir.VectorType(_I16, 4 * len(codes))
+    x = builder.add(builder.shl(builder.sext(x0, xs), ir.Constant(xs, [8] * xs.count)), builder.sext(x1, xs))
+    acc = [ir.Constant(_V8I, [0] * 8)] * 4           # lanes 4q .. 4q+3, two partial sums each
+    for v, w in enumerate(codes):
+        wide = builder.zext(builder.bitcast(w, _B64), w16)
+        xv = builder.shuffle_vector(x, x, ir.Constant(_VI, [4 * v + j % 4 for j in range(16)]))
+        for q in range(4):
+            wq = builder.shuffle_vector(wide, wide, ir.Constant(_VI, list(range(16 * q, 16 * q + 16))))
+            acc[q] = builder.add(acc[q], _madd_wd(builder, wq, xv))
+    pairs = builder.shuffle_vector(builder.shuffle_vector(acc[0], acc[1], ir.Constant(_VI, list(range(16)))),
+                                   builder.shuffle_vector(acc[2], acc[3], ir.Constant(_VI, list(range(16)))),
+                                   ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
+    even = builder.shuffle_vector(pairs, pairs, ir.Constant(_VI, list(range(0, 32, 2))))
+    odd = builder.shuffle_vector(pairs, pairs, ir.Constant(_VI, list(range(1, 32, 2))))
+    return builder.add(even, odd)
+
+
+def _madd_wd(builder, a, b):
+    """vpmaddwd: 8 int32 lanes, each a[2j] * b[2j] + a[2j+1] * b[2j+1] (int16 lanes)."""
+    return builder.call(_fn(builder, "llvm.x86.avx2.pmadd.wd", _V8I, [_W16, _W16]), [a, b])
+
+
 def _dot_avxvnni(builder, acc, a, b):
     """vpdpbusd on each 256-bit half (VEX encoded where the target has AVX-VNNI and no AVX-512 VL)."""
     f = _fn(builder, "llvm.x86.avx512.vpdpbusd.256", _V8I, [_V8I, _V8I, _V8I])

@@ -414,6 +414,32 @@ def vdpbusd(typingctx, acc, a, b):
     return I32x16(acc, a, b), lambda c, builder, s, args: cpu_isa.emit_dot_u8s8(builder, *args)
 
 
+def _dot_x16_cg(n):
+    """Code of vdot8_x16 / vdot4_x16 (avx2 only): for n code vectors, 256 * dot(codes, plane 0) +
+    dot(codes, plane 1), x's two planes at bytes xo and xo + k of the address xqp (cpu_isa.emit_dot_u8_x16)."""
+    def cg(context, builder, sig, vals):
+        xty, xp = sig.args[n], vals[n]
+        xo = context.cast(builder, vals[n + 1], sig.args[n + 1], types.uint64)
+        k = context.cast(builder, vals[n + 2], sig.args[n + 2], types.uint64)
+        bn = ir.VectorType(_I8, 4 * n)
+        p0 = _ptr(context, builder, xty, xp, types.uint64, xo, bn, _I8)
+        p1 = _ptr(context, builder, xty, xp, types.uint64, builder.add(xo, k), bn, _I8)
+        return cpu_isa.emit_dot_u8_x16(builder, vals[:n], builder.load(p0, align=1), builder.load(p1, align=1))
+    return cg
+
+
+@intrinsic
+def vdot8_x16(typingctx, w0, w1, w2, w3, w4, w5, w6, w7, xqp, xo, k):
+    """A q8 block's two-plane dot (32 values), as _dot_q8_i8 with passes == 2 computes it."""
+    return I32x16(w0, w1, w2, w3, w4, w5, w6, w7, xqp, xo, k), _dot_x16_cg(8)
+
+
+@intrinsic
+def vdot4_x16(typingctx, w0, w1, w2, w3, xqp, xo, k):
+    """Half a q8 block's two-plane dot (16 values), as _dot16_i8 with passes == 2 computes it."""
+    return I32x16(w0, w1, w2, w3, xqp, xo, k), _dot_x16_cg(4)
+
+
 @intrinsic
 def vdpbusd4_nib(typingctx, acc, a0, b0, a1, b1, a2, b2, a3, b3):
     """vdpbusd of 4 (a, b) pairs into acc, a's bytes 0..31 (q4 nibbles, q5 codes): on avx2 their int16
