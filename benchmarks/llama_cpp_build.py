@@ -6,7 +6,7 @@
 The source distribution of llama-cpp-python (`pip download --no-deps --no-binary :all:`) carries the full
 llama.cpp tree under vendor/llama.cpp. It is unpacked and built with cmake (Release, no CURL/OpenSSL/web UI
 download, only the two targets) into .peers/ (ignored by git): at `native` with this CPU's own flags, at
-`avx2` with AVX, AVX2, FMA, F16C and BMI2 only, the code llama.cpp runs on an AVX2-only CPU. A later call
+`avx2` with SSE4.2, AVX, AVX2, FMA, F16C and BMI2 only, the code llama.cpp runs on an AVX2-only CPU. A later call
 reuses a level's build when both binaries are there and answer `--version`; --rebuild forces a fresh one.
 """
 from __future__ import annotations

@@ -12,9 +12,11 @@ import ctypes
 
 def _malloc_trim():
     try:
-        return ctypes.CDLL(None).malloc_trim
+        trim = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):   # not glibc (musl, macOS): their allocators return memory themselves
         return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
 
 
 _MALLOC_TRIM = _malloc_trim()

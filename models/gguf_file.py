@@ -99,7 +99,7 @@ class _LazyArrayField:
     def __init__(self, reader: "FastGGUFReader", offset: int, name: str, head: list, value_offs: int,
                  itype: GGUFValueType, n: int, starts: np.ndarray | None):
         # a weak reference: the reader holds its fields, and a cycle would keep the file's mapping (every
-        # page a load read) until the collector ran, which the node's gc.freeze() after a load prevents
+        # page a load read) until a collection, which the node's gc.freeze() after a load defers to an eviction
         self._reader, self.offset, self.name = weakref.proxy(reader), offset, name
         self._head, self._value_offs = head, value_offs   # parts of the key and type; where the value starts
         self._itype, self._n = itype, n

@@ -53,8 +53,9 @@ def test_freed_heap_pages_go_back_to_the_system():
 
 
 def test_a_loaded_model_keeps_no_mapping_of_its_file(tiny_gguf, tmp_path):
-    """The GGUF reader maps the file; in a reference cycle it would wait for a collection (which the node's
-    gc.freeze() after a load postpones forever), keeping every page the load read resident."""
+    """Once the loader's weights (views of the file) are dropped, nothing keeps the file mapped: the GGUF
+    reader in a reference cycle would wait for a collection (which the node's gc.freeze() after a load
+    defers to an eviction), keeping every page the load read resident."""
     path = str(shutil.copy(tiny_gguf, tmp_path / "own-copy.gguf"))
     gc.disable()                                          # freed by reference counts alone
     try:

@@ -25,8 +25,8 @@ from engine.backends.cpu_simd import (
 )
 from models.quant import QK
 
-# avx2 splits each byte code against vpmaddubsw's saturation: a whole q8 block's two planes in one
-# int16 dot instead (cpu_isa.emit_dot_u8_x16), the same sum
+# avx2 splits each byte code against vpmaddubsw's saturation: a q8 block's (or q6_k half block's) two
+# planes in one int16 dot instead (cpu_isa.emit_dot_u8_x16), the same sum
 Q8_X16 = cpu_isa.ISA == "avx2"
 
 
