@@ -24,7 +24,7 @@ if os.environ.get("ISA_PROBE_TRIPLE"):
 
 from numba import types  # noqa: E402
 
-from engine.backends import cpu_isa, cpu_matmul, cpu_ops, cpu_transforms  # noqa: E402
+from engine.backends import cpu_claims, cpu_isa, cpu_matmul, cpu_ops, cpu_transforms  # noqa: E402
 
 
 def _arr(dtype, ndim):
@@ -51,6 +51,8 @@ KERNELS = {
     "gelu_mul_row": (cpu_transforms.gelu_mul_row, (types.uint64, types.uint64, types.int64, types.uint64,
                                                    types.uint64)),
     "attention_scores16": (cpu_ops._scores16, (types.uint64,) * 6),
+    # the threads' wait inside one parallel region (scalar code: a spin hint, then sched_yield)
+    "claims_wait": (cpu_claims.wait, (_arr(types.int64, 1), types.int64, types.int64)),
 }
 
 

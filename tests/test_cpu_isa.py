@@ -123,6 +123,7 @@ def test_avx2_compiles_to_vpmaddubsw_on_ymm(tmp_path):
         assert "vpdpbusd" not in code[name] and "%zmm" not in code[name]
     for name in ("rows_q8_i8", "rows_q8h_i8"):   # byte codes: widened for one int16 dot of both planes
         assert re.search(r"vpmovzxbw\s+", code[name]), name
+    assert re.search(r"\bpause\b", code["claims_wait"]) and "sched_yield" in code["claims_wait"]
 
 
 @pytest.mark.slow
@@ -138,6 +139,8 @@ def test_neondot_compiles_to_sdot_for_arm64(tmp_path):
     assert re.search(r"\beor\s+v\d+\.16b", code["rows_q8_i8"])
     assert not re.search(r"\beor\s+v\d+\.16b", code["rows_q4_i8"])
     assert not re.search(r"\beor\s+v\d+\.16b", code["rows_q5_i8"])
+    spin = code.pop("claims_wait")                     # scalar: ARM's spin hint, then sched_yield
+    assert re.search(r"\byield\b", spin) and "sched_yield" in spin and not re.search(r"%[xyz]mm\d|pause", spin)
     for name, asm in code.items():
         assert not re.search(r"%[xyz]mm\d", asm), name
         assert re.search(r"\bv\d+\.(4s|16b|8h)", asm), f"{name}: no NEON vector instruction"
@@ -164,6 +167,8 @@ def test_portable_ir_compiles_for_arm64(tmp_path):
         mod.triple, mod.data_layout = "aarch64-unknown-linux-gnu", str(tm.target_data)
         mod.verify()
         asm[name] = tm.emit_assembly(mod)
+        if name == "claims_wait":                      # scalar code, no spin hint on the portable level
+            continue
         assert re.search(r"\bv\d+\.(4s|16b|8h)", asm[name]), f"{name}: no NEON vector instruction"
         assert not re.search(r"%[xyz]mm\d", asm[name]), name
     assert re.search(r"\bfmla\s+v\d+\.4s", asm["rows_float"])  # the float kernels' multiply-add, fused

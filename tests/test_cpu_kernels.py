@@ -554,6 +554,64 @@ def test_layer_stack_matches_the_layer_loop_bit_for_bit(rng, fmt):
     np.testing.assert_array_equal(logits[True], logits[False])
 
 
+def _decode_logits(model, seq_counts, context, bs=16):
+    """Logits of each sequence's prefill of `context` tokens (one step each), then of one decode step of
+    the first n sequences for each n in seq_counts (the prefills run a region per kernel: many rows)."""
+    from models.llama import StepInput
+    n_seq = max(seq_counts)
+    blocks = (context + len(seq_counts) + bs) // bs
+    table = np.arange(n_seq * blocks, dtype=np.int32).reshape(n_seq, blocks)
+    k, v = model.allocate_kv_cache(n_seq * blocks, bs)
+    tokens = np.random.default_rng(context).integers(0, model.config.vocab_size, (n_seq, context + len(seq_counts)))
+    length = np.zeros(n_seq, np.int64)
+    out = []
+
+    def step(seqs, n):
+        pos = np.concatenate([np.arange(length[s], length[s] + n) for s in seqs]).astype(np.int32)
+        seq = np.repeat(seqs, n).astype(np.int32)
+        toks = np.concatenate([tokens[s, length[s]:length[s] + n] for s in seqs]).astype(np.int32)
+        st = StepInput(toks, pos, seq, table[seq, pos // bs].astype(np.int64) * bs + pos % bs, table,
+                       (np.arange(len(seqs)) * n + n - 1).astype(np.int32))
+        out.append(np.array(model.forward(st, k, v)))
+        length[seqs] += n
+    for s in range(n_seq):
+        step(np.array([s]), context)
+    for n in seq_counts:
+        step(np.arange(n), 1)
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("heads,context", [(4, 5), (4, 150), (8, 40)])
+def test_layer_loop_in_one_region_matches_a_region_per_kernel(rng, monkeypatch, heads, context):
+    """Steps of at most CLAIMED_MAX_ROWS rows run the layer loop in one parallel region, threads claiming
+    the items of each product and attention (run_layers_claimed): the logits are those of run_layers bit
+    for bit. Decodes of 1, 3 and 8 sequences; short contexts (attention as one item, o's weights warmed
+    by the other thread), long ones (attention in claimed chunks), and 8 heads of 8 (plain attention
+    items). Also with numba at one thread running the region's two iterations in turn: the first claims
+    every item, and neither waits forever."""
+    import numba
+
+    from engine.backends import cpu_layers
+    from models.llama import LlamaModel
+    from tests.tiny_model import make_tiny_weights
+    w = make_tiny_weights(seed=int(rng.integers(1 << 30)), fmt="q4_1", heads=heads, max_position=256)
+    model = LlamaModel(w, CpuBackend(int8_activations=True))
+    assert model.layer_stack is not None
+    logits = {}
+    for claimed in (0, cpu_layers.CLAIMED_MAX_ROWS):
+        monkeypatch.setattr(cpu_layers, "CLAIMED_MAX_ROWS", claimed)
+        logits[claimed] = _decode_logits(model, (1, 3, 8), context)
+    np.testing.assert_array_equal(logits[0], logits[cpu_layers.CLAIMED_MAX_ROWS])
+    threads = numba.get_num_threads()
+    monkeypatch.setattr(cpu_layers, "get_num_threads", lambda: 2)
+    numba.set_num_threads(1)
+    try:
+        in_turn = _decode_logits(model, (1, 3, 8), context)
+    finally:
+        numba.set_num_threads(threads)
+    np.testing.assert_array_equal(in_turn, logits[0])
+
+
 def test_layer_stack_only_where_the_layers_share_a_layout(rng):
     from models.llama import LlamaModel
     from models.weights import ModelWeights

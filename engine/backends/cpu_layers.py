@@ -15,13 +15,14 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
-from numba import njit
+from numba import get_num_threads, njit, prange
 from numba.core.errors import NumbaPerformanceWarning
 
-from engine.backends import cpu_int8, cpu_matmul, cpu_simd, cpu_transforms
+from engine.backends import cpu_claims, cpu_int8, cpu_matmul, cpu_simd, cpu_transforms
 from engine.backends import cpu_ops as ops
 from engine.backends.cpu_cache import flush_stale_caches
-from engine.backends.cpu_matmul import matmul_q4_i8, matmul_q5_i8, matmul_q8_i8
+from engine.backends.cpu_claims import phase_counters
+from engine.backends.cpu_matmul import matmul_i8_claimed, matmul_q4_i8, matmul_q5_i8, matmul_q8_i8
 from engine.backends.cpu_transforms import X_PLAIN, X_RMSNORM, X_SILU_MUL
 
 
@@ -60,6 +61,36 @@ def run_layers(h, qkv, attn, gate_up, positions, cos, sin, k_cache, v_cache, slo
         _linear(attn, o_qs[i], o_sc[i], h, rows[1], True, passes, X_PLAIN, no_aux, eps)
         _linear(h, gu_qs[i], gu_sc[i], gate_up, rows[2], False, passes, X_RMSNORM, ffn_norm[i], eps)
         _linear(gate_up, down_qs[i], down_sc[i], h, rows[3], True, passes, X_SILU_MUL, no_aux, eps)
+
+
+# Steps of at most this many rows run the layer loop in one parallel region (run_layers_claimed): for
+# more, every thread's own rounding of x costs what the saved forks and joins give back.
+CLAIMED_MAX_ROWS = 8
+_PHASES = 6   # a layer's phases there: q|k|v, rope and cache write, attention, o, gate|up, down
+
+
+@njit(cache=True, parallel=True)
+def run_layers_claimed(h, qkv, attn, gate_up, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables,
+                       token_seq, num_heads, num_kv_heads, scale, eps, passes, rows, attn_norm, ffn_norm,
+                       qkv_qs, qkv_sc, o_qs, o_sc, gu_qs, gu_sc, down_qs, down_sc, warm_a, warm_b, counters, threads):
+    """run_layers in one parallel region: `threads` workers go through every layer's products and attention
+    as phases (cpu_claims), each taking the items it claims; the same kernels on the same items, so the
+    same results bit for bit, without a fork and join per product."""
+    no_aux = attn_norm[0, :1]
+    for w in prange(threads):
+        for i in range(attn_norm.shape[0]):
+            p = i * _PHASES
+            matmul_i8_claimed(h, qkv_qs[i], qkv_sc[i], qkv, rows[0], False, passes, X_RMSNORM, attn_norm[i], eps,
+                              counters, p, threads)
+            ops.rope_attention_claimed(qkv, positions, cos, sin, k_cache[i], v_cache[i], slot_mapping, block_tables,
+                                       token_seq, num_heads, num_kv_heads, scale, attn, warm_a[i], warm_b[i],
+                                       np.int64(0), counters, p + 1)
+            matmul_i8_claimed(attn, o_qs[i], o_sc[i], h, rows[1], True, passes, X_PLAIN, no_aux, eps,
+                              counters, p + 3, threads)
+            matmul_i8_claimed(h, gu_qs[i], gu_sc[i], gate_up, rows[2], False, passes, X_RMSNORM, ffn_norm[i], eps,
+                              counters, p + 4, threads)
+            matmul_i8_claimed(gate_up, down_qs[i], down_sc[i], h, rows[3], True, passes, X_SILU_MUL, no_aux, eps,
+                              counters, p + 5, threads)
 
 
 class LayerStack:
@@ -104,11 +135,16 @@ class LayerStack:
 
     def run(self, h, qkv, attn, gate_up, step, k_cache, v_cache, cos, sin, num_heads, num_kv_heads, scale, eps):
         a = self.arrays
-        run_layers(h, qkv, attn, gate_up, step.positions, cos, sin, k_cache, v_cache, step.slot_mapping,
-                   step.block_tables, step.token_seq, num_heads, num_kv_heads, np.float32(scale), float(eps),
-                   self.passes, self.rows, self.attn_norm, self.ffn_norm, a["qkv"][0], a["qkv"][1], a["o"][0],
-                   a["o"][1], a["gate_up"][0], a["gate_up"][1], a["down"][0], a["down"][1], *self.o_warm)
+        args = (h, qkv, attn, gate_up, step.positions, cos, sin, k_cache, v_cache, step.slot_mapping,
+                step.block_tables, step.token_seq, num_heads, num_kv_heads, np.float32(scale), float(eps),
+                self.passes, self.rows, self.attn_norm, self.ffn_norm, a["qkv"][0], a["qkv"][1], a["o"][0],
+                a["o"][1], a["gate_up"][0], a["gate_up"][1], a["down"][0], a["down"][1], *self.o_warm)
+        if h.shape[0] <= CLAIMED_MAX_ROWS:
+            threads = get_num_threads()
+            run_layers_claimed(*args, phase_counters(_PHASES * len(self.attn_norm)), threads)
+        else:
+            run_layers(*args)
 
 
 flush_stale_caches(globals(), "cpu_layers", cpu_simd.__file__, cpu_int8.__file__, cpu_transforms.__file__,
-                   cpu_matmul.__file__, ops.__file__)
+                   cpu_matmul.__file__, ops.__file__, cpu_claims.__file__)

@@ -12,8 +12,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from engine.backends import cpu_int8, cpu_simd, cpu_transforms
+from engine.backends import cpu_claims, cpu_int8, cpu_simd, cpu_transforms
 from engine.backends.cpu_cache import flush_stale_caches
+from engine.backends.cpu_claims import chunk_of, claim, finish, wait
 from engine.backends.cpu_int8 import q4_tile_i8, q8_tile_i8, quantize_row
 from engine.backends.cpu_simd import (
     U, addr, ld_f, st_f, vadd, vbcast_f, vfma, vget, vload_bf, vload_f, vload_h, vstore_f, vzero_f,
@@ -211,7 +212,31 @@ def matmul_float(wkind, x, w, out, col0, n_out, accumulate, kind, aux, eps):
         rows_float(wkind, w, wp, xt, U(ti), out, col0 + ti * 16, min(16, n_out - ti * 16), accumulate)
 
 
+@njit(cache=True, fastmath=True)
+def matmul_i8_claimed(x, qs, sc, out, n_out, accumulate, passes, kind, aux, eps, counters, phase, threads):
+    """One thread's part of out[:, :n_out] (+)= x @ W.T for a q4 / q5 / q8 matrix inside a parallel region
+    that runs several products (cpu_claims): row tiles claimed from the phase's counter, then a wait for all
+    of them. Every thread transforms and rounds x itself (a few rows: cheaper than a phase of its own)."""
+    xq, xd, xs = _prepare(transformed(x, kind, aux, eps), passes)   # no prange here: one thread's loops
+    nt = qs.shape[0]
+    chunk = chunk_of(nt, threads)
+    t0 = claim(counters, phase, chunk)
+    while t0 < nt:
+        t1 = min(t0 + chunk, nt)
+        for ti in range(t0, t1):
+            if qs.shape[2] == 4:
+                _rows_q4_i8(qs, sc, xq, xd, xs, U(ti), out, ti * 16, min(16, n_out - ti * 16), accumulate)
+            elif qs.shape[2] == 5:
+                _rows_q5_i8(qs, sc, xq, xd, xs, U(ti), out, ti * 16, min(16, n_out - ti * 16), accumulate)
+            else:
+                _rows_q8_i8(qs, sc, xq, xd, xs, U(ti), out, ti * 16, min(16, n_out - ti * 16), accumulate)
+        finish(counters, phase, t1 - t0)
+        t0 = claim(counters, phase, chunk)
+    wait(counters, phase, nt)
+
+
 FLOAT_KIND = {"f32": 0, "f16": 1, "bf16": 2}
 
 
-flush_stale_caches(globals(), "cpu_matmul", cpu_simd.__file__, cpu_int8.__file__, cpu_transforms.__file__)
+flush_stale_caches(globals(), "cpu_matmul", cpu_simd.__file__, cpu_int8.__file__, cpu_transforms.__file__,
+                   cpu_claims.__file__)

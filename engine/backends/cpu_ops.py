@@ -8,8 +8,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from engine.backends import cpu_simd, cpu_transforms
+from engine.backends import cpu_claims, cpu_simd, cpu_transforms
 from engine.backends.cpu_cache import flush_stale_caches
+from engine.backends.cpu_claims import claim, finish, wait
 from engine.backends.cpu_simd import (
     F, U, addr, ld_f, ld_i64, st_f, vadd, vbcast_f, vexp, vfma, vhmax, vload_f, vmax, vmul, vpairsum1, vpairsum2,
     vpairsum4, vpairsum8, vstore_f, vsub, vsum, vzero_f,
@@ -238,12 +239,15 @@ def _attend_items64(c, stride, qkv, k_cache, v_cache, block_tables, positions, t
                 vstore_f(outp, oo + U(48), vmul(o3, inv))
 
 
-@njit(cache=True, nogil=True, fastmath=True, inline="always")
-def _paged_attention(qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads, scale, out,
-                     warm_a, warm_b, sink, window):
-    """Causal attention over the paged cache: query token t of sequence token_seq[t] at positions[t]
-    attends to that sequence's positions 0..positions[t] (the last `window` of them when window > 0),
-    found through its block table.
+# How a step's attention is split into items (_attention_plan): one (token, kv head) an item in plain
+# code (head sizes not a multiple of 16); the whole attention as one item, with the warming of the next
+# matmul's weights as a second where given (small attentions); or up to 16 interleaved chunks of items.
+_PLAIN_ITEMS, _ONE_ITEM, _CHUNKS = 0, 1, 2
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _attention_plan(qkv, positions, k_cache, num_heads, num_kv_heads, window, warm_a, warm_b):
+    """(how, items, the longest context) of the step's attention: items run in parallel.
     Items (token, kv head) run on one thread when the step's attention is small (short decodes), else
     spread over threads round-robin (a prefill's later tokens see longer contexts). While one thread
     does a small attention, another reads warm_a and warm_b (the next matmul's weights) into the
@@ -255,28 +259,46 @@ def _paged_attention(qkv, k_cache, v_cache, block_tables, positions, token_seq, 
         max_n = max(max_n, keys)
         work += keys
     nitems = qkv.shape[0] * num_kv_heads
-    # the helpers get exactly one signature each (a prange index is unsigned; literals are not)
-    i0, i1, mx, sc, win = np.int64(0), np.int64(1), np.int64(max_n), F(scale), np.int64(window)
     if k_cache.shape[3] % 16:
-        for it in prange(nitems):
-            _attend_scalar(np.int64(it), qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads,
-                           num_kv_heads, sc, out, win)
-    elif work * num_heads < ATTN_PARALLEL_MIN_WORK or nitems == 1:
-        if warm_a.shape[0] + warm_b.shape[0] > 0:
-            for task in prange(2):
-                if task == 0:
-                    _attend(i0, i1, qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads,
-                            num_kv_heads, sc, out, mx, win)
-                else:
-                    _touch(warm_a, warm_b, sink)
-        else:
-            _attend(i0, i1, qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads,
-                    sc, out, mx, win)
+        return _PLAIN_ITEMS, np.int64(nitems), np.int64(max_n)
+    if work * num_heads < ATTN_PARALLEL_MIN_WORK or nitems == 1:
+        return _ONE_ITEM, np.int64(2 if warm_a.shape[0] + warm_b.shape[0] > 0 else 1), np.int64(max_n)
+    return _CHUNKS, np.int64(min(nitems, 16)), np.int64(max_n)
+
+
+@njit(cache=True, nogil=True, fastmath=True)
+def _attention_item(how, j, items, qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads,
+                    num_kv_heads, scale, out, max_n, window, warm_a, warm_b, sink):
+    """Item j of the plan's `items`."""
+    if how == _PLAIN_ITEMS:
+        _attend_scalar(j, qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads,
+                       scale, out, window)
+    elif how == _CHUNKS:
+        _attend(j, items, qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads,
+                scale, out, max_n, window)
+    elif j == 0:
+        _attend(np.int64(0), np.int64(1), qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads,
+                num_kv_heads, scale, out, max_n, window)
     else:
-        nch = np.int64(min(nitems, 16))
-        for c in prange(nch):
-            _attend(np.int64(c), nch, qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads,
-                    num_kv_heads, sc, out, mx, win)
+        _touch(warm_a, warm_b, sink)
+
+
+@njit(cache=True, nogil=True, fastmath=True, inline="always")
+def _paged_attention(qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads, scale, out,
+                     warm_a, warm_b, sink, window):
+    """Causal attention over the paged cache: query token t of sequence token_seq[t] at positions[t]
+    attends to that sequence's positions 0..positions[t] (the last `window` of them when window > 0),
+    found through its block table. Its items (_attention_plan) in parallel."""
+    how, items, mx = _attention_plan(qkv, positions, k_cache, num_heads, num_kv_heads, window, warm_a, warm_b)
+    # the helpers get exactly one signature each (a prange index is unsigned; literals are not)
+    sc, win = F(scale), np.int64(window)
+    if items == 1:
+        _attention_item(how, np.int64(0), items, qkv, k_cache, v_cache, block_tables, positions, token_seq,
+                        num_heads, num_kv_heads, sc, out, mx, win, warm_a, warm_b, sink)
+    else:
+        for j in prange(items):
+            _attention_item(how, np.int64(j), items, qkv, k_cache, v_cache, block_tables, positions, token_seq,
+                            num_heads, num_kv_heads, sc, out, mx, win, warm_a, warm_b, sink)
 
 
 @njit(cache=True, nogil=True, fastmath=True)
@@ -315,6 +337,27 @@ def rope_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, blo
     rope_store_kv(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
     _paged_attention(qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads, scale, out,
                      warm_a, warm_b, np.zeros(1, np.int64), window)
+
+
+@njit(cache=True, nogil=True, fastmath=True)
+def rope_attention_claimed(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables, token_seq,
+                           num_heads, num_kv_heads, scale, out, warm_a, warm_b, window, counters, phase):
+    """One thread's part of rope_attention inside a parallel region that runs the whole layer loop
+    (cpu_claims): the rotation and cache write as phase `phase` (one item), the attention's items as
+    phase + 1."""
+    if claim(counters, phase, 1) == 0:
+        rope_store_kv(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
+        finish(counters, phase, 1)
+    wait(counters, phase, 1)
+    how, items, mx = _attention_plan(qkv, positions, k_cache, num_heads, num_kv_heads, window, warm_a, warm_b)
+    sink = np.zeros(1, np.int64)
+    j = claim(counters, phase + 1, 1)
+    while j < items:
+        _attention_item(how, j, items, qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads,
+                        num_kv_heads, F(scale), out, mx, np.int64(window), warm_a, warm_b, sink)
+        finish(counters, phase + 1, 1)
+        j = claim(counters, phase + 1, 1)
+    wait(counters, phase + 1, items)
 
 
 @njit(cache=True, nogil=True)
@@ -371,4 +414,4 @@ def silu_mul(gate_up, out):
         cpu_transforms.silu_mul_row(addr(gate_up), U(t) * U(2 * f), f, addr(out), U(t) * U(f))
 
 
-flush_stale_caches(globals(), "cpu_ops", cpu_simd.__file__, cpu_transforms.__file__)
+flush_stale_caches(globals(), "cpu_ops", cpu_simd.__file__, cpu_transforms.__file__, cpu_claims.__file__)
