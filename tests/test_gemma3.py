@@ -231,12 +231,18 @@ def test_layer_groups_of_other_depths(layers, groups):
 
 # ---- every layer in one call ---------------------------------------------------------------------------
 
-def test_layer_stack_matches_the_layer_loop_bit_for_bit():
+def test_layer_stack_matches_the_layer_loop_bit_for_bit(monkeypatch):
     """run_gemma3_layers (one call for every layer) runs the forward's kernels in its order: the logits are
     identical, with formats that change from layer to layer and within q|k|v (as in a K-quant mix), scales
     of both kinds (halves in the legacy formats, float32 in the K-quants), every layer group and slot of
-    the cache, prefill chunks and decodes across the window."""
+    the cache, prefill chunks and decodes across the window. Chunks of at most CLAIMED_MAX_ROWS rows (the
+    7-token chunk, the decodes) run in one parallel region (run_gemma3_layers_claimed), also with numba at
+    one thread running the region's two iterations in turn."""
     import dataclasses
+
+    import numba
+
+    from engine.backends import cpu_gemma3_layers
     from itertools import cycle
 
     from models.quant import QuantTensor
@@ -263,6 +269,14 @@ def test_layer_stack_matches_the_layer_loop_bit_for_bit():
         model.layer_stack = stack if use_stack else None
         logits[use_stack] = run_chunks(model, tokens, [7, 9] + [1] * (len(tokens) - 16))
     np.testing.assert_array_equal(logits[True], logits[False])
+    model.layer_stack = stack
+    threads = numba.get_num_threads()
+    monkeypatch.setattr(cpu_gemma3_layers, "get_num_threads", lambda: 2)
+    numba.set_num_threads(1)
+    try:
+        np.testing.assert_array_equal(run_chunks(model, tokens, [7, 9] + [1] * (len(tokens) - 16)), logits[False])
+    finally:
+        numba.set_num_threads(threads)
     # and right: the packed copy is what the layers' own linears read too, so the reference checks both
     want = R.gemma3_forward(dataclasses.replace(w, layers=layers), tokens)
     for g, r in zip(logits[True], want):

@@ -13,15 +13,16 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
-from numba import njit
+from numba import get_num_threads, njit, prange
 from numba.core.errors import NumbaPerformanceWarning
 
-from engine.backends import cpu_int8, cpu_matmul, cpu_norm_act, cpu_simd, cpu_transforms
+from engine.backends import cpu_claims, cpu_int8, cpu_layers, cpu_matmul, cpu_norm_act, cpu_simd, cpu_transforms
 from engine.backends import cpu_ops as ops
 from engine.backends.cpu_cache import flush_stale_caches
-from engine.backends.cpu_matmul import matmul_q4_i8, matmul_q5_i8, matmul_q8_i8, matmul_q8h_i8
+from engine.backends.cpu_claims import chunk_of, claim, finish, phase_counters, wait
+from engine.backends.cpu_matmul import _prepare, matmul_q4_i8, matmul_q5_i8, matmul_q8_i8, matmul_q8h_i8, tiles_i8
 from engine.backends.cpu_norm_act import head_rmsnorm, rmsnorm_add
-from engine.backends.cpu_transforms import X_GELU_MUL, X_PLAIN, X_RMSNORM, transform
+from engine.backends.cpu_transforms import X_GELU_MUL, X_PLAIN, X_RMSNORM, transform, transformed
 
 # parallel=True although nothing here is a parallel loop: callers of parallel kernels must be (cpu_layers.py)
 warnings.filterwarnings("ignore", message=r"(?s).*'parallel=True' was specified but no transformation.*"
@@ -106,6 +107,96 @@ def run_gemma3_layers(h, qkv, attn, gate_up, branch, positions, token_seq, slot_
         rmsnorm_add(branch, norms[i, 3], np.float32(eps), h)
 
 
+@njit(cache=True, fastmath=True)
+def _slot_claimed(x, layout, i, slot, parts, codes, s32, s16, out, accumulate, passes, kind, aux, eps, counters,
+                  phase, threads):
+    """One thread's part of _linear inside run_gemma3_layers_claimed: the row tiles of all the slot's parts
+    (disjoint columns of out) claimed as one phase, x transformed and rounded by every thread itself."""
+    first, count = layout[i, slot, 0], layout[i, slot, 1]
+    xt = transformed(x, kind, aux, eps)
+    xq, xd, xs = _prepare(xt, passes)
+    halves = False
+    total = 0
+    for j in range(first, first + count):
+        halves = halves or parts[j, FAMILY] == 3
+        total += parts[j, TILES]
+    xqh, xdh, xsh = _prepare(xt, passes, True) if halves else (xq, xd, xs)   # q8h: sums per 16 values
+    chunk = chunk_of(total, threads)
+    c = claim(counters, phase, chunk)
+    while c < total:
+        e = min(c + chunk, total)
+        base = 0
+        for j in range(first, first + count):
+            p = parts[j]
+            nt, nb, lanes, ns = p[TILES], p[BLOCKS], p[LANES], p[SCALES]
+            t0, t1 = max(c - base, 0), min(e - base, nt)
+            base += nt
+            if t0 >= t1:
+                continue
+            qs = codes[p[Q_OFF]:p[Q_OFF] + nt * nb * lanes * 64].reshape((nt, nb, lanes, 16, 4))
+            n = nt * nb * ns * 16
+            q8h = p[FAMILY] == 3
+            if p[F32]:
+                tiles_i8(p[FAMILY], qs, s32[p[S_OFF]:p[S_OFF] + n].reshape((nt, nb, ns, 16)), xqh if q8h else xq,
+                         xdh if q8h else xd, xsh if q8h else xs, out, p[COL0], p[ROWS], t0, t1, accumulate)
+            else:
+                tiles_i8(p[FAMILY], qs, s16[p[S_OFF]:p[S_OFF] + n].reshape((nt, nb, ns, 16)), xqh if q8h else xq,
+                         xdh if q8h else xd, xsh if q8h else xs, out, p[COL0], p[ROWS], t0, t1, accumulate)
+        finish(counters, phase, e - c)
+        c = claim(counters, phase, chunk)
+    wait(counters, phase, total)
+
+
+_PHASES = 9   # q|k|v, q/k norms, rope and cache write, attention, o, post-attention norm, gate|up, down, post-FFN norm
+
+
+@njit(cache=True, parallel=True)
+def run_gemma3_layers_claimed(h, qkv, attn, gate_up, branch, positions, token_seq, slot_mapping, block_tables,
+                              window_slot_mapping, window_block_tables, k_cache, v_cache, cos, sin, num_heads,
+                              num_kv_heads, scale, eps, passes, layer_kv, rope, window, norms, head_norms, layout,
+                              parts, codes, s32, s16, counters, threads):
+    """run_gemma3_layers in one parallel region, its products and attention as phases that the threads
+    claim items of (cpu_claims; cpu_layers.run_layers_claimed says why); the serial steps between them are
+    phases of one item. The same kernels on the same items: the same results bit for bit."""
+    no_aux = norms[0, 0, :1]
+    for w in prange(threads):
+        for i in range(layer_kv.shape[0]):
+            ph = i * _PHASES
+            group, slot = layer_kv[i, 0], layer_kv[i, 1]
+            if group == 0:
+                slots, tables = slot_mapping, block_tables
+            else:
+                slots, tables = window_slot_mapping[group - 1], window_block_tables[group - 1]
+            _slot_claimed(h, layout, i, QKV, parts, codes, s32, s16, qkv, False, passes, X_RMSNORM, norms[i, 0], eps,
+                          counters, ph, threads)
+            if claim(counters, ph + 1, 1) == 0:
+                head_rmsnorm(qkv, head_norms[i, 0], head_norms[i, 1], num_heads, num_kv_heads, np.float32(eps))
+                finish(counters, ph + 1, 1)
+            wait(counters, ph + 1, 1)
+            o = parts[layout[i, O, 0]]
+            item = 4 if o[F32] else 2
+            scales = s32.view(np.uint8) if o[F32] else s16.view(np.uint8)
+            o_codes = codes[o[Q_OFF]:o[Q_OFF] + o[TILES] * o[BLOCKS] * o[LANES] * 64]
+            o_scales = scales[o[S_OFF] * item:(o[S_OFF] + o[TILES] * o[BLOCKS] * o[SCALES] * 16) * item]
+            ops.rope_attention_claimed(qkv, positions, cos[rope[i]], sin[rope[i]], k_cache[slot], v_cache[slot], slots,
+                                       tables, token_seq, num_heads, num_kv_heads, scale, attn, o_codes, o_scales,
+                                       window[i], counters, ph + 2)
+            _slot_claimed(attn, layout, i, O, parts, codes, s32, s16, branch, False, passes, X_PLAIN, no_aux, eps,
+                          counters, ph + 4, threads)
+            if claim(counters, ph + 5, 1) == 0:
+                rmsnorm_add(branch, norms[i, 1], np.float32(eps), h)
+                finish(counters, ph + 5, 1)
+            wait(counters, ph + 5, 1)
+            _slot_claimed(h, layout, i, GATE_UP, parts, codes, s32, s16, gate_up, False, passes, X_RMSNORM,
+                          norms[i, 2], eps, counters, ph + 6, threads)
+            _slot_claimed(gate_up, layout, i, DOWN, parts, codes, s32, s16, branch, False, passes, X_GELU_MUL, no_aux,
+                          eps, counters, ph + 7, threads)
+            if claim(counters, ph + 8, 1) == 0:
+                rmsnorm_add(branch, norms[i, 3], np.float32(eps), h)
+                finish(counters, ph + 8, 1)
+            wait(counters, ph + 8, 1)
+
+
 class Gemma3LayerStack:
     """Gemma 3's layers for run_gemma3_layers: their matrices moved into three flat arrays (each layer's
     CpuLinear then reads its parts there, so the weights are held once) and the tables of where they lie."""
@@ -175,12 +266,15 @@ class Gemma3LayerStack:
     def run(self, h, qkv, attn, gate_up, branch, step, k_cache, v_cache, num_heads, num_kv_heads, scale, eps):
         win_slots = step.slot_mapping[None] if step.window_slot_mapping is None else step.window_slot_mapping
         win_tables = step.block_tables[None] if step.window_block_tables is None else step.window_block_tables
-        run_gemma3_layers(h, qkv, attn, gate_up, branch, step.positions, step.token_seq, step.slot_mapping,
-                          step.block_tables, win_slots, win_tables, k_cache, v_cache, self.cos, self.sin,
-                          num_heads, num_kv_heads, np.float32(scale), float(eps), self.passes, self.layer_kv,
-                          self.rope, self.window, self.norms, self.head_norms, self.layout, self.parts, self.codes,
-                          self.s32, self.s16)
+        args = (h, qkv, attn, gate_up, branch, step.positions, step.token_seq, step.slot_mapping, step.block_tables,
+                win_slots, win_tables, k_cache, v_cache, self.cos, self.sin, num_heads, num_kv_heads,
+                np.float32(scale), float(eps), self.passes, self.layer_kv, self.rope, self.window, self.norms,
+                self.head_norms, self.layout, self.parts, self.codes, self.s32, self.s16)
+        if h.shape[0] <= cpu_layers.CLAIMED_MAX_ROWS:
+            run_gemma3_layers_claimed(*args, phase_counters(_PHASES * len(self.layer_kv)), get_num_threads())
+        else:
+            run_gemma3_layers(*args)
 
 
 flush_stale_caches(globals(), "cpu_gemma3_layers", cpu_simd.__file__, cpu_int8.__file__, cpu_transforms.__file__,
-                   cpu_matmul.__file__, cpu_norm_act.__file__, ops.__file__)
+                   cpu_matmul.__file__, cpu_norm_act.__file__, ops.__file__, cpu_claims.__file__)

@@ -213,23 +213,34 @@ def matmul_float(wkind, x, w, out, col0, n_out, accumulate, kind, aux, eps):
 
 
 @njit(cache=True, fastmath=True)
+def tiles_i8(family, qs, sc, xq, xd, xs, out, col0, n_out, t0, t1, accumulate):
+    """Row tiles t0 .. t1-1 of a q4 (family 0), q5 (1), q8 (2) or q8h (3) matrix against the int8 x: one
+    thread's share of a product that the threads of a parallel region claim tile by tile (cpu_claims)."""
+    for ti in range(t0, t1):
+        col, rn = col0 + ti * 16, min(16, n_out - ti * 16)
+        if family == 0:
+            _rows_q4_i8(qs, sc, xq, xd, xs, U(ti), out, col, rn, accumulate)
+        elif family == 1:
+            _rows_q5_i8(qs, sc, xq, xd, xs, U(ti), out, col, rn, accumulate)
+        elif family == 2:
+            _rows_q8_i8(qs, sc, xq, xd, xs, U(ti), out, col, rn, accumulate)
+        else:
+            _rows_q8h_i8(qs, sc, xq, xd, xs, U(ti), out, col, rn, accumulate)
+
+
+@njit(cache=True, fastmath=True)
 def matmul_i8_claimed(x, qs, sc, out, n_out, accumulate, passes, kind, aux, eps, counters, phase, threads):
     """One thread's part of out[:, :n_out] (+)= x @ W.T for a q4 / q5 / q8 matrix inside a parallel region
     that runs several products (cpu_claims): row tiles claimed from the phase's counter, then a wait for all
     of them. Every thread transforms and rounds x itself (a few rows: cheaper than a phase of its own)."""
     xq, xd, xs = _prepare(transformed(x, kind, aux, eps), passes)   # no prange here: one thread's loops
+    family = 0 if qs.shape[2] == 4 else (1 if qs.shape[2] == 5 else 2)
     nt = qs.shape[0]
     chunk = chunk_of(nt, threads)
     t0 = claim(counters, phase, chunk)
     while t0 < nt:
         t1 = min(t0 + chunk, nt)
-        for ti in range(t0, t1):
-            if qs.shape[2] == 4:
-                _rows_q4_i8(qs, sc, xq, xd, xs, U(ti), out, ti * 16, min(16, n_out - ti * 16), accumulate)
-            elif qs.shape[2] == 5:
-                _rows_q5_i8(qs, sc, xq, xd, xs, U(ti), out, ti * 16, min(16, n_out - ti * 16), accumulate)
-            else:
-                _rows_q8_i8(qs, sc, xq, xd, xs, U(ti), out, ti * 16, min(16, n_out - ti * 16), accumulate)
+        tiles_i8(family, qs, sc, xq, xd, xs, out, 0, n_out, t0, t1, accumulate)
         finish(counters, phase, t1 - t0)
         t0 = claim(counters, phase, chunk)
     wait(counters, phase, nt)
