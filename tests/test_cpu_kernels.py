@@ -508,7 +508,8 @@ def _dangling_addresses(source: str) -> list[str]:
 def test_raw_addresses_are_of_arrays_that_stay_alive():
     import inspect
 
-    found = [b for mod in (L, ops) for b in _dangling_addresses(inspect.getsource(mod))]
+    from engine.backends import cpu_claims
+    found = [b for mod in (L, ops, cpu_claims) for b in _dangling_addresses(inspect.getsource(mod))]
     assert found == [], f"addresses of arrays numba may free while they are in use: {found}"
 
 
@@ -556,7 +557,7 @@ def test_layer_stack_matches_the_layer_loop_bit_for_bit(rng, fmt):
 
 def _decode_logits(model, seq_counts, context, bs=16):
     """Logits of each sequence's prefill of `context` tokens (one step each), then of one decode step of
-    the first n sequences for each n in seq_counts (the prefills run a region per kernel: many rows)."""
+    the first n sequences for each n in seq_counts."""
     from models.llama import StepInput
     n_seq = max(seq_counts)
     blocks = (context + len(seq_counts) + bs) // bs
@@ -586,30 +587,70 @@ def test_layer_loop_in_one_region_matches_a_region_per_kernel(rng, monkeypatch, 
     """Steps of at most CLAIMED_MAX_ROWS rows run the layer loop in one parallel region, threads claiming
     the items of each product and attention (run_layers_claimed): the logits are those of run_layers bit
     for bit. Decodes of 1, 3 and 8 sequences; short contexts (attention as one item, o's weights warmed
-    by the other thread), long ones (attention in claimed chunks), and 8 heads of 8 (plain attention
-    items). Also with numba at one thread running the region's two iterations in turn: the first claims
-    every item, and neither waits forever."""
-    import numba
-
-    from engine.backends import cpu_layers
+    by the other thread), long ones (attention in claimed chunks), and 8 heads of 8 (plain attention items)."""
+    from engine.backends import cpu_claims, cpu_layers
     from models.llama import LlamaModel
     from tests.tiny_model import make_tiny_weights
     w = make_tiny_weights(seed=int(rng.integers(1 << 30)), fmt="q4_1", heads=heads, max_position=256)
     model = LlamaModel(w, CpuBackend(int8_activations=True))
     assert model.layer_stack is not None
+    regions = []
+    claimed = cpu_layers.run_layers_claimed
+    monkeypatch.setattr(cpu_layers, "run_layers_claimed", lambda *a: regions.append(a[0].shape[0]) or claimed(*a))
     logits = {}
-    for claimed in (0, cpu_layers.CLAIMED_MAX_ROWS):
-        monkeypatch.setattr(cpu_layers, "CLAIMED_MAX_ROWS", claimed)
-        logits[claimed] = _decode_logits(model, (1, 3, 8), context)
-    np.testing.assert_array_equal(logits[0], logits[cpu_layers.CLAIMED_MAX_ROWS])
-    threads = numba.get_num_threads()
-    monkeypatch.setattr(cpu_layers, "get_num_threads", lambda: 2)
-    numba.set_num_threads(1)
-    try:
-        in_turn = _decode_logits(model, (1, 3, 8), context)
-    finally:
-        numba.set_num_threads(threads)
-    np.testing.assert_array_equal(in_turn, logits[0])
+    for max_rows in (0, cpu_claims.CLAIMED_MAX_ROWS):
+        monkeypatch.setattr(cpu_claims, "CLAIMED_MAX_ROWS", max_rows)
+        logits[max_rows] = _decode_logits(model, (1, 3, 8), context)
+    # one region for each step of at most 8 rows, and only in the second pass
+    assert regions == [n for n in [context] * 8 + [1, 3, 8] if n <= cpu_claims.CLAIMED_MAX_ROWS]
+    np.testing.assert_array_equal(logits[0], logits[cpu_claims.CLAIMED_MAX_ROWS])
+
+
+_IN_TURN = """
+import numba
+import numpy as np
+from engine.backends import cpu_claims, cpu_gemma3_layers, cpu_layers
+from engine.backends.cpu import CpuBackend
+from models.gemma3 import Gemma3Model
+from models.llama import LlamaModel
+from tests.test_cpu_kernels import _decode_logits
+from tests.test_gemma3 import run_chunks
+from tests.tiny_gemma import make_tiny_gemma_weights
+from tests.tiny_model import make_tiny_weights
+
+llama = LlamaModel(make_tiny_weights(seed=3, fmt="q4_1", max_position=256), CpuBackend(int8_activations=True))
+gemma = Gemma3Model(make_tiny_gemma_weights(5, fmt="q8_0", hidden=64, window=5), CpuBackend(int8_activations=True))
+assert llama.layer_stack is not None and gemma.layer_stack is not None
+tokens = list(np.random.default_rng(1).integers(0, gemma.config.vocab_size, 12))
+runs = {}
+for max_rows in (0, cpu_claims.CLAIMED_MAX_ROWS):
+    cpu_claims.CLAIMED_MAX_ROWS = max_rows
+    runs[max_rows] = (_decode_logits(llama, (1, 3, 8), 40), run_chunks(gemma, tokens, [6] + [1] * 6))
+# two workers in the region, numba at one thread: its iterations run in turn on it
+cpu_layers.get_num_threads = cpu_gemma3_layers.get_num_threads = lambda: 2
+numba.set_num_threads(1)
+for a, b in zip(runs[0], runs[cpu_claims.CLAIMED_MAX_ROWS]):
+    np.testing.assert_array_equal(a, b)
+in_turn = (_decode_logits(llama, (1, 3, 8), 40), run_chunks(gemma, tokens, [6] + [1] * 6))
+for a, b in zip(runs[0], in_turn):
+    np.testing.assert_array_equal(a, b)
+print("ok")
+"""
+
+
+def test_one_region_finishes_when_one_thread_runs_every_worker_in_turn(tmp_path):
+    """numba may run the region's iterations in turn on fewer threads than workers (here: two workers,
+    one thread). The first then claims every item and none waits forever; the logits are unchanged.
+    In a process of its own with a time limit: a wait that never ends holds the GIL, so it would hang
+    the test run rather than fail it."""
+    import subprocess
+    import sys
+    script = tmp_path / "in_turn.py"
+    script.write_text(_IN_TURN)
+    root = str(Path(__file__).resolve().parents[1])
+    r = subprocess.run([sys.executable, str(script)], cwd=root, capture_output=True, text=True, timeout=900,
+                       env={**os.environ, "PYTHONPATH": root, "NUMBA_NUM_THREADS": "2"})
+    assert r.returncode == 0 and r.stdout.strip() == "ok", f"exit {r.returncode}: {r.stderr[-3000:]}"
 
 
 def test_layer_stack_only_where_the_layers_share_a_layout(rng):

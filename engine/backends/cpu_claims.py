@@ -7,7 +7,9 @@ region go through the step's phases together: each claims a phase's items by an 
 phase's counter, adds what it finished to the phase's done count, and waits for that count to reach the
 phase's items before the next phase. A thread waits only on items another thread has claimed and is
 running, so the region finishes however numba hands out its iterations (two threads, or one thread
-running them in turn, which then claims every item itself).
+running them in turn, which then claims every item itself), as long as no thread leaves the region
+between a claim and its finish (an exception there, say a failed allocation, would leave the others
+waiting).
 
 `counters` is an int64 array of PHASE_STRIDE entries a phase, zeroed, one per region call.
 """
@@ -23,6 +25,9 @@ from engine.backends import cpu_isa, cpu_simd
 from engine.backends.cpu_cache import flush_stale_caches
 from engine.backends.cpu_simd import U, addr
 
+# Steps of at most this many rows (decode batches, short prefill chunks) run their layer loop in one region:
+# for more, every thread's own rounding of a product's input costs what the saved forks and joins give back.
+CLAIMED_MAX_ROWS = 8
 PHASE_STRIDE = 16          # int64s a phase: its claim counter and its done count on cache lines of their own
 _DONE = U(64)              # bytes from a phase's claim counter to its done count
 _SPINS_BEFORE_YIELD = 4096  # a peer descheduled for longer than this gets the core back (sched_yield)
@@ -33,6 +38,9 @@ _I64 = ir.IntType(64)
 @intrinsic
 def _atomic_add(typingctx, p, v):
     """The int64 at address p plus v, atomically (sequentially consistent); returns the old value."""
+    if not (isinstance(p, types.Integer) and isinstance(v, types.Integer)):
+        return None
+
     def cg(context, builder, sig, args):
         return builder.atomic_rmw("add", builder.inttoptr(args[0], _I64.as_pointer()), args[1], "seq_cst")
     return types.int64(types.uint64, types.int64), cg
@@ -41,6 +49,9 @@ def _atomic_add(typingctx, p, v):
 @intrinsic
 def _atomic_load(typingctx, p):
     """The int64 at address p, read with acquire order: what was written before the matching add is seen."""
+    if not isinstance(p, types.Integer):
+        return None
+
     def cg(context, builder, sig, args):
         return builder.load_atomic(builder.inttoptr(args[0], _I64.as_pointer()), "acquire", 8)
     return types.int64(types.uint64), cg

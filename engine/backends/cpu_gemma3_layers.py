@@ -16,11 +16,11 @@ import numpy as np
 from numba import get_num_threads, njit, prange
 from numba.core.errors import NumbaPerformanceWarning
 
-from engine.backends import cpu_claims, cpu_int8, cpu_layers, cpu_matmul, cpu_norm_act, cpu_simd, cpu_transforms
+from engine.backends import cpu_claims, cpu_int8, cpu_matmul, cpu_norm_act, cpu_simd, cpu_transforms
 from engine.backends import cpu_ops as ops
 from engine.backends.cpu_cache import flush_stale_caches
 from engine.backends.cpu_claims import chunk_of, claim, finish, phase_counters, wait
-from engine.backends.cpu_matmul import _prepare, matmul_q4_i8, matmul_q5_i8, matmul_q8_i8, matmul_q8h_i8, tiles_i8
+from engine.backends.cpu_matmul import matmul_q4_i8, matmul_q5_i8, matmul_q8_i8, matmul_q8h_i8, prepare_x, tiles_i8
 from engine.backends.cpu_norm_act import head_rmsnorm, rmsnorm_add
 from engine.backends.cpu_transforms import X_GELU_MUL, X_PLAIN, X_RMSNORM, transform, transformed
 
@@ -113,14 +113,16 @@ def _slot_claimed(x, layout, i, slot, parts, codes, s32, s16, out, accumulate, p
     """One thread's part of _linear inside run_gemma3_layers_claimed: the row tiles of all the slot's parts
     (disjoint columns of out) claimed as one phase, x transformed and rounded by every thread itself."""
     first, count = layout[i, slot, 0], layout[i, slot, 1]
-    xt = transformed(x, kind, aux, eps)
-    xq, xd, xs = _prepare(xt, passes)
-    halves = False
+    halves = False   # some part is q8h, which reads x's sums per 16 values
     total = 0
     for j in range(first, first + count):
         halves = halves or parts[j, FAMILY] == 3
         total += parts[j, TILES]
-    xqh, xdh, xsh = _prepare(xt, passes, True) if halves else (xq, xd, xs)   # q8h: sums per 16 values
+    # prepare_x's halves as literals, as the matmul kernels pass it: a flag known only at run time let
+    # LLVM fold the block sums' fast-math arithmetic differently (last bits of the logits)
+    xt = transformed(x, kind, aux, eps)
+    xq, xd, xs = prepare_x(xt, passes)
+    xqh, xdh, xsh = prepare_x(xt, passes, True) if halves else (xq, xd, xs)
     chunk = chunk_of(total, threads)
     c = claim(counters, phase, chunk)
     while c < total:
@@ -135,13 +137,13 @@ def _slot_claimed(x, layout, i, slot, parts, codes, s32, s16, out, accumulate, p
                 continue
             qs = codes[p[Q_OFF]:p[Q_OFF] + nt * nb * lanes * 64].reshape((nt, nb, lanes, 16, 4))
             n = nt * nb * ns * 16
-            q8h = p[FAMILY] == 3
+            pq, pd, ps = (xqh, xdh, xsh) if p[FAMILY] == 3 else (xq, xd, xs)
             if p[F32]:
-                tiles_i8(p[FAMILY], qs, s32[p[S_OFF]:p[S_OFF] + n].reshape((nt, nb, ns, 16)), xqh if q8h else xq,
-                         xdh if q8h else xd, xsh if q8h else xs, out, p[COL0], p[ROWS], t0, t1, accumulate)
+                tiles_i8(p[FAMILY], qs, s32[p[S_OFF]:p[S_OFF] + n].reshape((nt, nb, ns, 16)), pq, pd, ps, out,
+                         p[COL0], p[ROWS], t0, t1, accumulate)
             else:
-                tiles_i8(p[FAMILY], qs, s16[p[S_OFF]:p[S_OFF] + n].reshape((nt, nb, ns, 16)), xqh if q8h else xq,
-                         xdh if q8h else xd, xsh if q8h else xs, out, p[COL0], p[ROWS], t0, t1, accumulate)
+                tiles_i8(p[FAMILY], qs, s16[p[S_OFF]:p[S_OFF] + n].reshape((nt, nb, ns, 16)), pq, pd, ps, out,
+                         p[COL0], p[ROWS], t0, t1, accumulate)
         finish(counters, phase, e - c)
         c = claim(counters, phase, chunk)
     wait(counters, phase, total)
@@ -173,6 +175,7 @@ def run_gemma3_layers_claimed(h, qkv, attn, gate_up, branch, positions, token_se
                 head_rmsnorm(qkv, head_norms[i, 0], head_norms[i, 1], num_heads, num_kv_heads, np.float32(eps))
                 finish(counters, ph + 1, 1)
             wait(counters, ph + 1, 1)
+            # o's first part, which rope_attention reads into the caches (CpuLinear.warm)
             o = parts[layout[i, O, 0]]
             item = 4 if o[F32] else 2
             scales = s32.view(np.uint8) if o[F32] else s16.view(np.uint8)
@@ -270,7 +273,7 @@ class Gemma3LayerStack:
                 win_slots, win_tables, k_cache, v_cache, self.cos, self.sin, num_heads, num_kv_heads,
                 np.float32(scale), float(eps), self.passes, self.layer_kv, self.rope, self.window, self.norms,
                 self.head_norms, self.layout, self.parts, self.codes, self.s32, self.s16)
-        if h.shape[0] <= cpu_layers.CLAIMED_MAX_ROWS:
+        if h.shape[0] <= cpu_claims.CLAIMED_MAX_ROWS:
             run_gemma3_layers_claimed(*args, phase_counters(_PHASES * len(self.layer_kv)), get_num_threads())
         else:
             run_gemma3_layers(*args)

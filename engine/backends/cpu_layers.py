@@ -63,9 +63,6 @@ def run_layers(h, qkv, attn, gate_up, positions, cos, sin, k_cache, v_cache, slo
         _linear(gate_up, down_qs[i], down_sc[i], h, rows[3], True, passes, X_SILU_MUL, no_aux, eps)
 
 
-# Steps of at most this many rows run the layer loop in one parallel region (run_layers_claimed): for
-# more, every thread's own rounding of x costs what the saved forks and joins give back.
-CLAIMED_MAX_ROWS = 8
 _PHASES = 6   # a layer's phases there: q|k|v, rope and cache write, attention, o, gate|up, down
 
 
@@ -139,7 +136,7 @@ class LayerStack:
                 step.block_tables, step.token_seq, num_heads, num_kv_heads, np.float32(scale), float(eps),
                 self.passes, self.rows, self.attn_norm, self.ffn_norm, a["qkv"][0], a["qkv"][1], a["o"][0],
                 a["o"][1], a["gate_up"][0], a["gate_up"][1], a["down"][0], a["down"][1], *self.o_warm)
-        if h.shape[0] <= CLAIMED_MAX_ROWS:
+        if h.shape[0] <= cpu_claims.CLAIMED_MAX_ROWS:
             threads = get_num_threads()
             run_layers_claimed(*args, phase_counters(_PHASES * len(self.attn_norm)), threads)
         else:

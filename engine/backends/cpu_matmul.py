@@ -75,7 +75,7 @@ def _quantize_x_row(x, i, passes, xq, xd, xs):
 
 
 @njit(cache=True, fastmath=True, inline="always")
-def _prepare(x, passes, halves=False):
+def prepare_x(x, passes, halves=False):
     """x [M, K] -> int8 planes xq ([M, passes, K]), block scales xd [M, nb] and sums xs [M, nb] (with
     halves [M, 2 nb], per 16 values); rows in parallel when there are many."""
     m, k = x.shape
@@ -177,28 +177,28 @@ def rows_float(kind, w, wp, x, t, out, col, rn, accumulate):
 # C-contiguous float32; qs, sc / w: the arrays of `repack`). One parallel loop over row tiles.
 @njit(cache=True, parallel=True, fastmath=True)
 def matmul_q4_i8(x, qs, sc, out, col0, n_out, accumulate, passes, kind, aux, eps):
-    xq, xd, xs = _prepare(transformed(x, kind, aux, eps), passes)
+    xq, xd, xs = prepare_x(transformed(x, kind, aux, eps), passes)
     for ti in prange(qs.shape[0]):
         _rows_q4_i8(qs, sc, xq, xd, xs, U(ti), out, col0 + ti * 16, min(16, n_out - ti * 16), accumulate)
 
 
 @njit(cache=True, parallel=True, fastmath=True)
 def matmul_q5_i8(x, qs, sc, out, col0, n_out, accumulate, passes, kind, aux, eps):
-    xq, xd, xs = _prepare(transformed(x, kind, aux, eps), passes)
+    xq, xd, xs = prepare_x(transformed(x, kind, aux, eps), passes)
     for ti in prange(qs.shape[0]):
         _rows_q5_i8(qs, sc, xq, xd, xs, U(ti), out, col0 + ti * 16, min(16, n_out - ti * 16), accumulate)
 
 
 @njit(cache=True, parallel=True, fastmath=True)
 def matmul_q8_i8(x, qs, sc, out, col0, n_out, accumulate, passes, kind, aux, eps):
-    xq, xd, xs = _prepare(transformed(x, kind, aux, eps), passes)
+    xq, xd, xs = prepare_x(transformed(x, kind, aux, eps), passes)
     for ti in prange(qs.shape[0]):
         _rows_q8_i8(qs, sc, xq, xd, xs, U(ti), out, col0 + ti * 16, min(16, n_out - ti * 16), accumulate)
 
 
 @njit(cache=True, parallel=True, fastmath=True)
 def matmul_q8h_i8(x, qs, sc, out, col0, n_out, accumulate, passes, kind, aux, eps):
-    xq, xd, xs = _prepare(transformed(x, kind, aux, eps), passes, True)
+    xq, xd, xs = prepare_x(transformed(x, kind, aux, eps), passes, True)
     for ti in prange(qs.shape[0]):
         _rows_q8h_i8(qs, sc, xq, xd, xs, U(ti), out, col0 + ti * 16, min(16, n_out - ti * 16), accumulate)
 
@@ -233,7 +233,8 @@ def matmul_i8_claimed(x, qs, sc, out, n_out, accumulate, passes, kind, aux, eps,
     """One thread's part of out[:, :n_out] (+)= x @ W.T for a q4 / q5 / q8 matrix inside a parallel region
     that runs several products (cpu_claims): row tiles claimed from the phase's counter, then a wait for all
     of them. Every thread transforms and rounds x itself (a few rows: cheaper than a phase of its own)."""
-    xq, xd, xs = _prepare(transformed(x, kind, aux, eps), passes)   # no prange here: one thread's loops
+    # not a parallel function: the prange loops inlined from prepare_x and transformed run as plain loops
+    xq, xd, xs = prepare_x(transformed(x, kind, aux, eps), passes)
     family = 0 if qs.shape[2] == 4 else (1 if qs.shape[2] == 5 else 2)
     nt = qs.shape[0]
     chunk = chunk_of(nt, threads)
