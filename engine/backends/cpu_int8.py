@@ -19,15 +19,18 @@ from numba import njit
 from engine.backends import cpu_isa, cpu_simd
 from engine.backends.cpu_cache import flush_stale_caches
 from engine.backends.cpu_simd import (
-    F, U, ld_f, st_f, vabs, vadd, vand, vbcast4, vbcast_f, vbcast_i, vcvt, vdot4_x16, vdot8_x16, vdpbusd, vdpbusd4_nib,
-    vfma, vhmax, vload_f, vload_h, vload_w, vmax, vmin, vmul, vor, vround_i, vsll, vsrl, vstore_i8, vsub, vsum, vzero_f,
-    vzero_i,
+    F, U, ld_f, prefetch_l2, st_f, vabs, vadd, vand, vbcast4, vbcast_f, vbcast_i, vcvt, vdot4_x16, vdot8_x16, vdpbusd,
+    vdpbusd4_nib, vfma, vhmax, vload_f, vload_h, vload_w, vmax, vmin, vmul, vor, vround_i, vsll, vsrl, vstore_i8, vsub,
+    vsum, vzero_f, vzero_i,
 )
 from models.quant import QK
 
 # avx2 splits each byte code against vpmaddubsw's saturation: a q8 block's (or q6_k half block's) two
 # planes in one int16 dot instead (cpu_isa.emit_dot_u8_x16), the same sum
 Q8_X16 = cpu_isa.ISA == "avx2"
+# Bytes of q4/q5 codes a tile's first pass reads ahead into L2: with the hardware prefetcher alone, batch-1
+# decode streamed its weights well short of the memory's bandwidth (docs/performance.md)
+PREFETCH_AHEAD = 4096
 
 
 @njit(cache=True, fastmath=True)
@@ -136,6 +139,9 @@ def q4_tile_i8(qp, sp, ns, f32, five, xqp, xdp, xsp, k, passes, t, nb, i0, nrows
     stride = U(320) if five else U(256)
     for b in range(U(nb)):
         base = (t * U(nb) + b) * stride
+        if i0 == 0:   # later rows find the tile in the caches
+            for c in range(stride // U(64)):
+                prefetch_l2(qp, base + U(PREFETCH_AHEAD) + c * U(64))
         w0 = vload_w(qp, base)
         w1 = vload_w(qp, base + U(64))
         w2 = vload_w(qp, base + U(128))

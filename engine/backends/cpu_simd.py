@@ -447,3 +447,19 @@ def vdpbusd4_nib(typingctx, acc, a0, b0, a1, b1, a2, b2, a3, b3):
     def cg(context, builder, sig, args):
         return cpu_isa.emit_dot4_nibbles(builder, args[0], [(args[i], args[i + 1]) for i in (1, 3, 5, 7)])
     return I32x16(acc, a0, b0, a1, b1, a2, b2, a3, b3), cg
+
+
+@intrinsic
+def prefetch_l2(typingctx, a, i):
+    """A hint that the cache line holding byte i of a (uint8/int8 array or raw address) is read soon: it is
+    brought into L2 (x86 prefetcht1, ARM prfm pldl2keep). A prefetch never faults, past an array's end too."""
+    if not _c(a):
+        return None
+
+    def cg(context, builder, sig, args):
+        p = _ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], _I8, _I8)
+        fn = _fn(builder, "llvm.prefetch.p0", ir.VoidType(), [p.type, _I32, _I32, _I32])
+        # read (0), locality 2 (L2), data cache (1)
+        builder.call(fn, [p, ir.Constant(_I32, 0), ir.Constant(_I32, 2), ir.Constant(_I32, 1)])
+        return context.get_dummy_value()
+    return types.none(a, i), cg
