@@ -116,7 +116,7 @@ def _madd_avx2(builder, a, b):
 
 def _sum_pairs_avx2(builder, s):
     """vpmaddwd by ones: 8 int32 lanes, each the sum of 2 int16 lanes (4 byte products)."""
-    return builder.call(_fn(builder, "llvm.x86.avx2.pmadd.wd", _V8I, [_W16, _W16]), [s, ir.Constant(_W16, [1] * 16)])
+    return _madd_wd(builder, s, ir.Constant(_W16, [1] * 16))
 
 
 def _dot_avx2(builder, acc, a, b):
