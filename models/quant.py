@@ -121,8 +121,7 @@ class QuantTensor:
             raise ValueError(f"{self.format} is not a block format")
         n, k = self.shape
         if self.format in K_FORMATS:
-            raw = np.asarray(self.data).reshape(-1, BLOCK_BYTES[self.format])
-            fields = kquants.unpack(self.format, raw)
+            fields = self.k_fields()
             scale, offset = fields.scales(self.format)
             g = kquants.SUB[self.format]
             return fields.q.reshape(n, k), scale.reshape(n, k // g), offset.reshape(n, k // g), g
@@ -143,6 +142,10 @@ class QuantTensor:
         else:
             offset = np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16)[..., 0].astype(np.float32)
         return codes.reshape(n, k), d, offset, QK
+
+    def k_fields(self) -> kquants.KFields:
+        """A K-quant's integer fields, its super-blocks in row-major order (K / 256 a row)."""
+        return kquants.unpack(self.format, np.asarray(self.data).reshape(-1, BLOCK_BYTES[self.format]))
 
     def rows(self, index: np.ndarray) -> "QuantTensor":
         """A new tensor holding the selected rows (row reordering never splits a block)."""

@@ -201,6 +201,15 @@ def test_gather_rows_is_exact(rng, fmt):
     np.testing.assert_array_equal(CpuLinear([qt]).gather(rows), qt.dequantize()[rows])
 
 
+@pytest.mark.parametrize("fmt", QUANT)
+def test_dequantized_tiles_are_exact(rng, fmt):
+    """The tile kernels' scales (halves, or the K-quants' bytes under half super-scales) give gguf's weights."""
+    qt = _tensor(rng, fmt, 37, row_length(fmt, 64))
+    w = np.empty(qt.shape, np.float32)
+    CpuLinear([qt]).dequantize_into(w)
+    np.testing.assert_array_equal(w, qt.dequantize())
+
+
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "q5_1", "q4_k", "q6_k", "f16", "f32"])
 @pytest.mark.parametrize("rows", [1, 5, 17])
 def test_matmul_with_fused_rmsnorm_and_silu_mul(rng, fmt, rows):

@@ -35,13 +35,13 @@ def _dequant_q5_block(ap, base, b, d, m, mask, wtp, ldw, col):
 
 
 @njit(cache=True, fastmath=True)
-def _dequant_quant_tile(ap, sp, ns, f32, groups, halves, t, nb, wtp, ldw, col):
+def _dequant_quant_tile(ap, sp, ns, size, groups, halves, t, nb, wtp, ldw, col):
     """Tile t of a q4/q5/q8/q8h matrix (at ap, scales at sp; groups: 4, 5 or 8 byte groups a block) as
     float32: item j * ldw + col + r of wtp is W[16 t + r, j], i.e. W transposed."""
     five = groups == 5
     for b in range(U(nb)):
         if groups <= 5:
-            d, m = block_scales(sp, t, b, nb, ns, f32, F(-8.0))
+            d, m = block_scales(sp, t, b, nb, ns, size, F(-16.0) if five else F(-8.0))
             mask = vbcast_i(0x0F)
             base = (t * U(nb) + b) * U(64 * groups)
             if five:
@@ -55,7 +55,7 @@ def _dequant_quant_tile(ap, sp, ns, f32, groups, halves, t, nb, wtp, ldw, col):
                         vstore_f(wtp, (j + U(16)) * U(ldw) + U(col),
                                  vfma(vcvt(vand(vsrl(w, U(8) * c + U(4)), mask)), d, m))
         else:
-            d, m = block_scales(sp, t, b, nb, ns, f32, F(-128.0))
+            d, m = block_scales(sp, t, b, nb, ns, size, F(-128.0))
             mask = vbcast_i(0xFF)
             for g in range(U(8)):
                 w = vload_w(ap, (t * U(nb) + b) * U(512) + g * U(64))
@@ -87,7 +87,7 @@ def dequantize_quant_t(qs, sc, wt, col0, halves):
     """W^T of a tiled q4/q5/q8/q8h (halves) matrix into columns col0 : col0 + 16 nt of wt [K, ldw] float32."""
     ap, sp, wtp = addr(qs), addr(sc), addr(wt)
     for ti in prange(qs.shape[0]):
-        _dequant_quant_tile(ap, sp, sc.shape[2], sc.itemsize == 4, qs.shape[2], halves, U(ti), qs.shape[1],
+        _dequant_quant_tile(ap, sp, sc.shape[2], sc.itemsize, qs.shape[2], halves, U(ti), qs.shape[1],
                             wtp, wt.shape[1], col0 + ti * 16)
 
 
@@ -105,7 +105,7 @@ def _rows_quant_exact(qs, sc, halves, t0, t1, x, out, col0, n_out, accumulate):
     w = np.empty(k * 16, np.float32)
     ap, sp, wp = addr(qs), addr(sc), addr(w)
     for ti in range(t0, t1):
-        _dequant_quant_tile(ap, sp, sc.shape[2], sc.itemsize == 4, qs.shape[2], halves, U(ti), qs.shape[1],
+        _dequant_quant_tile(ap, sp, sc.shape[2], sc.itemsize, qs.shape[2], halves, U(ti), qs.shape[1],
                             wp, 16, 0)
         rows_float(0, w, wp, x, U(0), out, col0 + ti * 16, min(16, n_out - ti * 16), accumulate)
 
@@ -139,9 +139,12 @@ def _half(bits):
 
 @njit(cache=True)
 def _scale(sc, t, b, s, r):
-    """Scale s of block b, row r of tile t, from float32 or IEEE half (uint16) scales."""
-    v = sc[t, b, s, r]
-    return np.float32(v) if sc.itemsize == 4 else _half(v)
+    """Scale s of block b, row r of tile t, from IEEE half (uint16) or K-quant byte scales (cpu_repack)."""
+    if sc.itemsize == 1:
+        sup = sc[t, b // 8].reshape(-1)   # the super-block's 320 bytes
+        half = _half(np.uint16(sup[32 * s + 2 * r]) | (np.uint16(sup[32 * s + 2 * r + 1]) << 8))
+        return half * np.float32(np.int8(sup[64 + 32 * (b % 8) + 16 * s + r]))
+    return _half(sc[t, b, s, r])
 
 
 @njit(cache=True)
@@ -154,7 +157,7 @@ def gather_quant(a, sc, halves, rows, out):
         for b in range(nb):
             d = _scale(sc, t, b, 0, r)
             if groups <= 5:
-                mn = _scale(sc, t, b, 1, r) if sc.shape[2] == 2 else np.float32(-8.0) * d
+                mn = _scale(sc, t, b, 1, r) if sc.shape[2] == 2 or sc.itemsize == 1 else np.float32(-8.0 if groups == 4 else -16.0) * d
                 for j in range(16):
                     q = np.int32(a[t, b, j // 4, r, j % 4])
                     lo, hi = q & 15, q >> 4

@@ -4,9 +4,10 @@ The forward calls eight kernels a layer from Python, more where q|k|v are stored
 each call costs interpreter and dispatch time on top of the kernel's launch (cpu_layers.py says why one
 call serves better). Gemma files mix formats from layer to layer (a K-quant mix: one layer's down
 projection q6_k, the next one's q4_k), so the layers' matrices cannot stack into one array a slot as
-cpu_layers' do. Here every matrix lies in one of three flat arrays instead (codes, float32 scales, half
-scales), and a table says where each part lies and what it is; the loop views each part from them and
-runs the same kernels, in the same order, as the forward's layer loop: the logits are the same bit for bit.
+cpu_layers' do. Here every matrix lies in two flat arrays instead (codes with the K-quants' byte scales,
+and half scales), and a table says where each part lies and what it is; the loop views each part from
+them and runs the same kernels, in the same order, as the forward's layer loop: the logits are the same
+bit for bit.
 """
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ warnings.filterwarnings("ignore", message=r"(?s).*'parallel=True' was specified 
                         r"cpu_gemma3_layers\.py", category=NumbaPerformanceWarning)
 
 FAMILIES = ("q4", "q5", "q8", "q8h")     # the int8 kernels' families, by their index in the part table
-# the part table's columns
-FAMILY, Q_OFF, TILES, BLOCKS, LANES, S_OFF, SCALES, F32, COL0, ROWS = range(10)
+# the part table's columns; SIZE: the scales' item size (2: halves, in s16; 1: K-quant bytes, in codes)
+FAMILY, Q_OFF, TILES, BLOCKS, LANES, S_OFF, SCALES, SIZE, COL0, ROWS = range(10)
 SLOTS = ("qkv", "o", "gate_up", "down")
 QKV, O, GATE_UP, DOWN = range(4)
 
@@ -48,67 +49,88 @@ def _product(family, x, qs, sc, out, col0, rows, accumulate, passes, kind, aux, 
         matmul_q8h_i8(x, qs, sc, out, col0, rows, accumulate, passes, kind, aux, eps)
 
 
+@njit(cache=True, inline="always")
+def _codes(p, codes):
+    return codes[p[Q_OFF]:p[Q_OFF] + p[TILES] * p[BLOCKS] * p[LANES] * 64].reshape((p[TILES], p[BLOCKS], p[LANES], 16, 4))
+
+
+@njit(cache=True, inline="always")
+def _scales(p, store):
+    """Part p's scales in store (s16, or codes for K-quant bytes: a row of blocks per super-block)."""
+    blocks = p[BLOCKS] // 8 if p[SIZE] == 1 else p[BLOCKS]
+    n = p[TILES] * blocks * p[SCALES] * 16
+    return store[p[S_OFF]:p[S_OFF] + n].reshape((p[TILES], blocks, p[SCALES], 16))
+
+
 @njit(cache=True, parallel=True)
-def _part(x, parts, j, codes, s32, s16, out, accumulate, passes, kind, aux, eps):
+def _part(x, parts, j, codes, s16, out, accumulate, passes, kind, aux, eps):
     """Part j of the table: out[:, col0 : col0 + rows] (+)= f(x) @ W.T."""
     p = parts[j]
-    nt, nb, lanes, ns = p[TILES], p[BLOCKS], p[LANES], p[SCALES]
-    qs = codes[p[Q_OFF]:p[Q_OFF] + nt * nb * lanes * 64].reshape((nt, nb, lanes, 16, 4))
-    n = nt * nb * ns * 16
-    if p[F32]:
-        _product(p[FAMILY], x, qs, s32[p[S_OFF]:p[S_OFF] + n].reshape((nt, nb, ns, 16)), out, p[COL0], p[ROWS],
-                 accumulate, passes, kind, aux, eps)
+    qs = _codes(p, codes)
+    if p[SIZE] == 2:
+        _product(p[FAMILY], x, qs, _scales(p, s16), out, p[COL0], p[ROWS], accumulate, passes, kind, aux, eps)
     else:
-        _product(p[FAMILY], x, qs, s16[p[S_OFF]:p[S_OFF] + n].reshape((nt, nb, ns, 16)), out, p[COL0], p[ROWS],
-                 accumulate, passes, kind, aux, eps)
+        _product(p[FAMILY], x, qs, _scales(p, codes), out, p[COL0], p[ROWS], accumulate, passes, kind, aux, eps)
 
 
 @njit(cache=True, parallel=True)
-def _linear(x, layout, i, slot, parts, codes, s32, s16, out, accumulate, passes, kind, aux, eps):
+def _linear(x, layout, i, slot, parts, codes, s16, out, accumulate, passes, kind, aux, eps):
     """CpuLinear.__call__ for slot `slot` of layer i: a transform shared by several parts runs once first."""
     first, count = layout[i, slot, 0], layout[i, slot, 1]
     if count > 1 and kind != X_PLAIN:
         x = transform(x, kind, aux, eps)
         kind = X_PLAIN
     for j in range(first, first + count):
-        _part(x, parts, j, codes, s32, s16, out, accumulate, passes, kind, aux, eps)
+        _part(x, parts, j, codes, s16, out, accumulate, passes, kind, aux, eps)
+
+
+@njit(cache=True, inline="always")
+def _cache_of(layer_kv, i, slot_mapping, block_tables, window_slot_mapping, window_block_tables):
+    """Layer i's slot in its cache group, and the group's slot mapping and block tables."""
+    group, slot = layer_kv[i, 0], layer_kv[i, 1]
+    if group == 0:
+        return slot, slot_mapping, block_tables
+    return slot, window_slot_mapping[group - 1], window_block_tables[group - 1]
+
+
+@njit(cache=True, inline="always")
+def _o_warm(parts, layout, i, codes, s16):
+    """Layer i's o first part, codes and scales as bytes: what rope_attention reads into the caches
+    (CpuLinear.warm)."""
+    o = parts[layout[i, O, 0]]
+    o_codes = _codes(o, codes).reshape(-1)
+    if o[SIZE] == 2:
+        return o_codes, _scales(o, s16).reshape(-1).view(np.uint8)
+    return o_codes, _scales(o, codes).reshape(-1)
 
 
 @njit(cache=True, parallel=True)
 def run_gemma3_layers(h, qkv, attn, gate_up, branch, positions, token_seq, slot_mapping, block_tables,
                       window_slot_mapping, window_block_tables, k_cache, v_cache, cos, sin, num_heads,
                       num_kv_heads, scale, eps, passes, layer_kv, rope, window, norms, head_norms, layout, parts,
-                      codes, s32, s16):
+                      codes, s16):
     """The layer loop of Gemma3Model.forward. layer_kv [L, 2]: each layer's cache group and slot in it;
     rope [L]: its (cos, sin) table; window [L]: its attention window (0: global); norms [L, 4, hidden]:
     the attn, post-attn, ffn and post-ffn norms; head_norms [L, 2, head_dim]: q's and k's; layout [L, 4,
     2]: each slot's first part and part count."""
     no_aux = norms[0, 0, :1]
     for i in range(layer_kv.shape[0]):
-        group, slot = layer_kv[i, 0], layer_kv[i, 1]
-        if group == 0:
-            slots, tables = slot_mapping, block_tables
-        else:
-            slots, tables = window_slot_mapping[group - 1], window_block_tables[group - 1]
-        _linear(h, layout, i, QKV, parts, codes, s32, s16, qkv, False, passes, X_RMSNORM, norms[i, 0], eps)
+        slot, slots, tables = _cache_of(layer_kv, i, slot_mapping, block_tables, window_slot_mapping,
+                                        window_block_tables)
+        _linear(h, layout, i, QKV, parts, codes, s16, qkv, False, passes, X_RMSNORM, norms[i, 0], eps)
         head_rmsnorm(qkv, head_norms[i, 0], head_norms[i, 1], num_heads, num_kv_heads, np.float32(eps))
-        # o's first part, which rope_attention reads into the caches (CpuLinear.warm)
-        o = parts[layout[i, O, 0]]
-        item = 4 if o[F32] else 2
-        scales = s32.view(np.uint8) if o[F32] else s16.view(np.uint8)
-        o_codes = codes[o[Q_OFF]:o[Q_OFF] + o[TILES] * o[BLOCKS] * o[LANES] * 64]
-        o_scales = scales[o[S_OFF] * item:(o[S_OFF] + o[TILES] * o[BLOCKS] * o[SCALES] * 16) * item]
+        o_codes, o_scales = _o_warm(parts, layout, i, codes, s16)
         ops.rope_attention(qkv, positions, cos[rope[i]], sin[rope[i]], k_cache[slot], v_cache[slot], slots, tables,
                            token_seq, num_heads, num_kv_heads, scale, attn, o_codes, o_scales, window[i])
-        _linear(attn, layout, i, O, parts, codes, s32, s16, branch, False, passes, X_PLAIN, no_aux, eps)
+        _linear(attn, layout, i, O, parts, codes, s16, branch, False, passes, X_PLAIN, no_aux, eps)
         rmsnorm_add(branch, norms[i, 1], np.float32(eps), h)
-        _linear(h, layout, i, GATE_UP, parts, codes, s32, s16, gate_up, False, passes, X_RMSNORM, norms[i, 2], eps)
-        _linear(gate_up, layout, i, DOWN, parts, codes, s32, s16, branch, False, passes, X_GELU_MUL, no_aux, eps)
+        _linear(h, layout, i, GATE_UP, parts, codes, s16, gate_up, False, passes, X_RMSNORM, norms[i, 2], eps)
+        _linear(gate_up, layout, i, DOWN, parts, codes, s16, branch, False, passes, X_GELU_MUL, no_aux, eps)
         rmsnorm_add(branch, norms[i, 3], np.float32(eps), h)
 
 
 @njit(cache=True, fastmath=True)
-def _slot_claimed(x, layout, i, slot, parts, codes, s32, s16, out, accumulate, passes, kind, aux, eps, counters,
+def _slot_claimed(x, layout, i, slot, parts, codes, s16, out, accumulate, passes, kind, aux, eps, counters,
                   phase, threads):
     """One thread's part of _linear inside run_gemma3_layers_claimed: the row tiles of all the slot's parts
     (disjoint columns of out) claimed as one phase, x transformed and rounded by every thread itself."""
@@ -130,20 +152,17 @@ def _slot_claimed(x, layout, i, slot, parts, codes, s32, s16, out, accumulate, p
         base = 0
         for j in range(first, first + count):
             p = parts[j]
-            nt, nb, lanes, ns = p[TILES], p[BLOCKS], p[LANES], p[SCALES]
+            nt = p[TILES]
             t0, t1 = max(c - base, 0), min(e - base, nt)
             base += nt
             if t0 >= t1:
                 continue
-            qs = codes[p[Q_OFF]:p[Q_OFF] + nt * nb * lanes * 64].reshape((nt, nb, lanes, 16, 4))
-            n = nt * nb * ns * 16
+            qs = _codes(p, codes)
             pq, pd, ps = (xqh, xdh, xsh) if p[FAMILY] == 3 else (xq, xd, xs)
-            if p[F32]:
-                tiles_i8(p[FAMILY], qs, s32[p[S_OFF]:p[S_OFF] + n].reshape((nt, nb, ns, 16)), pq, pd, ps, out,
-                         p[COL0], p[ROWS], t0, t1, accumulate)
+            if p[SIZE] == 2:
+                tiles_i8(p[FAMILY], qs, _scales(p, s16), pq, pd, ps, out, p[COL0], p[ROWS], t0, t1, accumulate)
             else:
-                tiles_i8(p[FAMILY], qs, s16[p[S_OFF]:p[S_OFF] + n].reshape((nt, nb, ns, 16)), pq, pd, ps, out,
-                         p[COL0], p[ROWS], t0, t1, accumulate)
+                tiles_i8(p[FAMILY], qs, _scales(p, codes), pq, pd, ps, out, p[COL0], p[ROWS], t0, t1, accumulate)
         finish(counters, phase, e - c)
         c = claim(counters, phase, chunk)
     wait(counters, phase, total)
@@ -156,7 +175,7 @@ _PHASES = 9   # q|k|v, q/k norms, rope and cache write, attention, o, post-atten
 def run_gemma3_layers_claimed(h, qkv, attn, gate_up, branch, positions, token_seq, slot_mapping, block_tables,
                               window_slot_mapping, window_block_tables, k_cache, v_cache, cos, sin, num_heads,
                               num_kv_heads, scale, eps, passes, layer_kv, rope, window, norms, head_norms, layout,
-                              parts, codes, s32, s16, counters, threads):
+                              parts, codes, s16, counters, threads):
     """run_gemma3_layers in one parallel region, its products and attention as phases that the threads
     claim items of (cpu_claims; cpu_layers.run_layers_claimed says why); the serial steps between them are
     phases of one item. The same kernels on the same items: the same results bit for bit."""
@@ -164,35 +183,27 @@ def run_gemma3_layers_claimed(h, qkv, attn, gate_up, branch, positions, token_se
     for w in prange(threads):
         for i in range(layer_kv.shape[0]):
             ph = i * _PHASES
-            group, slot = layer_kv[i, 0], layer_kv[i, 1]
-            if group == 0:
-                slots, tables = slot_mapping, block_tables
-            else:
-                slots, tables = window_slot_mapping[group - 1], window_block_tables[group - 1]
-            _slot_claimed(h, layout, i, QKV, parts, codes, s32, s16, qkv, False, passes, X_RMSNORM, norms[i, 0], eps,
+            slot, slots, tables = _cache_of(layer_kv, i, slot_mapping, block_tables, window_slot_mapping,
+                                            window_block_tables)
+            _slot_claimed(h, layout, i, QKV, parts, codes, s16, qkv, False, passes, X_RMSNORM, norms[i, 0], eps,
                           counters, ph, threads)
             if claim(counters, ph + 1, 1) == 0:
                 head_rmsnorm(qkv, head_norms[i, 0], head_norms[i, 1], num_heads, num_kv_heads, np.float32(eps))
                 finish(counters, ph + 1, 1)
             wait(counters, ph + 1, 1)
-            # o's first part, which rope_attention reads into the caches (CpuLinear.warm)
-            o = parts[layout[i, O, 0]]
-            item = 4 if o[F32] else 2
-            scales = s32.view(np.uint8) if o[F32] else s16.view(np.uint8)
-            o_codes = codes[o[Q_OFF]:o[Q_OFF] + o[TILES] * o[BLOCKS] * o[LANES] * 64]
-            o_scales = scales[o[S_OFF] * item:(o[S_OFF] + o[TILES] * o[BLOCKS] * o[SCALES] * 16) * item]
+            o_codes, o_scales = _o_warm(parts, layout, i, codes, s16)
             ops.rope_attention_claimed(qkv, positions, cos[rope[i]], sin[rope[i]], k_cache[slot], v_cache[slot], slots,
                                        tables, token_seq, num_heads, num_kv_heads, scale, attn, o_codes, o_scales,
                                        window[i], counters, ph + 2)
-            _slot_claimed(attn, layout, i, O, parts, codes, s32, s16, branch, False, passes, X_PLAIN, no_aux, eps,
+            _slot_claimed(attn, layout, i, O, parts, codes, s16, branch, False, passes, X_PLAIN, no_aux, eps,
                           counters, ph + 4, threads)
             if claim(counters, ph + 5, 1) == 0:
                 rmsnorm_add(branch, norms[i, 1], np.float32(eps), h)
                 finish(counters, ph + 5, 1)
             wait(counters, ph + 5, 1)
-            _slot_claimed(h, layout, i, GATE_UP, parts, codes, s32, s16, gate_up, False, passes, X_RMSNORM,
+            _slot_claimed(h, layout, i, GATE_UP, parts, codes, s16, gate_up, False, passes, X_RMSNORM,
                           norms[i, 2], eps, counters, ph + 6, threads)
-            _slot_claimed(gate_up, layout, i, DOWN, parts, codes, s32, s16, branch, False, passes, X_GELU_MUL, no_aux,
+            _slot_claimed(gate_up, layout, i, DOWN, parts, codes, s16, branch, False, passes, X_GELU_MUL, no_aux,
                           eps, counters, ph + 7, threads)
             if claim(counters, ph + 8, 1) == 0:
                 rmsnorm_add(branch, norms[i, 3], np.float32(eps), h)
@@ -201,7 +212,7 @@ def run_gemma3_layers_claimed(h, qkv, attn, gate_up, branch, positions, token_se
 
 
 class Gemma3LayerStack:
-    """Gemma 3's layers for run_gemma3_layers: their matrices moved into three flat arrays (each layer's
+    """Gemma 3's layers for run_gemma3_layers: their matrices moved into two flat arrays (each layer's
     CpuLinear then reads its parts there, so the weights are held once) and the tables of where they lie."""
 
     def __init__(self, layers, layer_kv):
@@ -221,33 +232,34 @@ class Gemma3LayerStack:
         self._pack([[getattr(ly, s) for s in SLOTS] for ly in layers])
 
     def _pack(self, slots) -> None:
-        rows, codes, scales = [], [], {True: [], False: []}
-        size = {"codes": 0, True: 0, False: 0}
+        # by the scales' item size: the flat array and what it holds so far (K-quant bytes go with the codes)
+        stores = {1: [], 2: []}
+        held = {1: 0, 2: 0}
+        rows = []
         self.layout = np.zeros((len(slots), len(SLOTS), 2), np.int64)
         for i, layer in enumerate(slots):
             for s, lin in enumerate(layer):
                 self.layout[i, s] = len(rows), len(lin.parts)
                 for p in lin.parts:
                     qs, sc = p.arrays
-                    f32 = sc.dtype == np.float32
                     nt, nb, lanes = qs.shape[:3]
-                    rows.append((FAMILIES.index(p.family), size["codes"], nt, nb, lanes, size[f32], sc.shape[2],
-                                 f32, p.col0, p.rows))
-                    codes.append(qs.reshape(-1).view(np.uint8))
-                    scales[f32].append(sc.reshape(-1))
-                    size["codes"] += qs.nbytes
-                    size[f32] += sc.size
+                    q_off = held[1]
+                    stores[1].append(qs.reshape(-1).view(np.uint8))
+                    held[1] += qs.nbytes
+                    rows.append((FAMILIES.index(p.family), q_off, nt, nb, lanes, held[sc.itemsize], sc.shape[2],
+                                 sc.itemsize, p.col0, p.rows))
+                    stores[sc.itemsize].append(sc.reshape(-1))
+                    held[sc.itemsize] += sc.size
         self.parts = np.array(rows, np.int64)
-        self.codes = np.concatenate(codes)
-        self.s32 = np.concatenate(scales[True] or [np.zeros(0, np.float32)]).astype(np.float32, copy=False)
-        self.s16 = np.concatenate(scales[False] or [np.zeros(0, np.uint16)]).astype(np.uint16, copy=False)
+        self.codes = np.concatenate(stores[1])
+        self.s16 = np.concatenate(stores[2] or [np.zeros(0, np.uint16)]).astype(np.uint16, copy=False)
         # the layers' own linears now read the packed copy
         for i, layer in enumerate(slots):
             for s, lin in enumerate(layer):
                 for k, p in enumerate(lin.parts):
                     row = self.parts[self.layout[i, s, 0] + k]
                     qs, sc = p.arrays
-                    store = self.s32 if row[F32] else self.s16
+                    store = self.s16 if row[SIZE] == 2 else self.codes
                     arrays = (self.codes[row[Q_OFF]:row[Q_OFF] + qs.nbytes].view(qs.dtype).reshape(qs.shape),
                               store[row[S_OFF]:row[S_OFF] + sc.size].reshape(sc.shape))
                     lin.use_arrays(arrays, part=k)
@@ -272,7 +284,7 @@ class Gemma3LayerStack:
         args = (h, qkv, attn, gate_up, branch, step.positions, step.token_seq, step.slot_mapping, step.block_tables,
                 win_slots, win_tables, k_cache, v_cache, self.cos, self.sin, num_heads, num_kv_heads,
                 np.float32(scale), float(eps), self.passes, self.layer_kv, self.rope, self.window, self.norms,
-                self.head_norms, self.layout, self.parts, self.codes, self.s32, self.s16)
+                self.head_norms, self.layout, self.parts, self.codes, self.s16)
         if h.shape[0] <= cpu_claims.CLAIMED_MAX_ROWS:
             run_gemma3_layers_claimed(*args, phase_counters(_PHASES * len(self.layer_kv)), get_num_threads())
         else:

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 from numba import njit
 
-from engine.backends import cpu_isa, cpu_simd
+from engine.backends import cpu_isa, cpu_repack, cpu_simd
 from engine.backends.cpu_cache import flush_stale_caches
+from engine.backends.cpu_repack import K_SUPER_BYTES
 from engine.backends.cpu_simd import (
     F, U, ld_f, prefetch_l2, st_f, vabs, vadd, vand, vbcast4, vbcast_f, vbcast_i, vcvt, vdot4_x16, vdot8_x16, vdpbusd,
-    vdpbusd4_nib, vfma, vhmax, vload_f, vload_h, vload_w, vmax, vmin, vmul, vor, vround_i, vsll, vsrl, vstore_i8, vsub,
+    vdpbusd4_nib, vfma, vhmax, vload_f, vload_h, vload_i8f, vload_w, vmax, vmin, vmul, vor, vround_i, vsll, vsrl, vstore_i8, vsub,
     vsum, vzero_f, vzero_i,
 )
 from models.quant import QK
@@ -81,15 +82,18 @@ def quantize_row(xp, xrow, k, qp, dp, sp, i, nb, passes, halves):
 
 
 @njit(cache=True, fastmath=True)
-def block_scales(sp, t, b, nb, ns, f32, zero):
-    """The two scale vectors of block b of tile t (sc [nt, nb, ns, 16] at sp, float32 or IEEE halves):
-    (d, m) with ns == 2, else (d, zero * d)."""
+def block_scales(sp, t, b, nb, ns, size, zero):
+    """The two scale vectors of block b of tile t, by the scales' item size (cpu_repack): IEEE halves (2),
+    sc [nt, nb, ns, 16] at sp: (d, m) with ns == 2, else (d, zero * d); K-quant bytes (1): the block's two
+    int8 multipliers under its super-block's two half scales."""
+    if size == 1:
+        sup = (t * U(nb >> 3) + (b >> 3)) * U(K_SUPER_BYTES)
+        row = sup + U(64) + (b & U(7)) * U(32)
+        return (vmul(vload_h(sp, sup >> U(1)), vload_i8f(sp, row)),
+                vmul(vload_h(sp, (sup >> U(1)) + U(16)), vload_i8f(sp, row + U(16))))
     so = (t * U(nb) + b) * U(ns * 16)
-    d = vload_f(sp, so) if f32 else vload_h(sp, so)
-    if ns == 2:
-        m = vload_f(sp, so + U(16)) if f32 else vload_h(sp, so + U(16))
-    else:
-        m = vmul(d, vbcast_f(zero))
+    d = vload_h(sp, so)
+    m = vload_h(sp, so + U(16)) if ns == 2 else vmul(d, vbcast_f(zero))
     return d, m
 
 
@@ -126,7 +130,7 @@ def fifth_bits(l0, l1, l2, l3, h0, h1, h2, h3, wh):
 
 
 @njit(cache=True, fastmath=True)
-def q4_tile_i8(qp, sp, ns, f32, five, xqp, xdp, xsp, k, passes, t, nb, i0, nrows):
+def q4_tile_i8(qp, sp, ns, size, five, xqp, xdp, xsp, k, passes, t, nb, i0, nrows):
     """Tile t against rows i0 .. i0+nrows-1 (nrows 1, 2 or 4) of the int8 x: 4 accumulators.
     Per block: d * xd * sum(code * xq) + m * (sum of the x block). five: q5 blocks, whose fifth bits
     follow the nibbles (codes 0..31 keep the nibble dot exact, vdpbusd4_nib)."""
@@ -151,7 +155,7 @@ def q4_tile_i8(qp, sp, ns, f32, five, xqp, xdp, xsp, k, passes, t, nb, i0, nrows
         h2, h3 = vand(vsrl(w2, 4), mask), vand(vsrl(w3, 4), mask)
         if five:
             l0, l1, l2, l3, h0, h1, h2, h3 = fifth_bits(l0, l1, l2, l3, h0, h1, h2, h3, vload_w(qp, base + U(256)))
-        d, m = block_scales(sp, t, b, nb, ns, f32, F(-8.0))
+        d, m = block_scales(sp, t, b, nb, ns, size, F(-16.0) if five else F(-8.0))
         xo = i0 * rs + b * U(QK)
         so = i0 * U(nb) + b
         s = _dot_q4_i8(l0, l1, l2, l3, h0, h1, h2, h3, xqp, xo, k, passes)
@@ -226,7 +230,7 @@ def _q8_row(acc, w0, w1, w2, w3, w4, w5, w6, w7, d, m, halves, xqp, xdp, xsp, xo
 
 
 @njit(cache=True, fastmath=True)
-def q8_tile_i8(qp, sp, ns, f32, halves, xqp, xdp, xsp, k, passes, t, nb, i0, nrows):
+def q8_tile_i8(qp, sp, ns, size, halves, xqp, xdp, xsp, k, passes, t, nb, i0, nrows):
     """Tile t of byte codes against rows i0 .. i0+nrows-1 (nrows 1, 2 or 4) of the int8 x (_q8_row)."""
     a0 = vzero_f()
     a1 = vzero_f()
@@ -243,7 +247,7 @@ def q8_tile_i8(qp, sp, ns, f32, halves, xqp, xdp, xsp, k, passes, t, nb, i0, nro
         w5 = vload_w(qp, base + U(320))
         w6 = vload_w(qp, base + U(384))
         w7 = vload_w(qp, base + U(448))
-        d, m = block_scales(sp, t, b, nb, ns, f32, F(-128.0))
+        d, m = block_scales(sp, t, b, nb, ns, size, F(-128.0))
         xo = i0 * rs + b * U(QK)
         so = i0 * U(nb) + b
         a0 = _q8_row(a0, w0, w1, w2, w3, w4, w5, w6, w7, d, m, halves, xqp, xdp, xsp, xo, so, k, passes)
@@ -258,4 +262,4 @@ def q8_tile_i8(qp, sp, ns, f32, halves, xqp, xdp, xsp, k, passes, t, nb, i0, nro
     return a0, a1, a2, a3
 
 
-flush_stale_caches(globals(), "cpu_int8", cpu_simd.__file__)
+flush_stale_caches(globals(), "cpu_int8", cpu_simd.__file__, cpu_repack.__file__)

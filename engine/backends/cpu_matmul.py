@@ -110,28 +110,27 @@ def quantize_activations(x, passes=1):
 @njit(cache=True, fastmath=True, inline="always")
 def _rows_i8(is_q4, five, halves, qs, sc, xq, xd, xs, t, out, col, rn, accumulate):
     """Tile t against every row of x: 4 rows at a time (4 x 16 accumulators in registers), then the rest.
-    Scales are float32 or IEEE halves (sc's item size); five: q5 blocks (q4's with fifth bits);
+    Scales: float32, IEEE halves or K-quant bytes (sc's item size, cpu_repack); five: q5 blocks (q4's with fifth bits);
     halves: q8 codes with a scale per 16 values."""
     m, passes, k = xq.shape
     nb, ns, ld = qs.shape[1], sc.shape[2], out.shape[1]
-    f32 = sc.itemsize == 4
     qp, sp, xqp, xdp, xsp, op = addr(qs), addr(sc), addr(xq), addr(xd), addr(xs), addr(out)
     m4 = m - m % 4
     for i0 in range(0, m4, 4):
         i = U(i0)
         if is_q4:
-            a0, a1, a2, a3 = q4_tile_i8(qp, sp, ns, f32, five, xqp, xdp, xsp, k, passes, t, nb, i, 4)
+            a0, a1, a2, a3 = q4_tile_i8(qp, sp, ns, sc.itemsize, five, xqp, xdp, xsp, k, passes, t, nb, i, 4)
         else:
-            a0, a1, a2, a3 = q8_tile_i8(qp, sp, ns, f32, halves, xqp, xdp, xsp, k, passes, t, nb, i, 4)
+            a0, a1, a2, a3 = q8_tile_i8(qp, sp, ns, sc.itemsize, halves, xqp, xdp, xsp, k, passes, t, nb, i, 4)
         store_tile_row(op, ld, i, col, a0, rn, accumulate)
         store_tile_row(op, ld, i + U(1), col, a1, rn, accumulate)
         store_tile_row(op, ld, i + U(2), col, a2, rn, accumulate)
         store_tile_row(op, ld, i + U(3), col, a3, rn, accumulate)
     for i0 in range(m4, m):
         if is_q4:
-            a0, a1, a2, a3 = q4_tile_i8(qp, sp, ns, f32, five, xqp, xdp, xsp, k, passes, t, nb, U(i0), 1)
+            a0, a1, a2, a3 = q4_tile_i8(qp, sp, ns, sc.itemsize, five, xqp, xdp, xsp, k, passes, t, nb, U(i0), 1)
         else:
-            a0, a1, a2, a3 = q8_tile_i8(qp, sp, ns, f32, halves, xqp, xdp, xsp, k, passes, t, nb, U(i0), 1)
+            a0, a1, a2, a3 = q8_tile_i8(qp, sp, ns, sc.itemsize, halves, xqp, xdp, xsp, k, passes, t, nb, U(i0), 1)
         store_tile_row(op, ld, U(i0), col, a0, rn, accumulate)
 
 

@@ -192,6 +192,19 @@ def vload_h(typingctx, a, i):
 
 
 @intrinsic
+def vload_i8f(typingctx, a, i):
+    """16 int8 from a[i] of a uint8/int8 array, sign-extended and converted to float32."""
+    if not _c(a):
+        return None
+
+    def cg(context, builder, sig, args):
+        v8 = ir.VectorType(ir.IntType(8), 16)
+        b = builder.load(_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], v8, _I8), align=1)
+        return builder.sitofp(builder.sext(b, _VI), _VF)
+    return F32x16(a, i), cg
+
+
+@intrinsic
 def vload_bf(typingctx, a, i):
     """16 bfloat16 from a[i] of a uint16 array, widened to float32."""
     if not _c(a):
