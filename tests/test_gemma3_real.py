@@ -102,9 +102,10 @@ def test_stored_formats_stay_close_to_the_reference(gemma_path, dense):
     ids = tok.encode("Question: What is the capital of France?\nAnswer:")
     model = build_model(weights, CpuBackend())
     # a node's memory budget counts the kernels' layouts before a load: never less than the load takes (the
-    # larger of the CPU's and CUDA's layouts: CUDA keeps q5_0's codes a byte each, the CPU 5 bits)
+    # larger of the CPU's and CUDA's layouts: CUDA keeps q5_0's codes a byte each, the CPU 5 bits, so the
+    # estimate is about 12% above the CPU's layout for this file)
     estimate, file_bytes = inspect_model(gemma_path).weight_bytes(None), inspect_model(gemma_path).stored_bytes
-    assert model.nbytes <= estimate < 1.1 * model.nbytes and estimate > file_bytes
+    assert model.nbytes <= estimate < 1.15 * model.nbytes and estimate > file_bytes
     got = run_chunks(model, ids, [len(ids)], block_size=16)
     want = reference.gemma3_forward(dense, ids)
     for g, w in zip(got, want):
