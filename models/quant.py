@@ -52,10 +52,16 @@ HALF_SCALES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 K_FALLBACK = {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
 
 
-# Bytes per weight in the kernels' layouts, the larger of the CPU's and CUDA's (docs/quantization.md): what a
-# loaded matrix takes, and what a memory budget must count (CUDA's codes of 5 and 6 bits take a byte).
-LAYOUT_BYTES_PER_WEIGHT = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 1.0625, "q4_0": 0.625, "q4_1": 0.625,
-                           "q5_0": 1.0625, "q5_1": 1.25, "q4_k": 0.75, "q5_k": 1.25, "q6_k": 1.25}
+# Bytes per weight in each backend's kernel layout (docs/quantization.md): what a loaded matrix takes, and
+# what a node's memory budget counts before a load. The CPU pads a matrix's rows to a multiple of
+# LAYOUT_TILE_ROWS (CUDA does not; the count pads them anyway). CUDA's codes of 5 and 6 bits take a byte.
+LAYOUT_TILE_ROWS = 16
+LAYOUT_BYTES_PER_WEIGHT = {
+    "cpu": {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 1.0625, "q4_0": 0.5625, "q4_1": 0.625, "q5_0": 0.6875,
+            "q5_1": 0.75, "q4_k": 0.578125, "q5_k": 0.703125, "q6_k": 1.078125},
+    "cuda": {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 1.0625, "q4_0": 0.625, "q4_1": 0.625, "q5_0": 1.0625,
+             "q5_1": 1.25, "q4_k": 0.75, "q5_k": 1.25, "q6_k": 1.25},
+}
 
 
 def bytes_per_weight(fmt: str) -> float:

@@ -104,9 +104,35 @@ def test_inspect_model_estimates(tmp_path):
     path = make_tiny_model(tmp_path, "est", seed=3)
     info = inspect_model(path)
     assert info.stored_format == "f32" and len(info.version) == 12
-    assert info.weight_bytes(None) == info.stored_bytes   # float32 takes in memory what it takes on disk
-    assert info.weight_bytes("q8_0") < info.weight_bytes("f16") < info.stored_bytes
+    for backend in ("cpu", "cuda"):
+        # float32 takes in memory what it takes on disk, the vocabulary's rows padded to a multiple of 16
+        padding = 4 * info.matrix_weights - (info.stored_bytes - info.vector_bytes)
+        assert info.weight_bytes(None, backend) == info.stored_bytes + padding and 0 < padding < 4 * 16 * 1024
+        assert info.weight_bytes("q8_0", backend) < info.weight_bytes("f16", backend) < info.stored_bytes
+    # the CPU keeps q5_0's codes in 5 bits, CUDA in a byte each
+    assert info.weight_bytes("q5_0", "cpu") < info.weight_bytes("q5_0", "cuda")
     assert inspect_model(path).version == info.version
+
+
+@pytest.mark.parametrize("quantization", ["q5_0", "q4_k"])
+def test_a_load_takes_what_the_registry_estimated_for_its_backend(tiny_models, quantization):
+    """Before a load the registry counts the layouts of the backend the engine runs on (here the CPU's,
+    which keeps 5-bit codes and K-quant scales smaller than CUDA's): what the load then takes."""
+    from engine.config import EngineConfig
+    from engine.node.registry import ModelRegistry
+
+    def engine_config(spec, fmt):
+        return EngineConfig(model=spec.path, model_id=spec.id, quantization=fmt, backend="cpu",
+                            kv_cache_bytes=1 << 20)
+
+    reg = ModelRegistry([ModelSpec(tiny_models["b"], "tiny-b")], 64 << 20, engine_config)
+    try:
+        estimate = reg.estimate_bytes("tiny-b", quantization)
+        m = reg.load("tiny-b", quantization, 120)
+        assert m.quantization == quantization and m.bytes == estimate
+        assert estimate < reg.info("tiny-b").weight_bytes(quantization, "cuda") + (1 << 20)
+    finally:
+        reg.close()
 
 
 def test_an_evicted_model_gives_its_memory_back_at_once(tiny_models):

@@ -15,11 +15,17 @@ def cuda_available() -> bool:
         return False
 
 
-def get_backend(name: str | None = None):
-    """name: 'cpu', 'cuda' or 'auto' (env ZEN_BACKEND when not given)."""
+def backend_name(name: str | None = None) -> str:
+    """The backend that `name` ('cpu', 'cuda' or 'auto'; env ZEN_BACKEND when not given) runs on."""
     name = (name or os.environ.get("ZEN_BACKEND") or "auto").lower()
     if name == "auto":
         name = "cuda" if cuda_available() else "cpu"
+    return name
+
+
+def get_backend(name: str | None = None):
+    """name: 'cpu', 'cuda' or 'auto' (env ZEN_BACKEND when not given)."""
+    name = backend_name(name)
     if name == "cpu":
         from engine.backends.cpu import CpuBackend
         return CpuBackend()

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from engine.backends import backend_name
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.grammar import guidance_tokenizer
@@ -149,8 +150,8 @@ class ModelRegistry:
         label, convert_to = self.resolve(model_id, quantization)
         if (model_id, label) in self._exact_bytes:
             return self._exact_bytes[(model_id, label)]
-        kv_cache_bytes = self.engine_config(self.spec(model_id), convert_to).kv_cache_bytes
-        return self.info(model_id).weight_bytes(convert_to) + kv_cache_bytes
+        cfg = self.engine_config(self.spec(model_id), convert_to)
+        return self.info(model_id).weight_bytes(convert_to, backend_name(cfg.backend)) + cfg.kv_cache_bytes
 
     # ---- leases
     def _find_locked(self, model_id: str, quantization: str | None) -> ResidentModel | None:
