@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from models.quant import (BLOCK_FORMATS, BLOCK_VALUES, FLOAT_FORMATS, FORMATS, K_FALLBACK, LAYOUT_BYTES_PER_WEIGHT,
-                          LAYOUT_TILE_ROWS, UnsupportedFormat, bytes_per_weight, format_of_ggml)
+from models.quant import (BLOCK_FORMATS, FLOAT_FORMATS, FORMATS, LAYOUT_BYTES_PER_WEIGHT, LAYOUT_TILE_ROWS,
+                          UnsupportedFormat, bytes_per_weight, converted_format, format_of_ggml)
 
 # A model stored in mixed formats is named by its most compact one (a Q4_1 GGUF keeps its embedding in q8_0;
 # a Q4_K_M GGUF mixes q4_k, q5_0, q6_k and q8_0, and is named q4_k).
@@ -34,29 +34,24 @@ def resolve_quantization(requested: str | None, stored_format: str,
 
 @dataclass
 class ModelFileInfo:
-    """What the file says before loading: its dominant stored format and its weight counts."""
-    stored_format: str
-    matrix_weights: int          # elements of 2-D tensors (re-encoded by a quantization), rows padded to tiles
+    """What the file says before loading: its matrices' formats and shapes, and its sizes."""
+    matrices: dict[tuple[str, int], int]   # elements per (stored format, row length), rows padded to tiles
     vector_bytes: int            # 1-D tensors (norms) stay float32
     stored_bytes: int            # tensor bytes as loaded with the stored formats kept
     version: str                 # a content fingerprint, the same on every node with the same file
     loads_dequantized: bool = False   # some matrices are in a type without kernels: they load as float32
-    matrix_formats: dict[str, int] = field(default_factory=dict)   # matrix elements per stored format, padded
-    k_unaligned_weights: int = 0   # padded elements of matrices whose rows no K-quant super-block divides
+
+    @property
+    def stored_format(self) -> str:
+        """The most compact of the matrices' formats (FORMAT_ORDER)."""
+        return min((f for f, _ in self.matrices), key=FORMAT_ORDER.index, default="f32")
 
     def weight_bytes(self, convert_to: str | None, backend: str) -> int:
         """What the weights take once loaded, in the kernel layouts of `backend` (cpu, cuda): the stored
-        formats, or all matrices in `convert_to` (a K-quant's fallback where its blocks do not fit a row)."""
-        if convert_to is None:
-            counts = self.matrix_formats
-        elif convert_to in K_FALLBACK:
-            counts = {convert_to: self.matrix_weights - self.k_unaligned_weights}
-            fallback = K_FALLBACK[convert_to]
-            counts[fallback] = counts.get(fallback, 0) + self.k_unaligned_weights
-        else:
-            counts = {convert_to: self.matrix_weights}
+        formats, or every matrix converted to `convert_to`."""
         per_weight = LAYOUT_BYTES_PER_WEIGHT[backend]
-        return int(sum(n * per_weight[f] for f, n in counts.items())) + self.vector_bytes
+        return int(sum(n * per_weight[converted_format(convert_to, length) or fmt]
+                       for (fmt, length), n in self.matrices.items())) + self.vector_bytes
 
 
 def inspect_model(path: str) -> ModelFileInfo:
@@ -70,32 +65,20 @@ def inspect_model(path: str) -> ModelFileInfo:
         files = sorted(os.path.join(p, f) for f in os.listdir(p) if f.endswith(".safetensors"))
         matrices, vector_bytes, stored = _safetensors_counts(files)
         dequantized = False
-    return ModelFileInfo(matrices.stored_format(), matrices.weights, vector_bytes, stored, _fingerprint(files),
-                         dequantized, matrices.formats, matrices.k_unaligned)
+    return ModelFileInfo(matrices, vector_bytes, stored, _fingerprint(files), dequantized)
 
 
-@dataclass
-class _Matrices:
-    """Element counts of a file's matrices, their rows padded to tiles as the layouts pad them."""
-    weights: int = 0
-    k_unaligned: int = 0
-    formats: dict[str, int] = field(default_factory=dict)
-
-    def add(self, fmt: str, n: int, row_length: int) -> None:
-        padded = -(-(n // row_length) // LAYOUT_TILE_ROWS) * LAYOUT_TILE_ROWS * row_length
-        self.weights += padded
-        self.k_unaligned += padded if row_length % BLOCK_VALUES["q4_k"] else 0
-        self.formats[fmt] = self.formats.get(fmt, 0) + padded
-
-    def stored_format(self) -> str:
-        return min(self.formats, key=FORMAT_ORDER.index) if self.formats else "f32"
+def _add_matrix(matrices: dict[tuple[str, int], int], fmt: str, n: int, row_length: int) -> None:
+    """Count a matrix of n elements in rows of row_length, its rows padded to tiles as the layouts pad them."""
+    padded = -(-(n // row_length) // LAYOUT_TILE_ROWS) * LAYOUT_TILE_ROWS * row_length
+    matrices[(fmt, row_length)] = matrices.get((fmt, row_length), 0) + padded
 
 
-def _gguf_counts(path: str) -> tuple[_Matrices, int, int, bool]:
-    """(the matrices' counts, vector bytes as float32, bytes as loaded, whether some matrices load
-    dequantized to float32: a type the engine has no kernels for)."""
+def _gguf_counts(path: str) -> tuple[dict[tuple[str, int], int], int, int, bool]:
+    """(the matrices' elements per format and row length, vector bytes as float32, bytes as loaded, whether
+    some matrices load dequantized to float32: a type the engine has no kernels for)."""
     from models.gguf_file import open_gguf
-    matrices = _Matrices()
+    matrices: dict[tuple[str, int], int] = {}
     vector_bytes, stored, dequantized = 0, 0, False
     for t in open_gguf(path).tensors:
         n = int(t.n_elements)
@@ -104,7 +87,7 @@ def _gguf_counts(path: str) -> tuple[_Matrices, int, int, bool]:
                 fmt = format_of_ggml(t.tensor_type)
             except ValueError:
                 fmt, dequantized = "f32", True
-            matrices.add(fmt, n, int(t.shape[0]))   # GGUF lists the row length first
+            _add_matrix(matrices, fmt, n, int(t.shape[0]))   # GGUF lists the row length first
             stored += 4 * n if fmt == "f32" else int(t.n_bytes)
         else:
             stored += int(t.n_bytes)
@@ -112,9 +95,9 @@ def _gguf_counts(path: str) -> tuple[_Matrices, int, int, bool]:
     return matrices, vector_bytes, stored, dequantized
 
 
-def _safetensors_counts(files: list[str]) -> tuple[_Matrices, int, int]:
+def _safetensors_counts(files: list[str]) -> tuple[dict[tuple[str, int], int], int, int]:
     from models.safetensors_file import _FLOAT_DTYPES, _read_header
-    matrices = _Matrices()
+    matrices: dict[tuple[str, int], int] = {}
     vector_bytes, stored = 0, 0
     for f in files:
         for name, entry in _read_header(f).items():
@@ -126,7 +109,7 @@ def _safetensors_counts(files: list[str]) -> tuple[_Matrices, int, int]:
                 n *= int(s)
             stored += int(n * bytes_per_weight(fmt))
             if len(shape) >= 2:
-                matrices.add(fmt, n, int(shape[-1]))
+                _add_matrix(matrices, fmt, n, int(shape[-1]))
             else:
                 vector_bytes += 4 * n
     return matrices, vector_bytes, stored

@@ -64,6 +64,14 @@ LAYOUT_BYTES_PER_WEIGHT = {
 }
 
 
+def converted_format(fmt: str | None, row_length: int) -> str | None:
+    """The format a matrix with rows of row_length takes when converted to `fmt`: a K-quant's fallback where
+    its super-blocks do not divide the rows."""
+    if fmt in K_FALLBACK and row_length % BLOCK_VALUES[fmt]:
+        return K_FALLBACK[fmt]
+    return fmt
+
+
 def bytes_per_weight(fmt: str) -> float:
     """Stored bytes per matrix element of format `fmt` (block formats include their scales)."""
     if fmt not in GGML_TYPE:
@@ -195,8 +203,7 @@ class QuantTensor:
 
     def convert(self, fmt: str | None) -> "QuantTensor":
         """This matrix in `fmt` (a K-quant falls back as llama.cpp does where rows are not a multiple of 256)."""
-        if fmt in K_FALLBACK and self.shape[-1] % BLOCK_VALUES[fmt]:
-            fmt = K_FALLBACK[fmt]
+        fmt = converted_format(fmt, self.shape[-1])
         if fmt is None or fmt == self.format:
             return self
         return QuantTensor.from_float(self.dequantize(), fmt)

@@ -106,7 +106,7 @@ def test_inspect_model_estimates(tmp_path):
     assert info.stored_format == "f32" and len(info.version) == 12
     for backend in ("cpu", "cuda"):
         # float32 takes in memory what it takes on disk, the vocabulary's rows padded to a multiple of 16
-        padding = 4 * info.matrix_weights - (info.stored_bytes - info.vector_bytes)
+        padding = 4 * sum(info.matrices.values()) - (info.stored_bytes - info.vector_bytes)
         assert info.weight_bytes(None, backend) == info.stored_bytes + padding and 0 < padding < 4 * 16 * 1024
         assert info.weight_bytes("q8_0", backend) < info.weight_bytes("f16", backend) < info.stored_bytes
     # the CPU keeps q5_0's codes in 5 bits, CUDA in a byte each
