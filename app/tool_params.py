@@ -71,7 +71,9 @@ def tool_plan(body: Mapping[str, Any], has_constraint: bool) -> ToolPlan:
     """The request's ToolPlan; 400 naming tools, tool_choice or parallel_tool_calls when they are bad."""
     tools = body.get("tools")
     choice = body.get("tool_choice")
-    parallel = body.get("parallel_tool_calls", True)
+    parallel = body.get("parallel_tool_calls")
+    if parallel is None:   # absent or null: the default
+        parallel = True
     if not isinstance(parallel, bool):
         raise bad_value("`parallel_tool_calls` must be a boolean", "parallel_tool_calls", "invalid_type")
     if tools in (None, []):

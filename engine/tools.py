@@ -36,11 +36,33 @@ To call a function, answer with a JSON object that names it and gives its argume
 
 # ------------------------------------------------------------------------------------------ grammar
 
+_ARGUMENTS = "/properties/arguments"   # where a function's parameters sit in its call's schema
+_LITERAL_KEYWORDS = ("const", "enum", "default", "examples")   # their values are data, not schemas
+
+
+def _rebased(schema: Any, prefix: str) -> Any:
+    """schema with its local references (`#`, `#/...`) pointing under `prefix`: the parameters' `$defs`
+    (what `openai.pydantic_function_tool` writes for nested models) stay reachable once nested."""
+    if isinstance(schema, list):
+        return [_rebased(v, prefix) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            out[key] = "#" + prefix + value[1:]
+        elif key in _LITERAL_KEYWORDS:
+            out[key] = value
+        else:
+            out[key] = _rebased(value, prefix)
+    return out
+
+
 def _call_schema(function: dict) -> dict:
     """The JSON schema of one call of `function`: its name, and arguments matching its parameters."""
     return {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
             "properties": {"name": {"const": function["name"]},
-                           "arguments": function.get("parameters") or ANY_OBJECT},
+                           "arguments": _rebased(function.get("parameters") or ANY_OBJECT, _ARGUMENTS)},
             "x-guidance": _COMPACT}
 
 

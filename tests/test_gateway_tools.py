@@ -73,6 +73,32 @@ def test_the_grammar_accepts_exactly_valid_calls():
     assert not accepts('<tool_call>{"name":"get_weather","arguments":{"city":"a"}}</tool_call>\n' * 2)
 
 
+# what openai.pydantic_function_tool writes for a model with a nested model: references into $defs
+PLAN = {"type": "function", "function": {"name": "plan", "parameters": {
+    "$defs": {"Step": {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"],
+                       "additionalProperties": False}},
+    "type": "object", "properties": {"steps": {"type": "array", "items": {"$ref": "#/$defs/Step"}}},
+    "required": ["steps"], "additionalProperties": False}}}
+
+
+def test_a_forced_call_follows_the_parameters_references():
+    tok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteTokenizer()))
+    grammar = llguidance.grammar_from("lark", tool_call_grammar([PLAN["function"]], parallel=False))
+
+    def accepts(text: str) -> bool:
+        m = llguidance.LLMatcher(tok, grammar, log_level=0)
+        assert not m.is_error(), m.get_error()
+        return m.consume_tokens(list(text.encode())) and m.is_accepting()
+    assert accepts('<tool_call>{"name":"plan","arguments":{"steps":[{"x":"a"}]}}</tool_call>')
+    assert not accepts('<tool_call>{"name":"plan","arguments":{"steps":[{"y":"a"}]}}</tool_call>')   # not a Step
+
+
+def test_a_forced_call_with_references_is_accepted(client, auth, node):  # noqa: F811
+    body = _chat(tools=[PLAN], tool_choice="required", parallel_tool_calls=None)   # null: the default
+    assert client.post("/v1/chat/completions", headers=auth, json=body).status_code == 200
+    assert node.received[-1]["sampling"]["structured_output"]["value"].startswith("start: call (")
+
+
 class _ByteTokenizer:
     """One token per byte (and an EOS): enough for llguidance to run a grammar over text."""
     eos_token_id = 256
