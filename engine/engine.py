@@ -256,14 +256,13 @@ class Engine:
                                                                      result.top_logprobs[row][:k])])
             seq.logprobs.append(entry)
             lp.append(entry)
-        text, stopped = o.stop.push(o.detok.push(token))
-        reason = None
         long_enough = seq.num_output_tokens >= p.min_tokens
-        if stopped or grammar_done:
-            reason = "stop"
-        elif long_enough and token in o.stop_ids:
-            reason = "stop"
-        elif long_enough and not p.ignore_eos and token in self.eos_token_ids:
+        # a stop token ends the text before it, as a stop string does; under min_tokens nothing stops
+        stop_token = long_enough and (token in o.stop_ids or (not p.ignore_eos and token in self.eos_token_ids))
+        piece = "" if stop_token else o.detok.push(token)
+        text, stopped = o.stop.push(piece) if long_enough else (piece, False)
+        reason = None
+        if stopped or grammar_done or stop_token:
             reason = "stop"
         elif p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
             reason = "length"

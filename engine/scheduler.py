@@ -162,7 +162,10 @@ class Scheduler:
     def _expire_waiting(self, now: float, out: SchedulerOutput) -> None:
         for seq in list(self.waiting):
             timeout = seq.request.queue_timeout_s
-            if timeout is not None and seq.times.first_scheduled is None and now - seq.request.arrival_time > timeout:
+            leader = seq.prefill_leader   # n > 1: the request has started once its first sequence has
+            started = seq.times.first_scheduled is not None or (leader is not None and
+                                                                 leader.times.first_scheduled is not None)
+            if timeout is not None and not started and now - seq.request.arrival_time > timeout:
                 self.finish(seq, "timeout", f"request waited {now - seq.request.arrival_time:.1f} s in the queue, "
                                             f"past its {timeout:g} s deadline")
                 out.timed_out.append(seq)

@@ -287,6 +287,24 @@ def test_stop_strings_min_tokens_and_ignore_eos(tiny_gguf):
     by_id = run(eng, [req("id", prompt(90, 8), max_tokens=30, ignore_eos=True, stop_token_ids=[stop_id],
                           min_tokens=2)])["id"][0]
     assert by_id[1] == "stop" and by_id[0] == base[0][:at + 1]
+    # the stop token's own text is not in the output, as a stop string's is not
+    before = run(eng, [req("before", prompt(90, 8), max_tokens=at, ignore_eos=True)])["before"][0]
+    assert by_id[2] == before[2] and before[0] == base[0][:at]
+    # under min_tokens a stop string does not stop the sequence either
+    late = run(eng, [req("late", prompt(90, 8), max_tokens=30, ignore_eos=True, stop=[stop],
+                         min_tokens=len(cut[0]) + 1)])["late"][0]
+    assert len(late[0]) > len(cut[0]) and late[2].startswith(text[:text.index(stop) + len(stop)])
+
+
+def test_a_request_whose_first_sequence_started_does_not_time_out_in_the_queue(tiny_gguf):
+    eng = make_engine(tiny_gguf, max_batched=8)
+    r = req("n", prompt(72, 40), n=2, temperature=1.0, seed=3, max_tokens=4)
+    r.queue_timeout_s = 0.05
+    eng.add_request(r)
+    eng.step()   # the first sequence starts its prompt; the second waits for it (5 chunks of 8)
+    time.sleep(0.1)
+    out = run(eng, [])
+    assert sorted(out["n"]) == [0, 1] and [out["n"][i][1] for i in (0, 1)] == ["length", "length"]
 
 
 @pytest.mark.parametrize("bad, param", [
