@@ -134,6 +134,8 @@ def build_request(body: Mapping[str, Any], kind: str) -> tuple[InferenceRequest,
         model.check_chat()
     max_tokens, max_param = params.max_tokens(body, model.max_context, model.default_max_tokens)
     min_tokens = params.number(body, "min_tokens", maximum=max_tokens)
+    if inputs.prompt_token_ids is not None and max_param is None:   # a default fits what the prompt leaves
+        max_tokens = max(1, min_tokens, min(max_tokens, model.max_context - len(inputs.prompt_token_ids)))
     if inputs.prompt_token_ids is not None and \
             len(inputs.prompt_token_ids) + max_tokens > model.max_context:
         raise APIError(400, f"This model's maximum context length is {model.max_context} tokens. "
@@ -145,7 +147,7 @@ def build_request(body: Mapping[str, Any], kind: str) -> tuple[InferenceRequest,
                                           caller.max_latency_class, caller.default_latency_class)
     except ValueError as exc:
         raise bad_value(f"`{LATENCY_CLASS_HEADER}` header {exc}", LATENCY_CLASS_HEADER) from None
-    theta = sampling_params(max_tokens=max_tokens, min_tokens=min_tokens, stop=stop,
+    theta = sampling_params(max_tokens=max_tokens, max_tokens_default=max_param is None, min_tokens=min_tokens, stop=stop,
                             stop_token_ids=stop_ids, logit_bias=bias, ignore_eos=ignore_eos,
                             n=n, logprobs=logprobs, structured_output=constraint, **sampling)
     req = InferenceRequest(model=model, inputs=inputs, params=theta, latency_class=latency_class,

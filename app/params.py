@@ -306,8 +306,8 @@ def prompt(body: Mapping[str, Any]) -> tuple[str | None, tuple[int, ...] | None]
                     "of those", "prompt", "invalid_type")
 
 
-def max_tokens(body: Mapping[str, Any], max_context: int, default: int) -> tuple[int, str]:
-    """(max_tokens, the parameter it came from), at most the model's context."""
+def max_tokens(body: Mapping[str, Any], max_context: int, default: int) -> tuple[int, str | None]:
+    """(max_tokens, the parameter it came from: None for the model's default), at most the model's context."""
     for name in ("max_completion_tokens", "max_tokens"):
         if body.get(name) is not None:
             value = number(body, name)
@@ -315,7 +315,7 @@ def max_tokens(body: Mapping[str, Any], max_context: int, default: int) -> tuple
                 raise bad_value(f"`{name}` is {value}, more than the model's context of "
                                 f"{max_context} tokens", name)
             return value, name
-    return default, "max_tokens"
+    return default, None
 
 
 def require_model(body: Mapping[str, Any]) -> str:

@@ -1,6 +1,7 @@
 """Engine: add_request / abort / step over one model — the loop that a node's thread (or LLM) drives."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import random
@@ -156,6 +157,9 @@ class Engine:
                 f"the prompt has {n} tokens; this model's context is {self.max_model_len} tokens "
                 f"and at least one must be left to generate", param="prompt", code="context_length_exceeded")
         p = request.sampling
+        room = min(self.max_model_len, self.max_seq_tokens) - n
+        if p.max_tokens_default and p.max_tokens is not None and max(1, p.min_tokens) <= room < p.max_tokens:
+            p = request.sampling = dataclasses.replace(p, max_tokens=room)
         try:
             p.validate_for(vocab_size=vocab, max_model_len=self.max_model_len, prompt_len=n)
         except ValueError as e:

@@ -154,8 +154,8 @@ def optional_str(body: Mapping, name: str, max_len: int = 256) -> str | None:
     return v
 
 
-# Sent only when set away from their defaults: the gateway never sets them.
-_SENT_WHEN_SET = frozenset({"best_of", "skip_special_tokens", "structured_output"})
+# Sent only when set away from their defaults, which most requests keep.
+_SENT_WHEN_SET = frozenset({"best_of", "skip_special_tokens", "structured_output", "max_tokens_default"})
 
 
 def sampling_to_json(params: "SamplingParams") -> dict:

@@ -125,6 +125,7 @@ class SamplingParams:
     stop: str | list[str] | None = None        # normalized to a list (empty when None)
     stop_token_ids: list[int] | None = None    # normalized to a list (empty when None)
     max_tokens: int | None = 16                # None = up to the context
+    max_tokens_default: bool = False           # max_tokens is the server's default: cut to what the prompt leaves
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None                # top alternatives, 0..20; 0 = only the chosen token's
@@ -159,6 +160,7 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise SamplingParamError("min_tokens", f"min_tokens ({self.min_tokens}) must be <= max_tokens "
                                                    f"({self.max_tokens})")
+        self.max_tokens_default = _bool("max_tokens_default", self.max_tokens_default)
         self.ignore_eos = _bool("ignore_eos", self.ignore_eos)
         self.logprobs = _int("logprobs", self.logprobs, 0, MAX_LOGPROBS, optional=True)
         self.skip_special_tokens = _bool("skip_special_tokens", self.skip_special_tokens)
@@ -241,12 +243,12 @@ class SamplingParams:
         if room < 1:
             raise SamplingParamError("prompt", f"the prompt is {prompt_len} tokens long, which leaves no room "
                                                f"in the model's context of {max_model_len} tokens")
-        if self.max_tokens is not None and self.max_tokens > room:
-            raise SamplingParamError("max_tokens", f"max_tokens ({self.max_tokens}) plus the prompt's "
-                                                   f"{prompt_len} tokens exceeds the model's context length "
-                                                   f"of {max_model_len}; use max_tokens <= {room}")
         if self.min_tokens > room:
             raise SamplingParamError("min_tokens", f"min_tokens ({self.min_tokens}) plus the prompt's "
                                                    f"{prompt_len} tokens exceeds the model's context length "
                                                    f"of {max_model_len}")
+        if self.max_tokens is not None and self.max_tokens > room:
+            raise SamplingParamError("max_tokens", f"max_tokens ({self.max_tokens}) plus the prompt's "
+                                                   f"{prompt_len} tokens exceeds the model's context length "
+                                                   f"of {max_model_len}; use max_tokens <= {room}")
 

@@ -307,6 +307,18 @@ def test_a_request_whose_first_sequence_started_does_not_time_out_in_the_queue(t
     assert sorted(out["n"]) == [0, 1] and [out["n"][i][1] for i in (0, 1)] == ["length", "length"]
 
 
+def test_a_default_max_tokens_is_cut_to_what_the_prompt_leaves(engine):
+    toks = prompt(81, 10)
+    r = req("default", toks, max_tokens=10_000, max_tokens_default=True)
+    engine.add_request(r)
+    room = min(engine.max_model_len, engine.max_seq_tokens) - len(toks)
+    assert r.sampling.max_tokens == room
+    engine.abort("default")
+    with pytest.raises(RequestError) as e:   # the client's own max_tokens is refused, not cut
+        engine.add_request(req("own", toks, max_tokens=room + 1))
+    assert e.value.param == "max_tokens"
+
+
 @pytest.mark.parametrize("bad, param", [
     (dict(toks=[]), "prompt"),
     (dict(toks=[10] * 600), "prompt"),

@@ -717,6 +717,20 @@ def test_unknown_and_forbidden_models_are_404(client, gateway):
                              json=chat_body(model="zen-small-f16")), 404, "model", "model_not_found")
 
 
+def test_the_default_max_tokens_fits_what_the_prompt_leaves(client, auth, node):
+    # no max_tokens: the model's default (512), shortened to the room left by 8000 prompt tokens of 8192
+    r = client.post(COMPLETIONS, headers=auth, json={"model": "zen-small", "prompt": list(range(8000))})
+    assert r.status_code == 200, r.text
+    sent = node.received[-1]["sampling"]
+    assert sent["max_tokens"] == 192 and sent["max_tokens_default"] is True
+    # a text prompt's length is known at the node: the default goes with its flag, the client's without
+    client.post(CHAT, headers=auth, json=chat_body())
+    assert node.received[-1]["sampling"]["max_tokens_default"] is True
+    client.post(CHAT, headers=auth, json=chat_body(max_completion_tokens=7))
+    assert node.received[-1]["sampling"]["max_tokens"] == 7
+    assert "max_tokens_default" not in node.received[-1]["sampling"]
+
+
 def test_prompt_over_the_context(client, auth, node):
     err = assert_error(client.post(COMPLETIONS, headers=auth, json={
         "model": "zen-small", "prompt": list(range(8000)), "max_tokens": 500}),
