@@ -30,8 +30,12 @@ _TEXT_MARK = "\x00text\x00"   # stands for the text in the serialised chunk
 SSE_DONE = "data: [DONE]\n\n"
 
 
-def _token_bytes(token: str) -> list[int]:
-    return list(token.encode("utf-8", errors="replace"))
+def _token_bytes(entry: dict) -> list[int]:
+    """The token's bytes as the node sent them (a node without them: its text's)."""
+    raw = entry.get("bytes")
+    if isinstance(raw, list):
+        return raw
+    return list(str(entry.get("token", "")).encode("utf-8", errors="replace"))
 
 
 def chat_logprob_content(entries: Iterable[dict], top_n: int) -> list[dict]:
@@ -42,10 +46,10 @@ def chat_logprob_content(entries: Iterable[dict], top_n: int) -> list[dict]:
         out.append({
             "token": token,
             "logprob": e.get("logprob"),
-            "bytes": _token_bytes(token),
+            "bytes": _token_bytes(e),
             "top_logprobs": [
                 {"token": str(t.get("token", "")), "logprob": t.get("logprob"),
-                 "bytes": _token_bytes(str(t.get("token", "")))}
+                 "bytes": _token_bytes(t)}
                 for t in (e.get("top") or [])[:top_n]
             ],
         })

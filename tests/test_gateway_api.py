@@ -731,6 +731,16 @@ def test_the_default_max_tokens_fits_what_the_prompt_leaves(client, auth, node):
     assert "max_tokens_default" not in node.received[-1]["sampling"]
 
 
+def test_logprobs_bytes_are_the_tokens_own():
+    # "🎉" over two tokens: each shows as U+FFFD on its own; its bytes still join into the character
+    entries = [{"token": "\ufffd", "bytes": [240, 159], "logprob": -0.1,
+                "top": [{"token": "\ufffd", "bytes": [240, 159], "logprob": -0.1}]},
+               {"token": "\ufffd", "bytes": [142, 137], "logprob": -0.2, "top": []}]
+    content = responses.chat_logprob_content(entries, 1)
+    assert bytes(content[0]["bytes"] + content[1]["bytes"]).decode() == "🎉"
+    assert content[0]["top_logprobs"][0]["bytes"] == [240, 159]
+
+
 def test_prompt_over_the_context(client, auth, node):
     err = assert_error(client.post(COMPLETIONS, headers=auth, json={
         "model": "zen-small", "prompt": list(range(8000)), "max_tokens": 500}),

@@ -57,7 +57,10 @@ def test_generate_json(node):
     assert len(c["logprobs"]) == 6
     lp = c["logprobs"][0]
     assert lp["token_id"] == c["token_ids"][0] and lp["logprob"] <= 0 and isinstance(lp["token"], str)
-    assert len(lp["top"]) == 2 and {"token_id", "token", "logprob"} == set(lp["top"][0])
+    assert len(lp["top"]) == 2 and {"token_id", "token", "bytes", "logprob"} == set(lp["top"][0])
+    # a token's bytes are its own: all of them together are the text's (which ends on a whole character)
+    raw = b"".join(bytes(e["bytes"]) for e in c["logprobs"])
+    assert raw.decode("utf-8", errors="replace") == c["text"]
     u = body["usage"]
     assert u["completion_tokens"] == 6 and u["prompt_tokens"] > 0
     assert u["total_tokens"] == u["prompt_tokens"] + 6

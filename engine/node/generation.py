@@ -154,8 +154,12 @@ class Generation:
 
     def logprob_entry(self, lp) -> dict:
         tok = self.m.engine.tokenizer
-        return {"token_id": lp.token_id, "token": tok.token_text(lp.token_id), "logprob": _finite(lp.logprob),
-                "top": [{"token_id": t, "token": tok.token_text(t), "logprob": _finite(v)} for t, v in lp.top]}
+
+        def entry(token_id: int, logprob: float) -> dict:
+            # bytes: the token's own (text shows a partial UTF-8 character as U+FFFD)
+            return {"token_id": token_id, "token": tok.token_text(token_id),
+                    "bytes": list(tok.token_bytes(token_id)), "logprob": _finite(logprob)}
+        return {**entry(lp.token_id, lp.logprob), "top": [entry(t, v) for t, v in lp.top]}
 
     def usage(self) -> dict:
         prompt = len(self.req.prompt_token_ids)
