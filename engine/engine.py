@@ -92,8 +92,10 @@ class Engine:
         self.max_seq_tokens = min(self.max_model_len, self.kv.max_tokens(config.scheduler.max_num_batched_tokens))
         self.eos_token_ids = sorted(set(self.tokenizer.stop_token_ids))
         self.grammars = self._grammar_compiler()
+        # a padded model (more logits than its tokenizer has tokens) never samples the padding
+        self.num_text_tokens = min(self.model_config.vocab_size, self.tokenizer.vocab_size)
         self.runner = ModelRunner(self.model, config.block_size, self.pool.num_blocks, self.eos_token_ids,
-                                  self.grammars)
+                                  self.grammars, tuple(range(self.num_text_tokens, self.model_config.vocab_size)))
         self.warm_up()
         release_free_heap()   # what the load freed (the file's tensors, repacking's temporaries)
         self.load_time_s = time.monotonic() - t0
@@ -150,8 +152,8 @@ class Engine:
         if n == 0:
             raise RequestError("the prompt is empty", param="prompt")
         vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in request.prompt_token_ids):
-            raise RequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        if any(not 0 <= t < self.num_text_tokens for t in request.prompt_token_ids):
+            raise RequestError(f"prompt token ids must be in [0, {self.num_text_tokens})", param="prompt")
         if n >= self.max_model_len:
             raise RequestError(
                 f"the prompt has {n} tokens; this model's context is {self.max_model_len} tokens "

@@ -16,11 +16,13 @@ from models.llama import LlamaModel, StepInput
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, block_size: int, num_blocks: int, eos_token_ids: list[int],
-                 grammars: GrammarCompiler | None = None):
+                 grammars: GrammarCompiler | None = None, banned_token_ids: tuple[int, ...] = ()):
+        """banned_token_ids: never sampled (a model's padding logits, past its tokenizer's tokens)."""
         self.model = model
         self.backend = model.backend
         self.block_size = block_size
         self.eos_token_ids = list(eos_token_ids)
+        self.banned_token_ids = tuple(banned_token_ids)
         self.k_cache, self.v_cache = model.allocate_kv_cache(num_blocks, block_size)
         self.grammars = grammars
         self._mask_thread: ThreadPoolExecutor | None = None   # started by the first constrained step
@@ -123,5 +125,6 @@ class ModelRunner:
             rows.append(RowSpec(params=p, seed=s.seed, step=s.num_output_tokens,
                                 prompt_token_ids=s.token_ids[:s.num_prompt_tokens] if history else (),
                                 output_token_ids=s.output_token_ids if history else (),
-                                eos_token_ids=self.eos_token_ids, allowed_row=allowed))
+                                eos_token_ids=self.eos_token_ids, banned_token_ids=self.banned_token_ids,
+                                allowed_row=allowed))
         return SamplingBatch.build(rows, masks)

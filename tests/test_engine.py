@@ -307,6 +307,22 @@ def test_a_request_whose_first_sequence_started_does_not_time_out_in_the_queue(t
     assert sorted(out["n"]) == [0, 1] and [out["n"][i][1] for i in (0, 1)] == ["length", "length"]
 
 
+def test_a_padded_model_never_samples_past_its_tokenizer(tmp_path):
+    from tests.tiny_model import TINY_VOCAB, make_tiny_tokenizer, make_tiny_weights, write_tiny_safetensors
+    path = write_tiny_safetensors(tmp_path / "padded", make_tiny_weights(seed=2, vocab=TINY_VOCAB + 16),
+                                  make_tiny_tokenizer())
+    eng = make_engine(path)
+    assert eng.model_config.vocab_size == TINY_VOCAB + 16 and eng.num_text_tokens == TINY_VOCAB
+    padding = TINY_VOCAB + 3
+    out = run(eng, [req("biased", prompt(5, 6), max_tokens=6, ignore_eos=True, logit_bias={padding: 100.0},
+                        temperature=1.0, seed=1, logprobs=3)])
+    tokens, reason, _ = out["biased"][0]
+    assert reason == "length" and len(tokens) == 6 and max(tokens) < TINY_VOCAB
+    with pytest.raises(RequestError) as e:   # a prompt id the tokenizer does not have
+        eng.add_request(req("pad-prompt", [5, padding, 7]))
+    assert e.value.param == "prompt"
+
+
 def test_a_default_max_tokens_is_cut_to_what_the_prompt_leaves(engine):
     toks = prompt(81, 10)
     r = req("default", toks, max_tokens=10_000, max_tokens_default=True)

@@ -19,6 +19,7 @@ class RowSpec:
     prompt_token_ids: Sequence[int] = ()   # read only when the params have penalties
     output_token_ids: Sequence[int] = ()
     eos_token_ids: Sequence[int] = ()
+    banned_token_ids: Sequence[int] = ()   # never sampled: the model's logits past the tokenizer's tokens
     allowed_row: int = -1  # row of the batch's allowed-token mask (a constrained sequence); -1: none
 
 
@@ -96,10 +97,11 @@ class SamplingBatch:
             if p.logit_bias:
                 bias[i] = np.fromiter(p.logit_bias.keys(), np.int32, len(p.logit_bias))
                 bias_vals[i] = np.fromiter(p.logit_bias.values(), np.float32, len(p.logit_bias))
+            banned = list(r.banned_token_ids)
             if r.step < p.min_tokens:
-                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
-                if banned:
-                    mask[i] = np.asarray(banned, np.int32)
+                banned += list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
+            if banned:
+                mask[i] = np.asarray(banned, np.int32)
             if p.repetition_penalty != 1.0:
                 hist[i] = np.concatenate([np.asarray(r.prompt_token_ids, np.int32).ravel(),
                                           np.asarray(r.output_token_ids, np.int32).ravel()])

@@ -156,9 +156,11 @@ class Generation:
         tok = self.m.engine.tokenizer
 
         def entry(token_id: int, logprob: float) -> dict:
-            # bytes: the token's own (text shows a partial UTF-8 character as U+FFFD)
-            return {"token_id": token_id, "token": tok.token_text(token_id),
-                    "bytes": list(tok.token_bytes(token_id)), "logprob": _finite(logprob)}
+            # bytes: the token's own (text shows a partial UTF-8 character as U+FFFD); a padded model's
+            # logits past its tokenizer's tokens have neither
+            known = token_id < tok.vocab_size
+            return {"token_id": token_id, "token": tok.token_text(token_id) if known else "",
+                    "bytes": list(tok.token_bytes(token_id)) if known else [], "logprob": _finite(logprob)}
         return {**entry(lp.token_id, lp.logprob), "top": [entry(t, v) for t, v in lp.top]}
 
     def usage(self) -> dict:
