@@ -152,8 +152,10 @@ class ChunkWriter:
         self.text_offsets = [0] * n
         self.finished: set[int] = set()
         self._plain: dict[int, tuple[str, str]] = {}   # index -> the chunk around its text
-        # a chat answer parsed for tool calls: per choice (their deltas carry no logprobs)
+        # a chat answer parsed for tool calls: per choice, and the logprobs of its tokens not yet sent (the
+        # parser holds text back, so they go out with the next delta it releases)
         self.tools = [ToolCallDeltas(tool_calls) for _ in range(n)] if tool_calls and kind == CHAT else None
+        self._unsent_logprobs: list[list[dict]] = [[] for _ in range(n)]
         if logprobs_top is None:
             self._around(0)   # now, while the node reads the request, rather than on the first token's path
 
@@ -179,9 +181,11 @@ class ChunkWriter:
     def token(self, event: dict) -> str:
         index = int(event.get("index", 0))
         text = str(event.get("text", ""))
-        if self.tools is not None and index < self.n:
-            return self._deltas(index, self.tools[index].push(text))
         entry = event.get("logprobs")
+        if self.tools is not None and index < self.n:
+            if self.logprobs_top is not None and isinstance(entry, dict):
+                self._unsent_logprobs[index].append(entry)
+            return self._deltas(index, self.tools[index].push(text))
         with_logprobs = self.logprobs_top is not None and isinstance(entry, dict)
         offset = self.text_offsets[index] if index < self.n else 0
         if index < self.n:
@@ -204,9 +208,16 @@ class ChunkWriter:
         around = self._plain[index] = (head, tail)
         return around
 
+    def _unsent(self, index: int) -> dict | None:
+        """The logprobs of the choice's tokens not sent yet, taken (None when there are none)."""
+        if index >= self.n or not self._unsent_logprobs[index]:
+            return None
+        entries, self._unsent_logprobs[index] = self._unsent_logprobs[index], []
+        return {"content": chat_logprob_content(entries, self.logprobs_top)}
+
     def _deltas(self, index: int, deltas: list[dict]) -> str:
-        return "".join(self._chunk([{"index": index, "delta": d, "logprobs": None, "finish_reason": None}])
-                       for d in deltas)
+        return "".join(self._chunk([{"index": index, "delta": d, "logprobs": self._unsent(index) if i == 0 else None,
+                                     "finish_reason": None}]) for i, d in enumerate(deltas))
 
     def done(self, event: dict) -> list[str]:
         """Closing chunks: each choice's finish reason, then usage if asked for."""
@@ -219,7 +230,7 @@ class ChunkWriter:
                 if self.tools is not None and index < self.n:
                     deltas, finish = self.tools[index].finish(finish)
                     out.append(self._deltas(index, deltas))
-                choice = {"index": index, "delta": {}, "logprobs": None, "finish_reason": finish}
+                choice = {"index": index, "delta": {}, "logprobs": self._unsent(index), "finish_reason": finish}
             else:
                 choice = {"index": index, "text": "", "logprobs": None,
                           "finish_reason": c.get("finish_reason")}

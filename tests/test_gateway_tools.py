@@ -146,6 +146,19 @@ def test_streamed_deltas_reassemble_into_the_calls():
         ("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Oslo"})]
 
 
+def test_streamed_tool_deltas_carry_every_tokens_logprobs():
+    writer = ChunkWriter(CHAT, "r", "zen-small", "m", "q", 1, False, 1, "parallel")
+    text = "ok " + CALL
+    pieces = [text[i:i + 3] for i in range(0, len(text), 3)]
+    chunks = "".join(writer.token({"index": 0, "text": piece, "logprobs": {
+        "token": piece, "bytes": list(piece.encode()), "logprob": -float(i), "top": []}})
+        for i, piece in enumerate(pieces))
+    chunks += "".join(writer.done({"choices": [{"index": 0, "finish_reason": "stop"}]}))
+    events = [json.loads(line[6:]) for line in chunks.split("\n\n") if line.startswith("data: ")]
+    sent = [c["token"] for e in events for c in (e["choices"][0]["logprobs"] or {}).get("content", [])]
+    assert sent == pieces   # every token's, once, in order, though the parser held text back
+
+
 def test_the_parser_holds_back_only_what_may_begin_a_call():
     p = ToolCallParser()
     assert p.push("a <tool") == [("text", "a ")]
