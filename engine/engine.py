@@ -208,12 +208,13 @@ class Engine:
         self._requests[request.request_id] = seqs
 
     def abort(self, request_id: str) -> list[SequenceDelta]:
-        """Finish every sequence of the request at once; its blocks go back to the pool."""
+        """Finish every unfinished sequence of the request at once (its blocks go back to the pool); one
+        finished delta for each of those (the others had theirs)."""
         deltas = []
         for seq in self._requests.pop(request_id, []):
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
-            deltas.append(self._delta(seq, [], "", []))
+                deltas.append(self._delta(seq, [], "", []))
             self._outputs.pop(seq.seq_id, None)
         return deltas
 

@@ -250,6 +250,17 @@ def test_abort_in_every_state_frees_blocks_at_once(tiny_gguf):
     assert eng.pool.usage == 0.0 and not eng.has_unfinished()
 
 
+def test_an_abort_finishes_only_the_sequences_still_running(tiny_gguf):
+    eng = make_engine(tiny_gguf)
+    eng.add_request(req("n", prompt(63, 6), n=2, temperature=1.0, seed=4, max_tokens=20))
+    while not all(s.num_output_tokens for s in eng._requests["n"]):
+        eng.step()
+    first, second = eng._requests["n"]
+    eng.scheduler.finish(first, "stop")   # as a stop string would: its finished delta went out then
+    assert [(d.index, d.finish_reason) for d in eng.abort("n")] == [(second.index, "abort")]
+    eng.pool.check_invariants([])
+
+
 def test_queue_deadline_finishes_with_timeout(tiny_gguf):
     eng = make_engine(tiny_gguf, max_num_seqs=1, max_batched=8)
     eng.add_request(req("busy", prompt(70, 6), max_tokens=30))
