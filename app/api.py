@@ -176,6 +176,7 @@ def _generate(body: Mapping[str, Any], kind: str) -> Response:
         # same cores (read after the send, it lengthened the node's prefill; docs/serving.md)
         request_limit_headers()
 
+    outcome = None
     try:
         outcome = _nodes().send(req)
         try:
@@ -197,11 +198,11 @@ def _generate(body: Mapping[str, Any], kind: str) -> Response:
                 g.log_fields.update(node=outcome.node, node_attempts=outcome.attempts)
         return _answer_json(req, kind, outcome.node, result, reservation, logprobs_top, started)
     except ClientGone:
-        _tokens().settle(reservation, 0)
+        _tokens().settle(reservation, _cut_short_cost(req, outcome))
         g.log_fields.update(client="gone")
         return Response(status=499)   # nobody reads it; the node's sequence is aborted
     except NodeStreamError as exc:
-        _tokens().settle(reservation, 0)
+        _tokens().settle(reservation, _cut_short_cost(req, outcome))
         if exc.code == NODE_SHUTDOWN:   # the node stopped, not failed: the client may retry at once
             raise APIError(503, f"The engine node shut down during generation: {exc}", type="server_error",
                            code=NODE_SHUTDOWN, headers={"Retry-After": "1"}) from None
@@ -213,6 +214,13 @@ def _generate(body: Mapping[str, Any], kind: str) -> Response:
     except BaseException:
         _tokens().settle(reservation, 0)
         raise
+
+
+def _cut_short_cost(req: InferenceRequest, outcome: NodeStream | None) -> int:
+    """Tokens a request cut short has used: none before its first token, else the prompt's estimate and
+    the tokens read (as a stream cut short is charged)."""
+    read = outcome.tokens_read if outcome is not None else 0
+    return req.inputs.estimated_tokens + read if read else 0
 
 
 def _name_prompt_param(exc: APIError, kind: str) -> None:

@@ -64,6 +64,7 @@ class Reservation:
     tier: TierConfig
     cost: int
     result: BucketResult
+    shared: bool = True   # held in the shared store (False: the per-process one, the failure policy's)
     settled: bool = field(default=False)
 
 
@@ -110,20 +111,24 @@ class StorageHealth:
         """`op` on the shared backend (Redis or embedded; None: memory:// is configured, `local` is the storage),
         unless it failed less than retry_s ago; when it fails, the policy: `op` on the per-process
         `local` backend (open) or a 503 APIError (closed)."""
+        return self.call_where(op, shared, local)[0]
+
+    def call_where(self, op: Callable[[B], T], shared: B | None, local: B) -> tuple[T, bool]:
+        """`call`, and whether the shared backend answered it."""
         if shared is None:
-            return op(local)
+            return op(local), False
         down = self.down_for()
         if down is None or down >= self.retry_s:
             try:
                 result = op(shared)
                 self.answered()
-                return result
+                return result, True
             except STORAGE_ERRORS as exc:
                 self.failed(exc)
         if self.policy == "closed":
             raise APIError(503, "Rate limiting is temporarily unavailable; retry shortly.",
                            code="service_unavailable", headers={"Retry-After": "1"})
-        return op(local)
+        return op(local), False
 
 
 def storage_health(config: LimitsConfig) -> StorageHealth:
@@ -146,30 +151,30 @@ class TokenLimiter:
             self._shared = EmbeddedTokenBuckets(store or open_limit_store())
         self.health = health or storage_health(config)
 
-    def _call(self, op: str, org: str, amount: float, tier: TierConfig) -> BucketResult:
-        capacity, rate = tier.burst_tokens, tier.tokens_per_second
-        return self.health.call(lambda buckets: getattr(buckets, op)(org, amount, capacity, rate),
-                                self._shared, self._memory)
-
     def reserve(self, org: str, tier: TierConfig, cost: int) -> Reservation:
         """Hold `cost` tokens for a request, or raise a 429 APIError."""
-        result = self._call("reserve", org, cost, tier)
+        result, shared = self.health.call_where(
+            lambda buckets: buckets.reserve(org, cost, tier.burst_tokens, tier.tokens_per_second),
+            self._shared, self._memory)
         if not result.admitted:
             raise token_limit_error(org, tier, cost, result)
-        return Reservation(org, tier, cost, result)
+        return Reservation(org, tier, cost, result, shared)
 
     def settle(self, reservation: Reservation, used_tokens: int) -> None:
-        """Charge the real usage: give back what the request reserved but did not use."""
+        """Charge the real usage: give back what the request reserved but did not use, to the bucket that
+        holds the reservation (a refund elsewhere would credit tokens that bucket never charged)."""
         if reservation.settled:
             return
         reservation.settled = True
         refund = reservation.cost - max(0, used_tokens)
         if refund == 0:
             return
+        tier = reservation.tier
+        buckets = self._shared if reservation.shared and self._shared is not None else self._memory
         try:
-            self._call("settle", reservation.org, refund, reservation.tier)
-        except APIError:
-            pass  # fail-closed with the shared store down: the reservation stays charged
+            buckets.settle(reservation.org, refund, tier.burst_tokens, tier.tokens_per_second)
+        except STORAGE_ERRORS as exc:   # the shared store went down since: the reservation stays charged
+            self.health.failed(exc)
 
 
 # -- headers and 429 bodies -------------------------------------------------------------------

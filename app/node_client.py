@@ -68,6 +68,7 @@ class NodeStream:
         self._conn: http.client.HTTPConnection | None = None
         self._lines: Iterator[bytes] | None = None
         self.started = False     # a token (or the done event) was read: no failover from here on
+        self.tokens_read = 0     # token events read: what a request cut short has cost
         self.finished = False    # the node's "done" event was read
         self._pending: tuple[str, http.client.HTTPConnection, bool] | None = None   # sent, answer not read
 
@@ -178,6 +179,7 @@ class NodeStream:
                 for event in _read_events(self._lines, self.node):
                     if event is not PING and event.get("type") in ("token", "done"):
                         self.started = True
+                        self.tokens_read += event["type"] == "token"
                         self.finished = event["type"] == "done"
                         if self.finished and STATE_FIELD in event:
                             self._client.observe(self.node, event[STATE_FIELD])

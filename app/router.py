@@ -400,7 +400,7 @@ class NodePool:
             best = ranked[0]
             claim = self.records.claim(model.key, best.url, expected_s, frozenset(seen))
             news = {n for n, r in claim.records.items() if seen.get(n) != r and not (claim.created and n == best.url)}
-            seen = self._seen[model.key] = claim.records
+            seen = self._seen[model.key] = dict(claim.records)   # its own: the store's may be live
             if claim.claimed:
                 if claim.created:
                     log.info("cold load", extra={"event": "cold_load", "node": best.url, "model": model.model,
@@ -412,7 +412,8 @@ class NodePool:
 
     def _seen_records(self, key: tuple[str, str]) -> dict[str, LoadRecord]:
         hold_s, now = self.records.hold_s, self._wall()
-        return {n: r for n, r in self._seen.get(key, {}).items() if r.expires_at(hold_s) >= now}
+        records = dict(self._seen.get(key, {}))   # a copy first: load_result pops from it on other threads
+        return {n: r for n, r in records.items() if r.expires_at(hold_s) >= now}
 
     def _loads_in_progress(self, key: tuple[str, str], views: list[NodeView], records: dict[str, LoadRecord],
                            expected_s: float, now: float) -> dict[str, float]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import math
+import sqlite3
 import threading
 import time
 
@@ -240,6 +241,42 @@ def test_a_stream_that_never_got_a_token_gives_the_reservation_back(node):  # no
         assert 'zen_gateway_org_errors_total{org="globex",status="503"} 3.0' in metrics
     finally:
         close_app(app)
+
+
+def test_an_answer_cut_short_after_tokens_is_charged_for_them(node):  # noqa: F811
+    """Not streamed, the node failed after 3 tokens: the org pays the prompt's estimate and those 3, as a
+    stream cut short does (not nothing: a client could have had its tokens for free)."""
+    cfg = make_config([node.url], tiers={"free": {"tokens_per_second": 0.001, "burst_tokens": 152}})
+    app = create_app(cfg)
+    try:
+        c = app.test_client()
+        h = bearer(cfg, "globex")
+        body = {"model": "zen-small", "prompt": "Say hi", "max_tokens": 150}   # 2 + 150: the whole burst
+        node.fail_after_tokens = 3
+        assert c.post("/v1/completions", headers=h, json=body).status_code == 502
+        node.fail_after_tokens = None
+        r = c.post("/v1/completions", headers=h, json=body)
+        assert r.status_code == 429, r.text
+        assert c.post("/v1/completions", headers=h, json={**body, "max_tokens": 145}).status_code == 200
+    finally:
+        close_app(app)
+
+
+def test_a_refund_goes_to_the_bucket_that_holds_the_reservation(monkeypatch):
+    limiter = TokenLimiter(LimitsConfig(storage_url="embedded://", failure_policy="open", retry_s=0.01))
+    tier = _tier(rate=0.001, burst=1000)
+    assert limiter.reserve("acme", tier, 1000).shared   # the shared bucket is empty now
+
+    def down(*args, **kwargs):
+        raise sqlite3.OperationalError("disk I/O error")
+    with monkeypatch.context() as m:
+        m.setattr(limiter._shared, "reserve", down)
+        local = limiter.reserve("acme", tier, 900)      # the failure policy: the per-process bucket
+    assert not local.shared
+    time.sleep(0.02)                                     # past retry_s: the shared store answers again
+    limiter.settle(local, 0)                             # its 900 go back where they were taken
+    with pytest.raises(APIError):
+        limiter.reserve("acme", tier, 100)               # the shared bucket was not credited
 
 
 # -- Redis ----------------------------------------------------------------------------------------
