@@ -39,6 +39,7 @@ class ToolCallDeltas:
         self.mode = mode
         self.parser = ToolCallParser()
         self.calls = 0
+        self._space = ""   # whitespace after a call: content if text follows, a separator if a call does
 
     def push(self, text: str) -> list[dict]:
         return self._deltas(self.parser.push(text))
@@ -51,10 +52,15 @@ class ToolCallDeltas:
         out = []
         for kind, piece in pieces:
             if kind == "text":
-                if piece.strip() or (piece and not self.calls):   # after a call, only its separators
-                    out.append({"content": piece})
-            elif self.mode == "parallel" or self.calls == 0:
-                out.extend(self._call(piece))
+                if self.calls and not piece.strip():
+                    self._space += piece
+                elif piece:
+                    out.append({"content": self._space + piece})
+                    self._space = ""
+            else:
+                self._space = ""
+                if self.mode == "parallel" or self.calls == 0:
+                    out.extend(self._call(piece))
         return out
 
     def _call(self, call: ToolCall) -> list[dict]:

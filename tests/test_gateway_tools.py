@@ -146,6 +146,23 @@ def test_streamed_deltas_reassemble_into_the_calls():
         ("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Oslo"})]
 
 
+def test_streamed_text_after_a_call_keeps_its_spaces():
+    # a space or a newline is often a token of its own: only whitespace between calls (or after the last)
+    # is a separator; before text it is the text's, as in the whole answer
+    text = CALL + "\nIt is" + " " + "25" + " degrees." + "\n\n" + "Bye" + "\n" + CALL + "\n"
+    writer = ChunkWriter(CHAT, "r", "zen-small", "m", "q", 1, False, None, "parallel")
+    pieces = [CALL, "\n", "It", " is", " ", "25", " degrees.", "\n\n", "Bye", "\n", CALL, "\n"]
+    assert "".join(pieces) == text
+    chunks = "".join(writer.token({"index": 0, "text": p}) for p in pieces)
+    chunks += "".join(writer.done({"choices": [{"index": 0, "finish_reason": "stop"}]}))
+    events = [json.loads(line[6:]) for line in chunks.split("\n\n") if line.startswith("data: ")]
+    content = "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
+    assert content == "\nIt is 25 degrees.\n\nBye"
+    whole = chat_completion("r", "zen-small", "m", "q", {"choices": [{"index": 0, "text": text, "finish_reason": "stop"}],
+                                                         "usage": {}}, None, "parallel")
+    assert whole["choices"][0]["message"]["content"].rstrip() == content
+
+
 def test_streamed_tool_deltas_carry_every_tokens_logprobs():
     writer = ChunkWriter(CHAT, "r", "zen-small", "m", "q", 1, False, 1, "parallel")
     text = "ok " + CALL
