@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from flask import Blueprint, current_app, g, jsonify
 
+from app import params
 from app.api import read_json_body
 from app.auth import login_required
 from app.node_client import call_node
@@ -37,6 +38,8 @@ def tokenize():
     body = dict(read_json_body())
     body.pop("quantization", None)   # the catalog decides it
     body.pop("chat_template", None)   # and the chat template
+    if body.get("messages") is not None:   # as a chat request's: text parts joined, developer as system
+        body["messages"] = list(params.messages(body))
     if body.get("tools") not in (None, []):   # checked and rendered as a chat request's tools are
         body["tools"] = list(tool_plan({"tools": body["tools"]}, False).tools)
     return _forward("/tokenize", TokenizeRequest.from_json(body))

@@ -109,13 +109,21 @@ def render_tool_prompt(messages: list[dict], tools: list[dict] | None) -> list[d
     """The default rendering, for a chat template that knows nothing of tools: plain messages only (the
     tools described in the system message when there are any)."""
     out: list[dict] = []
+    results = False   # the last message out holds tool results
     for m in _objects(messages):
         role, content = m.get("role"), m.get("content") or ""
+        if role == "tool":
+            block = f"{RESPONSE_OPEN}\n{content}\n{RESPONSE_CLOSE}"
+            if results:   # the results of one turn's calls in one user message: templates want turns to alternate
+                out[-1] = {"role": "user", "content": out[-1]["content"] + "\n" + block}
+            else:
+                out.append({"role": "user", "content": block})
+            results = True
+            continue
+        results = False
         if role == "assistant" and isinstance(m.get("tool_calls"), list):
             calls = "\n".join(_call_text(c) for c in m["tool_calls"] if isinstance(c, dict))
             out.append({"role": "assistant", "content": (content + "\n" if content else "") + calls})
-        elif role == "tool":
-            out.append({"role": "user", "content": f"{RESPONSE_OPEN}\n{content}\n{RESPONSE_CLOSE}"})
         else:
             out.append({"role": role, "content": content})
     if not tools:

@@ -25,6 +25,12 @@ def test_tokenize_and_detokenize_are_forwarded(client, auth, node):  # noqa: F81
     r = client.post("/tokenize", headers=auth, json={"model": "zen-small", "tools": [tool],
                                                      "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 200 and node.received[-1]["tools"] == [tool]   # checked, sent as chat's are
+    # the messages as a chat request's are: text parts joined, developer as system
+    r = client.post("/tokenize", headers=auth, json={"model": "zen-small", "tools": [tool], "messages": [
+        {"role": "developer", "content": [{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Really."}]},
+        {"role": "user", "content": "hi"}]})
+    assert r.status_code == 200
+    assert node.received[-1]["messages"][0] == {"role": "system", "content": "Be brief.\nReally."}
 
 
 @pytest.mark.parametrize("path, body, status, param", [

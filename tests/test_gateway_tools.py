@@ -197,3 +197,14 @@ def test_the_default_rendering_describes_tools_and_history():
     assert msgs[3] == {"role": "user", "content": "<tool_response>\n12:00\n</tool_response>"}
     with pytest.raises(ValueError):
         render_tool_prompt(["not a message"], [CLOCK])
+
+
+def test_the_results_of_parallel_calls_are_one_user_turn():
+    # templates that want turns to alternate (Gemma's raises otherwise) see user, assistant, user
+    calls = [{"id": c, "type": "function", "function": {"name": "now", "arguments": "{}"}} for c in ("a", "b")]
+    msgs = render_tool_prompt([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": calls},
+                               {"role": "tool", "tool_call_id": "a", "content": "12:00"},
+                               {"role": "tool", "tool_call_id": "b", "content": "13:00"},
+                               {"role": "user", "content": "and?"}], None)
+    assert [m["role"] for m in msgs] == ["user", "assistant", "user", "user"]
+    assert msgs[2]["content"] == "<tool_response>\n12:00\n</tool_response>\n<tool_response>\n13:00\n</tool_response>"
