@@ -177,7 +177,8 @@ class Engine:
                                f"use max_tokens <= {self.max_seq_tokens - n}", param="max_tokens",
                                code="context_length_exceeded")
         if request.request_id in self._requests:
-            raise RequestError(f"request id {request.request_id!r} is already in use", param="request_id")
+            raise RequestError(f"request id {request.request_id!r} is already in use", param="request_id",
+                               code="duplicate_request_id")
         if p.structured_output is not None and request.grammar is None:
             request.grammar = self._compile(p.structured_output)
 

@@ -476,6 +476,20 @@ class _CountingEngine:
         return out
 
 
+def test_a_refused_duplicate_cancels_nothing_of_the_request_that_holds_its_id(tiny_gguf):
+    from engine.node.loop import EngineLoop, RequestStream
+    loop = EngineLoop(make_engine(tiny_gguf))
+    try:
+        first = loop.submit(req("same", prompt(64, 6), max_tokens=20, ignore_eos=True))
+        assert first.next_delta(timeout=30).token_ids
+        # a second request with the id, refused as a duplicate: its reader leaves and cancels
+        RequestStream(loop, req("same", prompt(65, 6))).cancel()
+        rest = list(first)
+        assert rest[-1].finish_reason == "length" and 1 + sum(len(d.token_ids) for d in rest) == 20
+    finally:
+        loop.stop(5)
+
+
 def test_loops_on_one_step_thread_take_turns_and_fail_alone(monkeypatch):
     """Loops sharing a StepThread are all stepped, on that one thread; a loop whose step raises fails
     its own streams and leaves the thread to the others; the thread ends with its last loop and a new

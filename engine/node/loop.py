@@ -139,8 +139,9 @@ class RequestStream:
             yield d
 
     def cancel(self) -> None:
-        """Abort the request (a client went away); its blocks are freed before the next step."""
-        self.loop.abort(self.request.request_id)
+        """Abort the request (a client went away); its blocks are freed before the next step. Only this
+        stream's: another request that took the same id (this one's was refused as a duplicate) runs on."""
+        self.loop.abort(self.request.request_id, self)
 
 
 class EngineLoop:
@@ -179,8 +180,9 @@ class EngineLoop:
             self._fail_queued()
         return stream
 
-    def abort(self, request_id: str) -> None:
-        self._cmds.append(("abort", request_id, None))
+    def abort(self, request_id: str, stream: RequestStream | None = None) -> None:
+        """Abort the request with this id (with `stream`: only while it is that stream's request)."""
+        self._cmds.append(("abort", request_id, stream))
         self._wake.set()
 
     def stop(self, timeout: float = 5.0) -> bool:
@@ -233,7 +235,7 @@ class EngineLoop:
                     self._streams[arg.request_id] = stream
                 except RequestError as e:
                     stream._put(e)
-            else:
+            elif stream is None or self._streams.get(arg) is stream:
                 for d in self.engine.abort(arg):
                     self._dispatch(d)
                 self._streams.pop(arg, None)
