@@ -165,6 +165,33 @@ def test_an_evicted_model_gives_its_memory_back_at_once(tiny_models):
         gc.unfreeze()
 
 
+def test_a_model_whose_loop_failed_can_be_unloaded(tiny_models):
+    from engine.config import EngineConfig
+    from engine.node.registry import ModelRegistry
+    from engine.request import EngineRequest
+    from engine.sampling import SamplingParams
+
+    def engine_config(spec, quantization):
+        return EngineConfig(model=spec.path, model_id=spec.id, quantization=quantization, backend="cpu",
+                            kv_cache_bytes=4 << 20)
+
+    reg = ModelRegistry([ModelSpec(tiny_models["a"], "tiny-a")], ONE_MODEL_BUDGET, engine_config)
+    try:
+        m = reg.acquire("tiny-a", None, 120)   # a request's lease
+
+        def kernel_bug():
+            raise ValueError("a kernel bug")
+        m.engine.step = kernel_bug
+        stream = m.loop.submit(EngineRequest("r", "tiny-a", [5, 6, 7], SamplingParams(max_tokens=4)))
+        with pytest.raises(RuntimeError, match="a kernel bug"):
+            list(stream)
+        assert m.engine.has_unfinished()   # its sequence stays in the scheduler: nothing steps it again
+        reg.release(m)
+        assert [x.id for x in reg.unload("tiny-a")] == ["tiny-a"] and reg.resident() == []
+    finally:
+        reg.close()
+
+
 def test_resident_models_leave_a_core_while_another_loads(tiny_models):
     """While a model loads, the resident models' steps run their CPU kernels on one core fewer (numba's
     thread count, set on each loop's own thread), and on all of them again once the load is done."""

@@ -73,7 +73,9 @@ class ResidentModel:
 
     @property
     def idle(self) -> bool:
-        return self.leases == 0 and self.loop.num_streams == 0 and not self.engine.has_unfinished()
+        """No request holds it; a failed loop's sequences will never finish (their streams got the error)."""
+        return self.leases == 0 and (self.loop.failed is not None or
+                                     (self.loop.num_streams == 0 and not self.engine.has_unfinished()))
 
 
 @dataclass
