@@ -93,7 +93,8 @@ def main(argv=None) -> int:
     s.add_argument("--secret-env", default="NODE_SECRET",
                    help="environment variable holding the internal secret (X-Node-Secret)")
     s.add_argument("--node-id", default="")
-    s.add_argument("--threads", type=int, default=32, help="concurrent HTTP requests (streams)")
+    s.add_argument("--threads", type=int, default=None,
+                   help="concurrent HTTP requests (streams); default: --max-num-seqs plus 32")
     s.add_argument("--preload", nargs="*", default=None, metavar="ID",
                    help="model ids to load at start (default: the listed models, in order, while they fit)")
     s.add_argument("--max-num-seqs", type=int, default=64)

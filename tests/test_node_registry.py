@@ -98,6 +98,9 @@ def test_model_spec_and_sizes():
         NodeConfig(models=[ModelSpec("a", "x"), ModelSpec("b", "x")])
     with pytest.raises(ValueError, match="preload"):
         NodeConfig(models=[ModelSpec("a", "x")], preload=["y"])
+    # a stream holds an HTTP thread: by default a full batch's streams and more (waiting ones, probes)
+    assert NodeConfig(models=[ModelSpec("a", "x")], max_num_seqs=128).threads > 128
+    assert NodeConfig(models=[ModelSpec("a", "x")], threads=8).threads == 8
 
 
 def test_inspect_model_estimates(tmp_path):

@@ -29,6 +29,10 @@ def parse_bytes(text: str | int) -> int:
     return int(float(m.group(1)) * 1024 ** power)
 
 
+# HTTP threads beyond a full batch's streams: for requests waiting to run, probes, /state and /metrics
+THREADS_BEYOND_BATCH = 32
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A model this node may serve: a .gguf file or safetensors directory, and the id requests use."""
@@ -67,7 +71,8 @@ class NodeConfig:
     max_model_len: int | None = None
     preload: list[str] | None = None           # ids loaded at start; None: the listed models, in order, while they fit
     load_wait_s: float = 120.0                 # how long a request waits for a cold load before a 503
-    threads: int = 32                          # concurrent HTTP requests (streams) of the single worker
+    threads: int | None = None                 # concurrent HTTP requests (streams) of the single worker; None:
+                                               # a full batch (max_num_seqs) plus THREADS_BEYOND_BATCH
     drain_grace_s: float = DEFAULT_DRAIN_GRACE_S   # on SIGTERM: how long generations in flight may finish
     log_level: str = "info"
     otlp_endpoint: str | None = None           # OTLP/HTTP trace collector; None: the OTEL_* variables, or off
@@ -83,6 +88,8 @@ class NodeConfig:
             unknown = [p for p in self.preload if p not in ids]
             if unknown:
                 raise ValueError(f"--preload names models not in --models: {', '.join(unknown)}")
+        if self.threads is None:   # each stream holds a thread: fewer than a batch could never fill it
+            self.threads = self.max_num_seqs + THREADS_BEYOND_BATCH
         for name in ("kv_cache_bytes", "max_waiting", "max_num_seqs", "max_num_batched_tokens", "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
