@@ -174,9 +174,13 @@ def _parse_call(body: str) -> ToolCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
-        return ToolCall(obj["name"], args)
-    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+    if isinstance(args, str):   # a model that wrote the arguments as JSON text: an object's, or no call
+        try:
+            return ToolCall(obj["name"], args) if isinstance(json.loads(args), dict) else None
+        except ValueError:
+            return None
+    # OpenAI's arguments are a JSON object (clients json.loads them and expect one)
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False)) if isinstance(args, dict) else None
 
 
 class ToolCallParser:

@@ -126,6 +126,18 @@ def test_whole_answers_become_tool_calls():
     assert len(single["message"]["tool_calls"]) == 1 and single["message"]["content"] is None
 
 
+@pytest.mark.parametrize("arguments, call", [
+    ('{"city": "Paris"}', True), ('"{\\"city\\": \\"Paris\\"}"', True),   # an object, or its JSON text
+    ('"Paris"', False), ("null", False), ("[1]", False), ('"{broken"', False),
+])
+def test_a_call_is_one_whose_arguments_are_an_object(arguments, call):
+    text = '<tool_call>{"name": "get_weather", "arguments": ' + arguments + '}</tool_call>'
+    content, calls = parse_tool_calls(text)
+    assert bool(calls) == call and (content == "" if call else content == text)
+    if call:
+        assert json.loads(calls[0].arguments) == {"city": "Paris"}
+
+
 def test_streamed_deltas_reassemble_into_the_calls():
     writer = ChunkWriter(CHAT, "r", "zen-small", "m", "q", 1, False, None, "parallel")
     text = "ok " + CALL + "\n" + CALL.replace("Paris", "Oslo")
