@@ -276,6 +276,24 @@ def test_cpu_models_are_stepped_by_one_thread(tiny_models):
     assert not [t for t in threading.enumerate() if t.name == "engine-cpu"]
 
 
+def test_a_start_up_model_that_fails_leaves_the_others_to_load(tiny_models):
+    from engine.config import EngineConfig
+    from engine.node.registry import ModelRegistry
+    def engine_config(spec, quantization):
+        if spec.id == "broken":   # any error of one model's set-up, not only an unreadable file
+            raise RuntimeError("no configuration for it")
+        return EngineConfig(model=spec.path, model_id=spec.id, quantization=quantization, backend="cpu",
+                            kv_cache_bytes=1 << 20)
+
+    reg = ModelRegistry([ModelSpec(tiny_models["b"], "broken"), ModelSpec(tiny_models["a"], "tiny-a")],
+                        ONE_MODEL_BUDGET, engine_config)
+    try:
+        reg.preload(None)
+        assert [m.id for m in reg.resident()] == ["tiny-a"]
+    finally:
+        reg.close()
+
+
 def test_alive_but_not_ready_until_startup_models_load(tiny_models):
     from engine.node.app import create_app
     app = create_app(NodeConfig(models=[ModelSpec(tiny_models["a"], "tiny-a")], backend="cpu",

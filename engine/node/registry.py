@@ -329,7 +329,7 @@ class ModelRegistry:
                                  extra={"event": "preload_skipped", "model": model_id, "bytes": need})
                         continue
                 self.load(model_id, None, wait_s)
-            except ModelUnavailable as e:
+            except Exception as e:   # noqa: BLE001 — one model's failure (any: a file the estimate cannot read) leaves the others to load
                 log.error("start-up load failed", extra={"event": "preload_failed", "model": model_id,
                                                          "error": str(e)})
 
