@@ -61,11 +61,11 @@ class LLM:
         order = []
         for prompt, p in zip(prompts, plist):
             rid = f"offline-{next(self._ids)}"
-            if isinstance(prompt, str):
-                ids, text = self.tokenizer.encode(prompt), prompt
-            else:
-                ids, text = [int(t) for t in prompt], None
-            try:
+            try:   # a prompt that cannot be read or queued: the ones queued before it go too
+                if isinstance(prompt, str):
+                    ids, text = self.tokenizer.encode(prompt), prompt
+                else:
+                    ids, text = [int(t) for t in prompt], None
                 self.engine.add_request(EngineRequest(rid, self.engine.model_id, ids, p, latency_class,
                                                          prompt_text=text))
             except Exception:

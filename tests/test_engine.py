@@ -261,6 +261,17 @@ def test_an_abort_finishes_only_the_sequences_still_running(tiny_gguf):
     eng.pool.check_invariants([])
 
 
+def test_the_offline_api_drops_a_batch_whose_prompt_cannot_be_read(tiny_gguf):
+    from engine.llm import LLM
+    llm = LLM(model=tiny_gguf, kv_cache_bytes=1 << 20, block_size=4)
+    p = SamplingParams(max_tokens=3, temperature=0.0)
+    with pytest.raises(TypeError):
+        llm.generate(["Hello", None], p)
+    assert not llm.engine.has_unfinished()   # "Hello", queued before it, went too
+    (out,) = llm.generate("Hi", p)
+    assert len(out.outputs[0].token_ids) == 3
+
+
 def test_queue_deadline_finishes_with_timeout(tiny_gguf):
     eng = make_engine(tiny_gguf, max_num_seqs=1, max_batched=8)
     eng.add_request(req("busy", prompt(70, 6), max_tokens=30))
