@@ -88,7 +88,7 @@ class ModelConfig:
             rope_theta=float(cfg.get("rope_theta", 10000.0)),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
             max_position=int(cfg.get("max_position_embeddings", 2048)),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),   # transformers' defaults: Gemma 3 ties, Llama not
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos,
             **extra,

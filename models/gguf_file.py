@@ -240,9 +240,21 @@ def read_gguf(path: str) -> tuple[ModelWeights, Metadata]:
     def meta(key, default=None):
         return _field(reader, f"{arch}.{key}", default)
 
-    heads = int(meta("attention.head_count"))
-    hidden = int(meta("embedding_length"))
+    def required(key):
+        value = meta(key)
+        if value is None:
+            raise ModelFileError(f"{path}: {arch}.{key} is missing")
+        return value
+
+    heads = int(required("attention.head_count"))
+    hidden = int(required("embedding_length"))
     tensors = {t.name: t for t in reader.tensors}
+    # RoPE scaling (linear, YaRN, Llama 3's frequency factors in rope_freqs.weight) is not implemented:
+    # served without it, such a model's outputs would be silently wrong
+    scaling = meta("rope.scaling.type")
+    if (scaling not in (None, "none") and float(meta("rope.scaling.factor", 1.0)) != 1.0) or \
+            "rope_freqs.weight" in tensors:
+        raise ModelFileError(f"{path}: RoPE scaling ({scaling or 'rope_freqs.weight'}) is not supported")
 
     def matrix(name: str) -> QuantTensor:
         t = tensors.get(name)
@@ -262,8 +274,8 @@ def read_gguf(path: str) -> tuple[ModelWeights, Metadata]:
     config = ModelConfig(
         vocab_size=int(vocab if vocab is not None else embed.shape[0]),
         hidden_size=hidden,
-        intermediate_size=int(meta("feed_forward_length")),
-        num_layers=int(meta("block_count")),
+        intermediate_size=int(required("feed_forward_length")),
+        num_layers=int(required("block_count")),
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=int(meta("attention.key_length", meta("rope.dimension_count", hidden // heads))),

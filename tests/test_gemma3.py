@@ -138,6 +138,10 @@ def test_gguf_and_safetensors_forms_give_the_same_model(tiny_gemma_gguf, tmp_pat
     ids = tok.encode("the cat is on the mat")
     assert ids == tok2.encode("the cat is on the mat")
     np.testing.assert_allclose(R.gemma3_forward(again, ids), R.gemma3_forward(weights, ids), rtol=1e-6, atol=1e-6)
+    # transformers leaves tie_word_embeddings out of a Gemma 3 config (its default, true)
+    del hf["tie_word_embeddings"]
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(hf))
+    assert load_model(tmp_path / "hf")[0].config == weights.config
 
 
 def test_quantized_tiny_gemma_stays_close(tmp_path):

@@ -377,6 +377,19 @@ def test_not_a_model(tmp_path):
         load_model(d)
 
 
+@pytest.mark.parametrize("scaling", ["linear", "yarn", "llama3"])
+def test_rope_scaling_is_refused_not_ignored(tmp_path, scaling):
+    def add(w):
+        if scaling == "llama3":   # Llama 3.1's frequency factors, as a tensor
+            w.add_tensor("rope_freqs.weight", np.ones(8, np.float32))
+        else:
+            w.add_string("llama.rope.scaling.type", scaling)
+            w.add_float32("llama.rope.scaling.factor", 8.0)
+    path = write_tiny_gguf(tmp_path / "scaled.gguf", make_tiny_weights(0), extra=add)
+    with pytest.raises(ModelFileError, match="RoPE scaling"):
+        load_model(path)
+
+
 def test_gguf_tensor_without_kernels_loads_dequantized(tmp_path):
     w = make_tiny_weights(0, "q8_0")
     dense = np.random.default_rng(5).standard_normal(w.embed.shape).astype(np.float32)

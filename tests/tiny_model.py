@@ -130,11 +130,12 @@ def permute_rope_rows(t: QuantTensor, num_heads: int) -> QuantTensor:
 
 
 def write_tiny_gguf(path, weights: ModelWeights, tokenizer: Tokenizer | None = None,
-                    raw_tensors: dict | None = None) -> str:
+                    raw_tensors: dict | None = None, extra=None) -> str:
     """Write `weights` + tokenizer as a llama GGUF, q/k rows permuted as llama.cpp's converter does.
 
     raw_tensors: {gguf tensor name: (uint8 blocks, GGMLQuantizationType)} stored instead of that tensor
-    (to make files with types we do not support).
+    (to make files with types we do not support). extra: called with the writer after the metadata (to add
+    keys or tensors of other models' files).
     """
     path = os.fspath(path)
     raw_tensors = raw_tensors or {}
@@ -168,6 +169,8 @@ def write_tiny_gguf(path, weights: ModelWeights, tokenizer: Tokenizer | None = N
     w.add_add_eos_token(f["ggml.add_eos_token"])
     if "chat_template" in f:
         w.add_chat_template(f["chat_template"])
+    if extra is not None:
+        extra(w)
 
     _add_matrix(w, "token_embd.weight", weights.embed)
     for i, lw in enumerate(weights.layers):
