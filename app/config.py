@@ -103,6 +103,8 @@ class AuthConfig:
                                tuple(a for a in self.algorithms if a.startswith("HS")))
             _require(len(self.algorithms) > 0,
                      "auth: RS*/ES* algorithms need auth.jwks_file or auth.jwks_url")
+        # a string such as "false" would read as true: an unconfigured org's token could claim any tier
+        _require(isinstance(self.allow_unconfigured_orgs, bool), "auth.allow_unconfigured_orgs must be true or false")
         _require(self.leeway_s >= 0, "auth.leeway_s must be >= 0")
         _require(self.max_token_bytes >= 256, "auth.max_token_bytes must be >= 256")
         if self.jwks_url:
@@ -285,6 +287,7 @@ class TracingConfig:
     sample_ratio: float = 1.0   # share of traces started here that are kept (a client's sampled flag wins)
 
     def __post_init__(self) -> None:
+        _require(isinstance(self.enabled, bool), "tracing.enabled must be true or false")
         _require(0.0 <= self.sample_ratio <= 1.0, "tracing.sample_ratio must be in [0, 1]")
         if self.endpoint:
             url = urlparse(self.endpoint)
@@ -321,10 +324,14 @@ class GatewayConfig:
                  f"auth.default_tier: unknown tier {self.auth.default_tier!r}")
         shipped = self.development_secrets_in_use()
         _require(not shipped or is_loopback_host(self.server.host),
-                 f"server.host {self.server.host!r} is not a loopback address, and the gateway "
-                 f"would serve it with the public development secrets of config/default.toml: "
-                 + ", ".join(f"{s.key} (set {s.env})" for s in shipped)
-                 + ". Set those environment variables to secrets of your own, or serve on 127.0.0.1.")
+                 self.development_secrets_message(f"server.host {self.server.host!r}"))
+
+    def development_secrets_message(self, where: str) -> str:
+        """Why serving on `where` (not loopback) is refused while shipped secrets are in use."""
+        return (f"{where} is not a loopback address, and the gateway would serve it with the public development "
+                f"secrets of config/default.toml: "
+                + ", ".join(f"{s.key} (set {s.env})" for s in self.development_secrets_in_use())
+                + ". Set those environment variables to secrets of your own, or serve on 127.0.0.1.")
 
     def development_secrets_in_use(self) -> list[DevelopmentSecret]:
         """The shipped development secrets this configuration still uses."""

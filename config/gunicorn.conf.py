@@ -19,6 +19,7 @@ import tempfile
 from gunicorn.glogging import Logger
 
 from app.config import ConfigError, load_config
+from engine.protocol import is_loopback_host
 from app.limit_store import LIMITS_DIR_ENV, new_limits_dir
 from engine.memory_dir import memory_dir
 
@@ -27,7 +28,9 @@ try:
 except ConfigError as exc:      # the reason alone, as `python -m app serve` prints it, not a traceback
     sys.exit(f"error: {exc}")
 
-bind = f"{_cfg.server.host}:{_cfg.server.port}"
+# an IPv6 literal in brackets, as gunicorn parses an address
+_host = f"[{_cfg.server.host}]" if ":" in _cfg.server.host and not _cfg.server.host.startswith("[") else _cfg.server.host
+bind = f"{_host}:{_cfg.server.port}"
 workers = int(os.environ.get("GATEWAY_WORKERS", _cfg.server.workers))
 threads = int(os.environ.get("GATEWAY_THREADS", _cfg.server.threads))
 worker_class = "gthread"
@@ -78,7 +81,22 @@ if _cfg.limits.uses_embedded and not os.environ.get(LIMITS_DIR_ENV):
     _own_limits_dir = os.environ[LIMITS_DIR_ENV] = new_limits_dir()
 
 
+def _on_loopback(address: str) -> bool:
+    """Whether a gunicorn bind address (HOST:PORT, [IPV6]:PORT, unix:PATH, fd://N) reaches this machine only."""
+    if address.startswith("unix:"):
+        return True
+    if address.startswith("fd://"):
+        return False   # a socket handed over: where it listens is unknown here
+    host = address.rsplit(":", 1)[0] if address.rsplit(":", 1)[-1].isdigit() else address
+    return is_loopback_host(host)
+
+
 def on_starting(server):
+    # The bind gunicorn ends with (the command line and GUNICORN_CMD_ARGS override the one above): with
+    # the shipped secrets, only loopback, as the config's own check says for server.host
+    exposed = [a for a in server.cfg.bind if not _on_loopback(a)]
+    if exposed and _cfg.development_secrets_in_use():
+        sys.exit(f"error: {_cfg.development_secrets_message('gunicorn bind ' + ', '.join(exposed))}")
     os.makedirs(_metrics_dir, exist_ok=True)
     for name in os.listdir(_metrics_dir):
         path = os.path.join(_metrics_dir, name)

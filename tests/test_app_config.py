@@ -70,6 +70,8 @@ def test_config_file_from_env(tmp_path):
     ({"auth": {"jwks_url": "https:///jwks.json"}}, "jwks_url must be an https:// URL"),
     ({"auth": {"jwks_refetch_interval_s": 0}}, "jwks_refetch_interval_s"),
     ({"auth": {"max_token_lifetime_s": -1}}, "max_token_lifetime_s"),
+    ({"auth": {"allow_unconfigured_orgs": "false"}}, "allow_unconfigured_orgs must be true or false"),
+    ({"tracing": {"enabled": "false"}}, "tracing.enabled must be true or false"),
 ])
 def test_invalid_config_is_refused_naming_the_key(overrides, words):
     with pytest.raises(ConfigError, match=words):

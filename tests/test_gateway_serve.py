@@ -11,6 +11,7 @@ import pytest
 import requests
 
 from app.config import DEFAULT_CONFIG_PATH, DEVELOPMENT_SECRETS
+from app.limit_store import LIMITS_DIR_ENV
 from tests.node_fixtures import wait_for
 from tests.serving_fixtures import REPO_ROOT, GatewayProcess
 from tests.test_gateway_support import free_port
@@ -77,6 +78,33 @@ def test_public_host_with_development_secrets_exits_before_binding(tmp_path, com
         assert f"{secret.key} (set {secret.env})" in out.stderr, out.stderr
         assert secret.value not in out.stderr
     assert "Listening at" not in out.stderr + out.stdout     # gunicorn never started
+
+
+@pytest.mark.parametrize("how", ["argument", "GUNICORN_CMD_ARGS"])
+def test_a_public_bind_given_to_gunicorn_is_refused_too(tmp_path, how):
+    # server.host is loopback here; the bind gunicorn is given on its command line or in its environment wins
+    port = free_port()
+    bind = f"0.0.0.0:{port}"
+    env = _env(tmp_path, _config_on(tmp_path, "127.0.0.1"), port,
+               **({"GUNICORN_CMD_ARGS": f"--bind={bind}"} if how == "GUNICORN_CMD_ARGS" else {}))
+    argv = [sys.executable, "-m", "app", "serve"] + (["--bind", bind] if how == "argument" else [])
+    out = subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=START_TIMEOUT_S)
+    assert out.returncode != 0
+    assert f"gunicorn bind {bind} is not a loopback address" in out.stderr, out.stderr
+    assert "Listening at" not in out.stderr + out.stdout
+
+
+def test_an_ipv6_host_is_bound_in_brackets(tmp_path, monkeypatch):
+    import importlib.util
+    monkeypatch.setenv("ZEN_CONFIG", str(_config_on(tmp_path, "::1")))
+    monkeypatch.setenv("PORT", "8123")
+    # the directories the file sets up for a master: this process's own, taken back after the test
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path / "prometheus"))
+    monkeypatch.setenv(LIMITS_DIR_ENV, str(tmp_path / "limits"))
+    spec = importlib.util.spec_from_file_location("gunicorn_conf", REPO_ROOT / "config" / "gunicorn.conf.py")
+    conf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conf)
+    assert conf.bind == "[::1]:8123" and conf._on_loopback(conf.bind)
 
 
 def test_public_host_names_only_the_secrets_left_at_their_development_value(tmp_path):
