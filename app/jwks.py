@@ -1,6 +1,7 @@
 """The public keys of a JWKS URL (`[auth] jwks_url`), fetched and cached for the token verifier.
 
-Keys are fetched on first use and again when they are older than JWKS_LIFESPAN_S, or when a token
+Keys are fetched on first use and again when they are older than JWKS_LIFESPAN_S (the cached ones serve
+while another thread fetches), or when a token
 names a key id the cached set lacks (the identity provider rotated its keys). Whatever asks, the URL
 is fetched at most once per `[auth] jwks_refetch_interval_s`: a stream of tokens with made-up key ids
 costs no fetches, only 401s, and an unreachable endpoint is not retried on every request. A failed
@@ -40,21 +41,31 @@ class RemoteKeySet:
         refetch interval allows)."""
         keys, fetched_at = self._keys, self._fetched_at
         stale = fetched_at is None or monotonic() - fetched_at >= self._lifespan_s
-        if stale or (kid is not None and not any(k.key_id == kid for k in keys)):
-            return self._refetch()
+        known = kid is None or any(k.key_id == kid for k in keys)
+        if stale or not known:
+            return self._refetch(wait=not (keys and known))
         return keys
 
-    def _refetch(self) -> list[PyJWK]:
-        with self._lock:    # one fetch at a time; who waited for it sees its result
-            now = monotonic()
-            if self._tried_at is not None and now - self._tried_at < self._refetch_interval_s:
+    def _refetch(self, wait: bool) -> list[PyJWK]:
+        """Fetch the set (one thread at a time). wait=False: the cached keys serve this caller, so it does
+        not wait for another thread's fetch."""
+        if not self._lock.acquire(blocking=wait):
+            return self._keys
+        try:
+            # the interval counts from the end of the last fetch: who waited through a slow one does not
+            # fetch again
+            if self._tried_at is not None and monotonic() - self._tried_at < self._refetch_interval_s:
                 return self._keys
-            self._tried_at = now
             try:
                 jwk_set = self._client.get_jwk_set(refresh=True)
             except (PyJWKClientError, PyJWKSetError, OSError, ValueError) as exc:   # ValueError: not JSON
                 log.warning("JWKS fetch from %s failed: %s", self._client.uri, exc)
                 return self._keys
-            self._keys = [k for k in jwk_set.keys if k.public_key_use in ("sig", None) and k.key_id]
-            self._fetched_at = now
+            finally:
+                self._tried_at = monotonic()
+            # a key without a kid serves tokens without one (the only key of its type)
+            self._keys = [k for k in jwk_set.keys if k.public_key_use in ("sig", None)]
+            self._fetched_at = self._tried_at
             return self._keys
+        finally:
+            self._lock.release()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler
 
 import jwt
@@ -38,11 +39,13 @@ class JwksServer:
     def __init__(self, keys: list[dict]) -> None:
         self.keys, self.status, self.fetches = list(keys), 200, 0
         self.body: bytes | None = None
+        self.during_fetch = lambda: None   # run while a fetch is answered (a test moves its clock)
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
                 owner.fetches += 1
+                owner.during_fetch()
                 body = owner.body if owner.body is not None else json.dumps({"keys": owner.keys}).encode()
                 self.send_response(owner.status)
                 self.send_header("Content-Type", "application/json")
@@ -97,6 +100,12 @@ def test_jwks_from_a_url(keys, jwks_server, client):
                                         headers={"kid": "ec-1"})), "unknown key")
     _assert_401(_get(client, jwt.encode(_claims(), JWT_SECRET, algorithm="HS256")),
                 "'HS256' is not allowed")
+
+
+def test_a_key_without_a_kid_verifies_tokens_without_one(keys, jwks_server, client):
+    # as from a jwks_file: a set with one RSA key and no kids
+    jwks_server.keys = [{k: v for k, v in _public_jwk(keys["rsa"], "x", "RS256").items() if k != "kid"}]
+    assert _get(client, jwt.encode(_claims(), keys["rsa"], algorithm="RS256")).status_code == 200
 
 
 def test_unknown_kids_are_refetched_at_most_once_per_interval(keys, jwks_server, client, clock):
@@ -158,6 +167,29 @@ def test_a_failed_refresh_keeps_the_keys_it_had(keys, jwks_server, client, clock
     clock[0] += INTERVAL_S
     _assert_401(_get(client, _rs256(keys["rsa"], "rsa-1", sub="withdrawn")), "unknown key")
     assert jwks_server.fetches == 3
+
+
+def test_a_slow_fetch_is_not_repeated_by_those_who_waited_for_it(keys, jwks_server, clock):
+    key_set = jwks.RemoteKeySet(jwks_server.url, INTERVAL_S)
+    arrived = threading.Barrier(9)
+
+    def slow():   # the fetch outlasts the refetch interval (the other lookups queue up meanwhile)
+        clock[0] += 2 * INTERVAL_S
+        time.sleep(0.2)
+    jwks_server.during_fetch = slow
+    results: list[list[str]] = []
+
+    def look_up(kid: str) -> None:
+        arrived.wait(10)
+        results.append([k.key_id for k in key_set.keys(kid)])
+
+    threads = [threading.Thread(target=look_up, args=(f"kid-{i}",)) for i in range(8)]
+    for t in threads:
+        t.start()
+    arrived.wait(10)
+    for t in threads:
+        t.join(30)
+    assert jwks_server.fetches == 1 and len(results) == 8
 
 
 def test_concurrent_unknown_kids_cost_one_fetch(keys, jwks_server, clock):
