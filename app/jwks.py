@@ -1,8 +1,8 @@
 """The public keys of a JWKS URL (`[auth] jwks_url`), fetched and cached for the token verifier.
 
 Keys are fetched on first use and again when they are older than JWKS_LIFESPAN_S (the cached ones serve
-while another thread fetches), or when a token
-names a key id the cached set lacks (the identity provider rotated its keys). Whatever asks, the URL
+while another thread fetches), or when a token names a key id the cached set lacks (the identity provider
+rotated its keys). Whatever asks, the URL
 is fetched at most once per `[auth] jwks_refetch_interval_s`: a stream of tokens with made-up key ids
 costs no fetches, only 401s, and an unreachable endpoint is not retried on every request. A failed
 fetch keeps the keys fetched before it.
