@@ -61,7 +61,7 @@ class NodeStream:
         # the node_request span while tracing is on: its traceparent goes to every node tried
         self.span = None if client.tracing is None else start_node_span(client.tracing, req, self._headers)
         self._retry_after = 1
-        self._last = "no node answered"
+        self._last = "no node answered"   # why the last node did not: for the client, so no node address
         self.node = ""
         self.attempts = 0
         self.response: http.client.HTTPResponse | None = None
@@ -126,8 +126,8 @@ class NodeStream:
             self.send()
 
     def _unreachable(self, url: str, exc: BaseException) -> None:
-        self._last = f"{url}: {exc.__class__.__name__}"
-        self._client.pool.mark_down(url, self._last)
+        self._last = "a node could not be reached"
+        self._client.pool.mark_down(url, f"{url}: {exc.__class__.__name__}")
         if url in self._needs_load:
             self._client.pool.load_result(self._req.model.key, url, None)
         self._failover(url, "connect_error")
@@ -142,15 +142,15 @@ class NodeStream:
                 self._retry_after = max(self._retry_after, int(float(resp.headers.get("Retry-After", 1))))
             except ValueError:
                 pass
-            self._last = f"{url}: busy ({err.get('message')})"
+            self._last = f"busy ({err.get('message')})"
             self._failover(url, "busy")
         elif status == 404 or status >= 500:
-            self._last = f"{url}: {status} {err.get('message')}"
+            self._last = f"{status} {err.get('message')}"
             self._failover(url, f"http_{status}")
         elif status == 401:
             log.error("engine node refused the node secret", extra={
                 "event": "node_auth_failed", "node": url, "request_id": self._req.request_id})
-            self._last = f"{url}: refused the gateway's credentials"
+            self._last = "a node refused the gateway's credentials"
             self._failover(url, "auth")
         else:   # the node says the request itself is bad: the client's error
             raise APIError(status if 400 <= status < 500 else 400,
@@ -190,7 +190,7 @@ class NodeStream:
                     raise
                 self._client.release(self.node, self._conn, self.response, reuse=False)
                 self.response = self._conn = None
-                self._last = f"{self.node}: {exc}"
+                self._last = "a stream broke before its first token"
                 self._failover(self.node, "broken_before_first_token")
                 self.open_next()
 

@@ -473,6 +473,7 @@ def test_all_nodes_busy_is_a_503_with_retry_after(two_nodes):
     r = app.test_client().post(CHAT, headers=bearer(cfg), json=chat_body())
     err = assert_error(r, 503, None, "no_node_available")
     assert "busy" in err["message"] and r.headers["Retry-After"] == "2"
+    assert a.url not in err["message"] and b.url not in err["message"]   # the nodes' addresses are the operator's
 
 
 def test_a_stream_no_node_accepts_is_an_http_503_with_its_headers(two_nodes):
@@ -539,6 +540,7 @@ def test_a_stream_every_node_fails_before_its_first_token_ends_with_an_error_eve
     assert events[-1] == "[DONE]"
     err = events[-2]["error"]
     assert err["code"] == "no_node_available" and err["type"] == "server_error"
+    assert "127.0.0.1" not in err["message"]
     assert not any(e["choices"][0]["delta"].get("content") for e in events[:-2] if e.get("choices"))
     assert len(a.received) == 1 and len(b.received) == 1
     metrics = app.test_client().get("/metrics", headers=METRICS_HEADERS).get_data(as_text=True)
