@@ -133,6 +133,7 @@ def build_request(body: Mapping[str, Any], kind: str) -> tuple[InferenceRequest,
     if kind == CHAT:
         model.check_chat()
     max_tokens, max_param = params.max_tokens(body, model.max_context, model.default_max_tokens)
+    g.max_tokens_param = max_param
     min_tokens = params.number(body, "min_tokens", maximum=max_tokens)
     if inputs.prompt_token_ids is not None and max_param is None:   # a default fits what the prompt leaves
         max_tokens = max(1, min_tokens, min(max_tokens, model.max_context - len(inputs.prompt_token_ids)))
@@ -209,7 +210,7 @@ def _generate(body: Mapping[str, Any], kind: str) -> Response:
         raise APIError(502, f"The engine node failed during generation: {exc}", code="engine_error") from None
     except APIError as exc:
         _tokens().settle(reservation, 0)
-        _name_prompt_param(exc, kind)
+        _name_prompt_param(exc, kind, g.max_tokens_param)
         raise
     except BaseException:
         _tokens().settle(reservation, 0)
@@ -223,11 +224,15 @@ def _cut_short_cost(req: InferenceRequest, outcome: NodeStream | None) -> int:
     return req.inputs.estimated_tokens + read if read else 0
 
 
-def _name_prompt_param(exc: APIError, kind: str) -> None:
-    """A node's error about the prompt names the request's own parameter (messages or prompt)."""
+def _name_prompt_param(exc: APIError, kind: str, max_tokens_param: str | None) -> None:
+    """A node's error names the request's own parameters: messages or prompt, and max_completion_tokens
+    where the client sent that rather than max_tokens (the node knows only max_tokens)."""
     if exc.param in ("prompt", "messages", "prompt_token_ids") or (
             exc.code == "context_length_exceeded" and exc.param != "max_tokens"):
         exc.param = "messages" if kind == CHAT else "prompt"
+    elif exc.param == "max_tokens" and max_tokens_param == "max_completion_tokens":
+        exc.param = "max_completion_tokens"
+        exc.message = exc.message.replace("max_tokens", "max_completion_tokens")
 
 
 class AcceptedStream(Response):
@@ -387,12 +392,12 @@ def _answer_stream(req: InferenceRequest, kind: str, outcome: NodeStream, reserv
             "status": result["status"], "duration_ms": round((ended - started) * 1e3, 3),
             "prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"]})
 
-    trace = g.get("trace")
+    trace, max_tokens_param = g.get("trace"), g.max_tokens_param
 
     def refused(error: Exception) -> APIError:
         # no node took the request: the error the view would have raised, with finish()'s bookkeeping
         exc = error if isinstance(error, APIError) else unexpected_error(req.request_id)
-        _name_prompt_param(exc, kind)
+        _name_prompt_param(exc, kind, max_tokens_param)
         result["status"] = exc.status
         if trace is not None:
             record_status(trace, exc.status)

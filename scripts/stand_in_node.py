@@ -255,6 +255,13 @@ class StandInNode:
                                                       "param": "prompt",
                                                       "code": "context_length_exceeded"}})
                 sampling = payload["sampling"]
+                room = 8192 - node.prompt_tokens(payload)
+                if (sampling.get("max_tokens") or 0) > room:   # the engine's own check and message
+                    return self._json(400, {"error": {
+                        "message": f"max_tokens ({sampling['max_tokens']}) plus the prompt's tokens exceeds "
+                                   f"the context; use max_tokens <= {room}",
+                        "type": "invalid_request_error", "param": "max_tokens",
+                        "code": "context_length_exceeded"}})
                 n = sampling.get("n") or 1
                 k = sampling.get("logprobs")
                 choices = [node.generate_choice(sampling) for _ in range(n)]

@@ -754,6 +754,15 @@ def test_prompt_over_the_context(client, auth, node):
     assert_error(r, 400, "messages", "context_length_exceeded")
 
 
+def test_a_nodes_max_tokens_error_names_the_parameter_the_client_sent(client, auth, node):
+    long = [{"role": "user", "content": "x" * 20000}]   # 5002 tokens at the stand-in's count
+    for name in ("max_tokens", "max_completion_tokens"):
+        for stream in (False, True):
+            err = assert_error(client.post(CHAT, headers=auth, json=chat_body(
+                messages=long, stream=stream, **{name: 4000})), 400, name, "context_length_exceeded")
+            assert f"{name} (4000)" in err["message"] and "use " + name in err["message"]
+
+
 def test_oversized_body_is_413():
     cfg = make_config([], server={"max_body_bytes": 2048})
     app = create_app(cfg)
