@@ -105,8 +105,11 @@ class TokenVerifier:
         if not keys:
             raise AuthError("token is signed with an unknown key")
         jwk: PyJWK = keys[0]
-        if jwk.algorithm_name and jwk.algorithm_name != alg and alg != "EdDSA":
-            # A key published for one algorithm is not used with another.
+        # A key published for one algorithm is not used with another. pyjwt names an algorithm for a key
+        # that published none (RS256 for any RSA key), so the key's own `alg` is read: an RSA key without
+        # one verifies RS384, RS512 and PS256-512 tokens too; an EC key's curve fixes its algorithm.
+        published = jwk._jwk_data.get("alg") or (jwk.algorithm_name if jwk.key_type == "EC" else None)
+        if published and published != alg and alg != "EdDSA":
             raise AuthError("token algorithm does not match its key")
         return jwk.key
 

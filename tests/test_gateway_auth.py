@@ -197,6 +197,24 @@ def test_rs384_not_in_allow_list(client, keys):
     _assert_401(_get(client, token), "'RS384' is not allowed")
 
 
+def test_a_key_without_alg_verifies_every_algorithm_of_its_type(keys, tmp_path):
+    bare = json.loads(jwt.algorithms.RSAAlgorithm.to_jwk(keys["rsa"].public_key()))
+    published = dict(bare, kid="rs256-only", alg="RS256")
+    path = tmp_path / "jwks.json"
+    path.write_text(json.dumps({"keys": [dict(bare, kid="any-rsa"), published]}))
+    cfg = make_config([], auth={"jwks_file": str(path), "algorithms": ["RS256", "RS512", "PS256"]})
+    app = create_app(cfg)
+    try:
+        c = app.test_client()
+        for alg in ("RS256", "RS512", "PS256"):
+            token = jwt.encode(_claims(), keys["rsa"], algorithm=alg, headers={"kid": "any-rsa"})
+            assert _get(c, token).status_code == 200, (alg, _get(c, token).get_json())
+        token = jwt.encode(_claims(), keys["rsa"], algorithm="PS256", headers={"kid": "rs256-only"})
+        _assert_401(_get(c, token), "does not match its key")
+    finally:
+        close_app(app)
+
+
 def test_org_scopes_what_the_caller_sees(client):
     cfg = make_config([])
     free = client.get("/v1/models", headers=bearer(cfg, "globex")).get_json()
