@@ -1,8 +1,9 @@
 """Node discovery: the set of node URLs, with `dns+http(s)://NAME:PORT` entries resolved by DNS.
 
 A `[nodes] urls` entry (or ZEN_NODES) such as `dns+http://zen-node.zen.svc.cluster.local:8001`
-names a headless Service: every address the name resolves to (A and AAAA, through
-socket.getaddrinfo) is one node, `http://ADDRESS:8001`. Names are resolved again every
+names a headless Service: every address the name resolves to (through socket.getaddrinfo) is one
+node, `http://ADDRESS:8001`. Only the addresses of the family getaddrinfo lists first are taken: a
+dual-stack Service answers an A and an AAAA record for each pod, which would count every node twice. Names are resolved again every
 `[nodes] dns_refresh_s`, so that nodes come as pods start and go as they stop. Plain http(s)
 URLs are nodes as they are. A name that no longer exists stands for no node; a resolver that
 fails for another reason (a DNS timeout) keeps the name's last answer, so a DNS blip does not
@@ -35,16 +36,18 @@ def is_dns_url(url: str) -> bool:
 
 
 def resolve_addresses(host: str, port: int) -> list[str]:
-    """The A and AAAA addresses of `host`, without duplicates, in getaddrinfo's order."""
+    """The addresses of `host` of the family getaddrinfo lists first (IPv4 or IPv6: a dual-stack pod has
+    one of each), without duplicates, in getaddrinfo's order."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
         if exc.errno in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)):
             raise NameNotFound(f"{host}: {exc.strerror}") from None
         raise
+    infos = [info for info in infos if info[0] in (socket.AF_INET, socket.AF_INET6)]
     addresses: list[str] = []
     for family, _, _, _, sockaddr in infos:
-        if family in (socket.AF_INET, socket.AF_INET6) and sockaddr[0] not in addresses:
+        if family == infos[0][0] and sockaddr[0] not in addresses:
             addresses.append(sockaddr[0])
     return addresses
 

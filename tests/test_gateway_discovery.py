@@ -136,12 +136,22 @@ def test_node_client_connects_to_discovered_nodes_and_lets_go_of_dropped_ones():
         client.close()
 
 
-def test_getaddrinfo_gives_every_address_of_localhost():
+def test_getaddrinfo_gives_the_addresses_of_localhosts_first_family():
     port = free_port()
-    expected = {info[4][0] for info in socket.getaddrinfo("localhost", port, type=socket.SOCK_STREAM)}
+    infos = socket.getaddrinfo("localhost", port, type=socket.SOCK_STREAM)
+    expected = {info[4][0] for info in infos if info[0] == infos[0][0]}
     found = NodeDiscovery([f"dns+http://localhost:{port}"], 10.0)
     assert set(found.urls()) == {address_url("http", a, port) for a in expected}
-    assert f"http://127.0.0.1:{port}" in found.urls()
+
+
+def test_a_dual_stack_name_counts_each_pod_once(monkeypatch):
+    def dual_stack(host, port, type=0):
+        v4 = [(socket.AF_INET, type, 6, "", (f"10.0.0.{i}", port)) for i in (1, 2)]
+        v6 = [(socket.AF_INET6, type, 6, "", (f"fd00::{i}", port, 0, 0)) for i in (1, 2)]
+        return [v6[0], v4[0], v6[1], v4[1]]
+    monkeypatch.setattr(socket, "getaddrinfo", dual_stack)
+    assert NodeDiscovery(["dns+http://zen-node:8001"], 10.0).urls() == [
+        "http://[fd00::1]:8001", "http://[fd00::2]:8001"]
 
 
 def test_getaddrinfo_answers_ipv6_in_brackets_and_unknown_names_as_not_found():
