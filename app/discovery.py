@@ -85,6 +85,14 @@ class NodeDiscovery:
                     out.append(url)
         return out
 
+    def server_name(self, url: str) -> str | None:
+        """The name a node found under a dns+https:// name proves in its TLS certificate: that name (a
+        pod's address changes as it restarts; its certificate names the Service). None for other URLs."""
+        for entry, answer in self._answers.items():
+            if url in answer and entry.startswith(DNS_PREFIX + "https:"):
+                return urlparse(entry[len(DNS_PREFIX):]).hostname
+        return None
+
     def urls(self) -> list[str]:
         """The current URLs, resolving the dns+ entries again if dns_refresh_s has passed."""
         with self._lock:

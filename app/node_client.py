@@ -284,6 +284,20 @@ def _node_error(resp: http.client.HTTPResponse) -> dict:
     return {"message": f"engine node answered {resp.status}"}
 
 
+class _NamedHTTPSConnection(http.client.HTTPSConnection):
+    """HTTPS to a node's address, its certificate checked against `server_name` (for a node found by
+    DNS, the name it was found under, not the address)."""
+
+    def __init__(self, host: str, port: int | None, server_name: str, tls: ssl.SSLContext,
+                 timeout: float) -> None:
+        super().__init__(host, port, timeout=timeout, context=tls)
+        self.server_name, self.tls = server_name, tls
+
+    def connect(self) -> None:
+        http.client.HTTPConnection.connect(self)
+        self.sock = self.tls.wrap_socket(self.sock, server_hostname=self.server_name)
+
+
 class NodeConnections:
     """Kept-alive HTTP connections to one node, the most recently used first.
 
@@ -292,9 +306,11 @@ class NodeConnections:
     the node closed while it was idle is not used again.
     """
 
-    def __init__(self, url: str, size: int, connect_timeout_s: float, read_timeout_s: float) -> None:
+    def __init__(self, url: str, size: int, connect_timeout_s: float, read_timeout_s: float,
+                 server_name: str | None = None) -> None:
         parts = urlsplit(url)
         self.host, self.port = parts.hostname, parts.port
+        self.server_name = server_name or self.host   # what the node's TLS certificate must name
         self.base = parts.path
         self.path = self.base + "/v1/generate"
         self._tls = ssl.create_default_context() if parts.scheme == "https" else None
@@ -319,8 +335,8 @@ class NodeConnections:
     def connect(self) -> http.client.HTTPConnection:
         """A new connection: connect_timeout_s to open it, read_timeout_s for each read after."""
         if self._tls is not None:
-            conn = http.client.HTTPSConnection(self.host, self.port, timeout=self.connect_timeout_s,
-                                               context=self._tls)
+            conn = _NamedHTTPSConnection(self.host, self.port, self.server_name, self._tls,
+                                         self.connect_timeout_s)
         else:
             conn = http.client.HTTPConnection(self.host, self.port, timeout=self.connect_timeout_s)
         conn.connect()
@@ -458,7 +474,8 @@ class NodeClient:
             connections.close()
 
     def _new_connections(self, url: str) -> NodeConnections:
-        return NodeConnections(url, self._pool_size, self.config.connect_timeout_s, self.config.read_timeout_s)
+        return NodeConnections(url, self._pool_size, self.config.connect_timeout_s, self.config.read_timeout_s,
+                               self.pool.discovery.server_name(url))
 
     def _connections_of(self, url: str) -> NodeConnections:
         """The node's connections; a node found by discovery gets them on its first request. A node

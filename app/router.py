@@ -42,6 +42,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Sequence
+from urllib.parse import urlsplit
 
 import urllib3
 
@@ -211,8 +212,10 @@ class NodePool:
     def _fetch(self, url: str) -> None:
         timeout = min(self.config.connect_timeout_s, max(0.2, self.config.state_ttl_s / 2))
         try:
-            resp = self._http.request("GET", url + "/state", timeout=timeout,
-                                      headers={SECRET_HEADER: self.config.secret})
+            name = self.discovery.server_name(url)   # a dns+https node's certificate names the Service
+            pool = self._http.connection_from_url(url, pool_kwargs={"server_hostname": name} if name else None)
+            resp = pool.request("GET", urlsplit(url).path + "/state", timeout=timeout,
+                                headers={SECRET_HEADER: self.config.secret})
             if resp.status != 200:
                 raise ValueError(f"GET /state answered {resp.status}")
             state = NodeState.from_json(json.loads(resp.data))

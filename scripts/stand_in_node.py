@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import socket
+import ssl
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -54,8 +55,9 @@ class StandInNode:
     """
 
     def __init__(self, secret: str = NODE_SECRET, node_id: str = "standin-0",
-                 models: list[tuple[str, str]] | None = None) -> None:
+                 models: list[tuple[str, str]] | None = None, tls: ssl.SSLContext | None = None) -> None:
         self.secret = secret
+        self.tls = tls   # a server context: the node answers HTTPS
         self.node_id = node_id
         self.models = models if models is not None else [(MODEL_ID, "q4_1")]
         self.busy = False
@@ -82,7 +84,7 @@ class StandInNode:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     # -- protocol ------------------------------------------------------------------------
 
@@ -335,7 +337,7 @@ class StandInNode:
                         node.client_disconnects += 1
                     self.close_connection = True
 
-        self._server = serve_in_thread(Handler, self.port, name=f"standin-node-{self.port}")
+        self._server = serve_in_thread(Handler, self.port, name=f"standin-node-{self.port}", tls=self.tls)
         return self
 
     def stop(self) -> None:
@@ -346,10 +348,12 @@ class StandInNode:
 
 
 def serve_in_thread(handler: type[BaseHTTPRequestHandler], port: int = 0,
-                    name: str | None = None) -> ThreadingHTTPServer:
-    """A ThreadingHTTPServer on 127.0.0.1:`port` (0: a free one) serving `handler` from a daemon thread;
-    stop_serving() stops it."""
+                    name: str | None = None, tls: ssl.SSLContext | None = None) -> ThreadingHTTPServer:
+    """A ThreadingHTTPServer on 127.0.0.1:`port` (0: a free one) serving `handler` from a daemon thread,
+    over TLS with a `tls` server context; stop_serving() stops it."""
     server = ThreadingHTTPServer(("127.0.0.1", port), handler)
+    if tls is not None:
+        server.socket = tls.wrap_socket(server.socket, server_side=True)
     threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True, name=name).start()
     return server
 

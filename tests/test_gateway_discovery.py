@@ -2,16 +2,23 @@
 come and go as the answers change, and a gateway routes to a node it found by name."""
 from __future__ import annotations
 
+import datetime
 import socket
+import ssl
 
 import pytest
 import requests
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 from app.config import ConfigError, NodesConfig, RoutingConfig, load_config
 from app.discovery import NameNotFound, NodeDiscovery, address_url, resolve_addresses
 from app.devtoken import mint_token
 from app.node_client import NodeClient
 from app.router import NodePool
+from scripts.stand_in_node import NODE_SECRET, StandInNode
 from tests.node_fixtures import free_port, start_node, tiny_models  # noqa: F401 (fixtures)
 from tests.serving_fixtures import gateway_config, launch_gateway
 
@@ -191,3 +198,59 @@ def test_gateway_routes_to_a_node_found_by_name(start_node, tiny_models, tmp_pat
         if not ok:
             print("---- gateway log (tail)\n" + gateway.log()[-6000:])
         gateway.stop()
+
+
+def _certificate(name: str, issuer: x509.Name, key, signer, ca: bool) -> x509.Certificate:
+    now = datetime.datetime.now(datetime.timezone.utc)
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer or subject)
+               .public_key(key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(now - datetime.timedelta(minutes=1))
+               .not_valid_after(now + datetime.timedelta(hours=1))
+               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    if not ca:
+        builder = builder.add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
+    return builder.sign(signer, hashes.SHA256())
+
+
+@pytest.fixture
+def node_tls(tmp_path, monkeypatch):
+    """A server context whose certificate names only `zen-node.zen.test` (no address), from a CA the
+    gateway's default TLS contexts trust (SSL_CERT_FILE)."""
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca = _certificate("zen test CA", None, ca_key, ca_key, ca=True)
+    cert = _certificate("zen-node.zen.test", ca.subject, key, ca_key, ca=False)
+    (tmp_path / "ca.pem").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    (tmp_path / "node.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM) + key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "ca.pem"))
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(tmp_path / "node.pem")
+    return tls
+
+
+@pytest.mark.parametrize("name, verified", [("zen-node.zen.test", True), ("other.zen.test", False)])
+def test_a_dns_https_node_is_verified_against_the_name_it_was_found_under(node_tls, name, verified):
+    node = StandInNode(node_id="tls-node", tls=node_tls).start()
+    nodes = NodesConfig(urls=(f"dns+https://{name}:{node.port}",), secret=NODE_SECRET, connect_timeout_s=2.0)
+    pool = NodePool(nodes, RoutingConfig(), resolver=ChangingResolver(["127.0.0.1"]))
+    client = NodeClient(pool, pool_size=2)
+    try:
+        pool.refresh()
+        [view] = pool.snapshot()
+        assert view.url == f"https://127.0.0.1:{node.port}"
+        connections = client._connections_of(view.url)
+        if verified:   # the state poll (urllib3) and the requests' connections (http.client) both
+            assert not view.down and view.state.node_id == "tls-node"
+            conn = connections.connect()
+            conn.request("GET", "/health")
+            assert conn.getresponse().status == 200
+            conn.close()
+        else:          # the certificate does not name what the gateway looked up
+            assert view.down and "CERTIFICATE_VERIFY_FAILED" in view.last_error
+            with pytest.raises(ssl.SSLCertVerificationError):
+                connections.connect()
+    finally:
+        client.close()
+        pool.close()
+        node.stop()
