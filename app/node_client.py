@@ -524,7 +524,9 @@ class NodeClient:
 
 def call_node(client: NodeClient, model: ResolvedModel, path: str, payload: dict, request_id: str) -> dict:
     """POST a small JSON request (/tokenize, /detokenize) to the best node for `model`, failing over as
-    send and accept do; the node's JSON answer, or APIError (the node's 4xx as is, 503 when none answers)."""
+    send and accept do; the node's JSON answer, or APIError (the node's 4xx as is, 503 when none answers).
+    The node loads the model for it, so a load the ranking claimed is settled by the answer as a
+    generation's is."""
     ranked = client.pool.rank(model, 1, 1)
     body = json.dumps(payload).encode()
     headers = {SECRET_HEADER: client.config.secret, REQUEST_ID_HEADER: request_id,
@@ -538,7 +540,12 @@ def call_node(client: NodeClient, model: ResolvedModel, path: str, payload: dict
         except TRANSPORT_ERRORS as exc:
             last = f"{url}: {exc.__class__.__name__}"
             client.pool.mark_down(url, last)
+            if score.needs_load:
+                client.pool.load_result(model.key, url, None)
             continue
+        state = client.observe(url, resp.headers.get(STATE_HEADER))
+        if score.needs_load:
+            client.pool.load_result(model.key, url, state, served=status == 200)
         client.release(url, conn, resp)
         try:
             answer = json.loads(data)

@@ -173,7 +173,7 @@ class StandInNode:
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
-                if self.path.startswith("/v1/") and status != 401:
+                if (self.path.startswith("/v1/") or self.path in ("/tokenize", "/detokenize")) and status != 401:
                     self.send_header(STATE_HEADER, node.state_brief())
                 for k, v in (headers or {}).items():
                     self.send_header(k, v)

@@ -303,3 +303,14 @@ def test_a_node_that_drops_the_request_loses_its_record_and_the_next_one_loads(g
     assert _post(app, config, "zen-small-q8").status_code == 200
     records = _records(pool)
     assert first not in records and len(records) == 1 and next(iter(records.values())).done_at is not None
+
+
+def test_a_tokenizer_call_settles_the_load_it_claimed(gateway_two_nodes):
+    from tests.test_gateway_support import bearer
+    app, config, warm, empty = gateway_two_nodes
+    pool = app.extensions["zen.nodes"].pool
+    r = app.test_client().post("/tokenize", headers=bearer(config), json={"model": "zen-small-q8", "prompt": "hi"})
+    assert r.status_code == 200, r.get_json()
+    records = _records(pool)
+    served = [n for n in (warm, empty) if any(p.get("quantization") == "q8_0" for p in n.received)]
+    assert len(served) == 1 and set(records) == {served[0].url} and records[served[0].url].done_at is not None

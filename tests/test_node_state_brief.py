@@ -61,6 +61,15 @@ def test_a_stream_carries_it_as_it_starts_and_in_its_last_event(node_app):
     assert model is not None and model.prefill_tokens_per_s > 0 and model.decode_step_s > 0
 
 
+def test_a_tokenizer_answer_carries_it_with_the_model_it_loaded(node_app):
+    client = node_app.test_client()
+    r = client.post("/tokenize", headers=_auth(node_app), json={"model": "tiny-b", "prompt": "hello"})
+    assert r.status_code == 200
+    assert _brief(r, None).resident(("tiny-b", "f32")) is not None
+    r = client.post("/detokenize", headers=_auth(node_app), json={"model": "tiny-b", "tokens": [1, 2]})
+    assert r.status_code == 200 and STATE_HEADER in r.headers
+
+
 def test_errors_carry_it_and_a_caller_without_the_secret_gets_none(node_app):
     client = node_app.test_client()
     r = client.post("/v1/generate", headers=_auth(node_app), json={"model": "nope", "prompt": "x"})

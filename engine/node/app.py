@@ -51,10 +51,14 @@ def _authenticate():
     return None
 
 
+STATE_PATHS = ("/tokenize", "/detokenize")   # besides /v1/: answers with the state header
+
+
 def _state_header(response: Response) -> Response:
-    """Every /v1/ answer (a stream's as it starts, errors too) carries the node's state in brief: the
-    gateway routes its next request on it at once, without waiting for its next poll of /state."""
-    if request.path.startswith("/v1/") and response.status_code != 401:
+    """Every /v1/ and tokenizer answer (a stream's as it starts, errors too) carries the node's state in
+    brief: the gateway routes its next request on it at once, without waiting for its next poll of
+    /state (a tokenizer call loads its model too)."""
+    if (request.path.startswith("/v1/") or request.path in STATE_PATHS) and response.status_code != 401:
         try:
             response.headers[STATE_HEADER] = the_node().state().to_header()
         except Exception:   # best effort: a state that cannot be read costs the answer nothing
