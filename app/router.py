@@ -393,24 +393,29 @@ class NodePool:
         expected_s = load_times.get(model.key, model.cold_load_s)
         seen = self._seen_records(model.key)
         claims = self.policy.name == "score"    # the baselines route without regard to loads
-        claimed = None
+        claimed, created = None, set()
         for _ in range(CLAIM_ROUNDS):
             loads = self._loads_in_progress(model.key, views, seen, expected_s, now)
             ranked = rank_nodes(usable, model, prompt_tokens, max_tokens, self.routing, rates, load_times,
                                 latency_class=latency_class, loads_in_progress=loads, cached_tokens=cached_tokens)
             if not claims or not ranked or not ranked[0].needs_load or ranked[0].url == claimed:
-                return ranked
+                break
             best = ranked[0]
             claim = self.records.claim(model.key, best.url, expected_s, frozenset(seen))
             news = {n for n, r in claim.records.items() if seen.get(n) != r and not (claim.created and n == best.url)}
             seen = self._seen[model.key] = dict(claim.records)   # its own: the store's may be live
             if claim.claimed:
                 if claim.created:
+                    created.add(best.url)
                     log.info("cold load", extra={"event": "cold_load", "node": best.url, "model": model.model,
                                                  "quantization": model.quantization})
                 if not news:
-                    return ranked
+                    break
                 claimed = best.url     # ranked again with what the claim brought, to order the failover
+        for url in created - {ranked[0].url if ranked else None}:
+            # ranked again away from a load this call recorded: nobody starts it there
+            self.records.drop(model.key, url)
+            self._seen[model.key].pop(url, None)
         return ranked
 
     def _seen_records(self, key: tuple[str, str]) -> dict[str, LoadRecord]:

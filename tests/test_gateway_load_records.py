@@ -192,6 +192,25 @@ def test_a_worker_whose_view_prefers_another_node_still_joins_the_load(two_nodes
             store.close()
 
 
+def test_a_claim_ranked_away_from_is_withdrawn(two_nodes):
+    """A worker claims a load on one node, and the claim brings news (the load elsewhere it waited on
+    has finished): it goes there instead, and the load it recorded and will not start is dropped."""
+    a, b = (n.url for n in two_nodes)
+    store = MemoryLoadRecords(HOLD_S)
+    pool = _pool(two_nodes, LoadRecords(store, HOLD_S))
+    try:
+        store.claim(KEY, b, 100.0, frozenset())           # another worker's long load on b
+        assert pool.rank(Q8, 10, 10)[0].url == a           # a fresh load on a is sooner
+        store.drop(KEY, a)
+        pool._seen[KEY].pop(a)                             # as before that claim: b's load known
+        store.finish(KEY, b)                               # b's load has finished meanwhile
+        ranked = pool.rank(Q8, 10, 10)
+        assert ranked[0].url == b
+        assert set(pool.records.claim(KEY, "http://elsewhere", 3.0, frozenset()).records) == {b}
+    finally:
+        pool.close()
+
+
 def test_a_refused_load_is_dropped_and_the_next_choice_is_free(two_nodes):
     records = LoadRecords(None, HOLD_S)
     pool = _pool(two_nodes, records)
