@@ -59,6 +59,7 @@ def test_queue_full_503_and_leaving_while_waiting(start_node, tiny_models):
     assert metric(m, "zen_node_request_success_total", finished_reason="abort") == 1            # B
     assert metric(m, "zen_node_generation_tokens_total") == 2000                                 # A's: B made none
     assert metric(m, "zen_node_requests_rejected_total", reason="queue_full") == 1
+    assert metric(m, "zen_node_requests_rejected_total") == 1   # D was taken: a timeout, not a refusal
     assert metric(m, "zen_node_request_success_total", finished_reason="timeout") == 1          # D
     # with the queue empty again, requests are taken
     assert post(url, {"model": "tiny-a", "prompt": "d", "sampling": {"max_tokens": 2}}).status_code == 200

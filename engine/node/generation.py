@@ -302,14 +302,17 @@ class SSEBody:
 
 
 def collect(gen: Generation) -> Response:
-    """Non-streaming: wait for every choice, then answer one JSON body."""
+    """Non-streaming: wait for every choice, then answer one JSON body. Its errors are answered here, not
+    raised to the error handler: the node took the request, so they are no refusal (requests_rejected),
+    as a stream's error events are not."""
     outcome = "error"
     try:
         for _ in gen.deltas():
             pass
         if gen.timed_out_before_start:
             outcome = "queue_timeout"
-            raise unavailable("the request waited past its queue_timeout_s before it was scheduled", "queue_timeout")
+            return unavailable("the request waited past its queue_timeout_s before it was scheduled",
+                               "queue_timeout").response()
         outcome = "ok"
         choices = [{"index": c.index, "text": "".join(c.text), "token_ids": c.token_ids,
                     "finish_reason": c.finish_reason,
@@ -322,11 +325,11 @@ def collect(gen: Generation) -> Response:
         return Response(status=499)
     except NodeShutdown as e:
         outcome = "node_shutdown"
-        raise unavailable(str(e), NODE_SHUTDOWN, RETRY_AFTER_S) from None
+        return unavailable(str(e), NODE_SHUTDOWN, RETRY_AFTER_S).response()
     except RequestError as e:
-        raise request_error(e) from None
+        return request_error(e).response()
     except RuntimeError as e:   # the model's loop failed, or the node is stopping
-        raise unavailable(f"engine failure: {e}", "engine_failure", 5) from None
+        return unavailable(f"engine failure: {e}", "engine_failure", 5).response()
     finally:
         gen.close(outcome)
 
