@@ -198,6 +198,8 @@ class ToolCallParser:
         while True:
             if self._in_call:
                 end = self._buf.find(CALL_CLOSE)
+                while end >= 0 and _ends_in_string(self._buf[:end]):   # the arguments' own text
+                    end = self._buf.find(CALL_CLOSE, end + 1)
                 if end < 0:
                     return out
                 body, self._buf = self._buf[:end], self._buf[end + len(CALL_CLOSE):]
@@ -222,6 +224,19 @@ class ToolCallParser:
         rest = (CALL_OPEN if self._in_call else "") + self._buf
         self._buf, self._in_call = "", False
         return [("text", rest)] if rest else []
+
+
+def _ends_in_string(text: str) -> bool:
+    """Whether JSON text cut at its end is inside a string: a close tag there is part of a value."""
+    inside = escaped = False
+    for ch in text:
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = inside
+        elif ch == '"':
+            inside = not inside
+    return inside
 
 
 def _partial_tail(buf: str, tag: str) -> int:

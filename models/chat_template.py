@@ -9,6 +9,7 @@ from typing import Mapping, Sequence
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.sandbox
 
 
@@ -51,9 +52,17 @@ def cached_chat_template(source: str) -> jinja2.Template:
     return compile_chat_template(source)
 
 
+@functools.lru_cache(maxsize=64)
 def renders_tools(source: str | None) -> bool:
-    """Whether a template renders a `tools` variable itself (else callers describe tools in messages)."""
-    return bool(source) and "tools" in source
+    """Whether a template reads a `tools` variable itself (else callers describe tools in messages); not
+    the word in its text, which a template may have in a comment or a string."""
+    if not source:
+        return False
+    try:
+        return "tools" in jinja2.meta.find_undeclared_variables(
+            jinja2.Environment(extensions=[jinja2.ext.loopcontrols]).parse(source))
+    except jinja2.TemplateError:   # rendering it reports why
+        return False
 
 
 def normalize_messages(messages) -> list[dict]:

@@ -197,6 +197,17 @@ def test_the_parser_holds_back_only_what_may_begin_a_call():
     assert parse_tool_calls("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
 
 
+def test_a_close_tag_inside_the_arguments_is_their_text():
+    call = '{"name": "note", "arguments": {"text": "ends with \\"</tool_call>\\" here"}}'
+    content, calls = parse_tool_calls(f"ok<tool_call>{call}</tool_call>done")
+    assert content == "okdone" and len(calls) == 1
+    assert json.loads(calls[0].arguments) == {"text": 'ends with "</tool_call>" here'}
+    p = ToolCallParser()   # streamed, the tag arriving before the rest of the string
+    assert p.push('<tool_call>{"name": "note", "arguments": {"text": "a </tool_call>') == []
+    [(kind, streamed)] = p.push(' b"}}</tool_call>')
+    assert kind == "call" and json.loads(streamed.arguments) == {"text": "a </tool_call> b"}
+
+
 def test_the_default_rendering_describes_tools_and_history():
     msgs = render_tool_prompt([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
                                {"role": "assistant", "content": "", "tool_calls": [

@@ -118,6 +118,7 @@ def test_a_template_with_tool_support_renders_the_tools_itself():
                          "{% for c in m.tool_calls or [] %}[call {{ c.function.arguments.city }}]{% endfor %}"
                          "{% endfor %}")
     assert renders_tools(tok.chat_template)
+    assert not renders_tools("{# no tools here #}{% for m in messages %}{{ m.content }} (tools: none){% endfor %}")
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     msgs = [{"role": "user", "content": "hi"},
             {"role": "assistant", "content": "", "tool_calls": [
