@@ -5,7 +5,8 @@
 SRC is a .gguf file or a model directory. Without --format the stored formats are kept (a GGUF's mix of
 q8_0 and q4_1, or a Q4_K_M file's q4_k, q5_0, q6_k and q8_0, included). Float formats are written as plain
 tensors; block formats as raw GGML blocks that models.safetensors_file reads back exactly. K-quants fall
-back to q5_0 / q5_1 / q8_0 for matrices whose rows are not a multiple of 256, as llama.cpp does.
+back to q5_0 / q5_1 / q8_0 for matrices whose rows are not a multiple of 256, and block formats to f16
+where they are not a multiple of 32, as llama.cpp does.
 """
 from __future__ import annotations
 

@@ -66,9 +66,11 @@ LAYOUT_BYTES_PER_WEIGHT = {
 
 def converted_format(fmt: str | None, row_length: int) -> str | None:
     """The format a matrix with rows of row_length takes when converted to `fmt`: a K-quant's fallback where
-    its super-blocks do not divide the rows."""
+    its super-blocks do not divide the rows, and f16 where no block of the format does (llama.cpp's rule)."""
     if fmt in K_FALLBACK and row_length % BLOCK_VALUES[fmt]:
-        return K_FALLBACK[fmt]
+        fmt = K_FALLBACK[fmt]
+    if fmt in BLOCK_VALUES and row_length % BLOCK_VALUES[fmt]:
+        return "f16"
     return fmt
 
 

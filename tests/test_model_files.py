@@ -108,6 +108,8 @@ def test_k_quant_conversion_falls_back_where_rows_are_not_256_long():
     w = QuantTensor.from_float(np.random.default_rng(3).standard_normal((4, 576)), "f32")
     assert [w.convert(f).format for f in K_FORMATS] == ["q5_0", "q5_1", "q8_0"]
     assert QuantTensor.from_float(np.ones((2, 512)), "f32").convert("q4_k").format == "q4_k"
+    odd = QuantTensor.from_float(np.ones((2, 100)), "f32")     # no block of any format divides 100
+    assert {odd.convert(f).format for f in (*K_FORMATS, "q8_0", "q4_1")} == {"f16"}
 
 
 # ---- GGUF ---------------------------------------------------------------------------------------------

@@ -73,6 +73,16 @@ def test_converted_model_keeps_its_format_and_matches_the_float_path(converted, 
     _check_close(_forward(LlamaModel(weights, CpuBackend(False)), TOKENS), f32, False, f"{fmt} vs f32 path")
 
 
+def test_a_model_whose_rows_no_block_divides_converts_to_f16_and_runs(tmp_path):
+    """Rows of 80 and 112 values: neither a K-quant's 256 nor its fallback's 32 divides them; the
+    conversion writes them in f16 (llama.cpp's last fallback) and the model runs as its float path."""
+    src = write_tiny_gguf(tmp_path / "odd.gguf", make_tiny_weights(5, "f32", hidden=80, ffn=112))
+    assert convert.main([src, str(tmp_path / "odd-q4_k"), "--format", "q4_k"]) == 0
+    weights, _ = load_model(str(tmp_path / "odd-q4_k"))
+    assert weights.formats() == {"f16"}
+    _check_close(_forward(LlamaModel(weights, CpuBackend(False)), TOKENS), R.forward(weights, TOKENS), False, "f16")
+
+
 @pytest.mark.parametrize("fmt", ["q4_k", "q6_k"])
 def test_engine_serves_a_converted_model_like_its_float_path(converted, fmt):
     """LLM on the converted directory vs LLM on the same weights dequantized to float32 (quantization='f32'):
