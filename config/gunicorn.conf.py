@@ -19,9 +19,9 @@ import tempfile
 from gunicorn.glogging import Logger
 
 from app.config import ConfigError, load_config
-from engine.protocol import is_loopback_host
 from app.limit_store import LIMITS_DIR_ENV, new_limits_dir
 from engine.memory_dir import memory_dir
+from engine.protocol import is_loopback_host
 
 try:
     _cfg = load_config()

@@ -159,7 +159,7 @@ class Engine:
                 f"the prompt has {n} tokens; this model's context is {self.max_model_len} tokens "
                 f"and at least one must be left to generate", param="prompt", code="context_length_exceeded")
         p = request.sampling
-        room = min(self.max_model_len, self.max_seq_tokens) - n
+        room = self.max_seq_tokens - n
         if p.max_tokens_default and p.max_tokens is not None and max(1, p.min_tokens) <= room < p.max_tokens:
             p = request.sampling = dataclasses.replace(p, max_tokens=room)
         try:
