@@ -14,6 +14,7 @@ import time
 from typing import Any, Callable, Iterator, Mapping
 
 from flask import Blueprint, Response, current_app, g, jsonify, request
+from werkzeug.exceptions import RequestEntityTooLarge
 from werkzeug.wsgi import ClosingIterator
 
 from app import params, structured, tool_params
@@ -30,7 +31,7 @@ from app.responses import (CHAT, COMPLETIONS, SSE_DONE, ChunkWriter, chat_comple
                            text_completion, usage_of)
 from app.tracing import record_status, request_span
 from engine.client_socket import ClientGone, client_gone
-from engine.protocol import NODE_SHUTDOWN, APIError, bad_value, sse_error_event
+from engine.protocol import NODE_SHUTDOWN, APIError, bad_value, parse_json, sse_error_event
 
 log = logging.getLogger("zen.gateway")
 bp = Blueprint("api", __name__, url_prefix="/v1")
@@ -58,12 +59,15 @@ def _nodes() -> NodeClient:
 
 def read_json_body() -> Mapping[str, Any]:
     """The request's JSON object; 400 when it is not one, 413 when it is too large."""
-    raw = request.get_data(cache=False)      # werkzeug raises 413 past MAX_CONTENT_LENGTH
+    raw = request.get_data(cache=False)      # werkzeug raises 413 past MAX_CONTENT_LENGTH...
+    limit = current_app.config["MAX_CONTENT_LENGTH"]
+    if request.content_length is None and len(raw) >= limit:
+        raise RequestEntityTooLarge()        # ...but cuts a chunked body off there without a word
     if not raw:
         raise bad_value("The request body is empty; send a JSON object", None, "invalid_json")
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError):
+        body = parse_json(raw)
+    except ValueError:   # not JSON, nested too deeply, a lone surrogate
         raise bad_value("We could not parse the JSON body of your request", None,
                         "invalid_json") from None
     return params.check_object(body)

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from engine.protocol import bad_value
+from engine.protocol import bad_value, finite_number
 
 CHAT = "chat"
 COMPLETIONS = "completions"
@@ -77,8 +77,10 @@ def number(body: Mapping[str, Any], name: str, spec: NumberField | None = None,
     if value is None:
         return spec.default
     kind = "an integer" if spec.integer else "a number"
-    if not _is_number(value) or not math.isfinite(value):
+    if not _is_number(value) or (isinstance(value, float) and not math.isfinite(value)):
         raise bad_value(f"`{name}` must be {kind}", name, "invalid_type")
+    if not finite_number(value):   # an integer past float's range: no parameter takes one
+        raise bad_value(f"`{name}` is out of range", name)
     if spec.integer:
         if isinstance(value, float):
             if not value.is_integer():
@@ -173,7 +175,7 @@ def logit_bias(body: Mapping[str, Any]) -> dict[str, float]:
         if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10
                 and int(key) < 2 ** 31):
             raise bad_value(f"`logit_bias` keys must be token ids, got {key[:20]!r}", "logit_bias")
-        if not _is_number(bias) or not math.isfinite(bias) or not -100 <= bias <= 100:
+        if not finite_number(bias) or not -100 <= bias <= 100:
             raise bad_value("`logit_bias` values must be numbers in [-100, 100]", "logit_bias")
         out[str(int(key))] = float(bias)
     return out

@@ -34,6 +34,32 @@ MAX_CHAT_TEMPLATE_CHARS = 100_000    # longest chat_template a request may carry
 NODE_SHUTDOWN = "node_shutdown"      # error code: the node's drain ended the request (retry elsewhere), not a failure
 
 
+def parse_json(raw: bytes) -> Any:
+    """A request body's JSON; ValueError when it is not JSON, is nested past the parser's depth, or holds a
+    lone surrogate (an escape such as "\\ud800": a string that no UTF-8 text, and no tokenizer, takes)."""
+    try:
+        value = json.loads(raw)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    if b"\\ud" in raw or b"\\uD" in raw:    # only an escape writes a surrogate
+        try:
+            json.dumps(value, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise ValueError("a string holds a lone UTF-16 surrogate") from None
+    return value
+
+
+def finite_number(value: Any) -> bool:
+    """A JSON number a float holds: not a bool, NaN or an infinity (Python's json reads those), nor an
+    integer past float's range (json reads 10**400 exactly; float() of it overflows)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def is_loopback_host(host: str | None) -> bool:
     """Whether `host` (a name or an IP address, IPv6 with or without brackets) is this machine only."""
     name = (host or "").strip().strip("[]").rstrip(".").lower()
@@ -243,8 +269,7 @@ class GenerateRequest:
         if not isinstance(stream, bool):
             raise bad_value(f"stream must be a boolean, got {type(stream).__name__}", "stream")
         qt = body.get("queue_timeout_s")
-        if qt is not None and (isinstance(qt, bool) or not isinstance(qt, (int, float)) or not math.isfinite(qt)
-                               or qt <= 0):
+        if qt is not None and (not finite_number(qt) or qt <= 0):
             raise bad_value("queue_timeout_s must be a positive number of seconds", "queue_timeout_s")
         tools = body.get("tools")
         if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)
@@ -367,9 +392,7 @@ class DetokenizeRequest:
 # ------------------------------------------------------------------------------------- GET /state
 
 def _num(value: Any, default: float = 0.0) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return default
-    return float(value)
+    return float(value) if finite_number(value) else default
 
 
 def _count(value: Any) -> int:

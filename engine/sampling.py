@@ -49,6 +49,14 @@ def _is_real(x) -> bool:
             and not isinstance(x, (bool, np.bool_)))
 
 
+def _float(x) -> float:
+    """float(x), an integer past float's range (JSON's 10**400) as infinity rather than OverflowError."""
+    try:
+        return float(x)
+    except OverflowError:
+        return math.inf if x > 0 else -math.inf
+
+
 def _int(name: str, x, lo: int | None = None, hi: int | None = None, optional: bool = False):
     if x is None and optional:
         return None
@@ -65,7 +73,7 @@ def _int(name: str, x, lo: int | None = None, hi: int | None = None, optional: b
 def _real(name: str, x, lo: float | None = None, hi: float | None = None) -> float:
     if not _is_real(x):
         raise SamplingParamError(name, f"{name} must be a number, got {type(x).__name__} {x!r}")
-    x = float(x)
+    x = _float(x)
     if not math.isfinite(x):
         raise SamplingParamError(name, f"{name} must be finite, got {x}")
     if lo is not None and x < lo:
@@ -180,10 +188,11 @@ class SamplingParams:
             if not _is_int(k) or k < 0:
                 raise SamplingParamError("logit_bias", f"logit_bias keys must be token ids (integers >= 0), "
                                                        f"got {k!r}")
-            if not _is_real(v) or not math.isfinite(float(v)) or not -100.0 <= float(v) <= 100.0:
+            b = _float(v) if _is_real(v) else math.nan
+            if not -100.0 <= b <= 100.0:    # NaN too
                 raise SamplingParamError("logit_bias", f"logit_bias values must be numbers in [-100, 100], "
-                                                       f"got {v!r} for token {k}")
-            out[int(k)] = float(v)
+                                                       f"got {str(v)[:20]} for token {k}")
+            out[int(k)] = b
         return out
 
     @staticmethod

@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+from werkzeug.test import EnvironBuilder, run_wsgi_app
 
 from app import close_app, create_app, node_client, responses
 from tests.test_gateway_support import (METRICS_HEADERS, MODEL_ID, TOKENS, StandInNode, auth, bearer,  # noqa: F401
@@ -711,6 +712,21 @@ def test_nan_and_infinity_are_refused(client, auth):
                  400, "temperature")
 
 
+@pytest.mark.parametrize("param", ["temperature", "top_p", "seed", "n", "max_tokens", "logit_bias"])
+def test_an_integer_past_floats_range_is_a_400_naming_it(client, auth, param):
+    value = {"5": 10 ** 400} if param == "logit_bias" else 10 ** 400
+    assert_error(client.post(CHAT, headers=auth, json=chat_body(**{param: value})), 400, param)
+
+
+@pytest.mark.parametrize("path", [CHAT, "/tokenize"])
+def test_a_lone_surrogate_is_a_400_and_reaches_no_node(client, auth, node, path):
+    assert_error(client.post(path, headers=auth, json=chat_body(messages=[{"role": "user", "content": "a\ud800"}])),
+                 400, None, "invalid_json")
+    assert node.received == []
+    ok = chat_body(messages=[{"role": "user", "content": "\ud83c\udf89"}], max_tokens=2)   # a pair: one character
+    assert client.post(path, headers=auth, json=ok).status_code == 200
+
+
 def test_unknown_and_forbidden_models_are_404(client, gateway):
     cfg = gateway[1]
     assert_error(client.post(CHAT, headers=bearer(cfg, "acme"), json=chat_body(model="gpt-4")),
@@ -770,6 +786,26 @@ def test_oversized_body_is_413():
         r = app.test_client().post(CHAT, headers=bearer(cfg), json=chat_body(
             messages=[{"role": "user", "content": "x" * 5000}]))
         assert_error(r, 413, None, "request_too_large")
+    finally:
+        close_app(app)
+
+
+def test_an_oversized_chunked_body_is_413_not_cut_short(node):
+    cfg = make_config([node.url], server={"max_body_bytes": 2048})
+    app = create_app(cfg)
+    try:
+        for size, status in ((5000, "413"), (1000, "200")):
+            body = json.dumps({"model": "zen-small", "prompt": "a" * size, "max_tokens": 2}).encode()
+            env = EnvironBuilder(COMPLETIONS, method="POST", data=body, headers={
+                **bearer(cfg), "Content-Type": "application/json"}).get_environ()
+            del env["CONTENT_LENGTH"]             # as a server passes a chunked body on
+            env["wsgi.input_terminated"] = True
+            answer, got, _ = run_wsgi_app(app, env)
+            data = b"".join(answer)
+            answer.close()
+            assert got.startswith(status), (got, data)
+            if status == "413":
+                assert json.loads(data)["error"]["code"] == "request_too_large"
     finally:
         close_app(app)
 

@@ -210,6 +210,11 @@ def test_secret_required(node):
     ({"model": "tiny-a", "prompt": "x", "latency_class": "urgent"}, 400, None, "latency_class"),
     ({"model": "tiny-a", "prompt": "x", "quantization": "q3_k"}, 400, None, "quantization"),
     ({"model": "tiny-a", "prompt": "x", "queue_timeout_s": -1}, 400, None, "queue_timeout_s"),
+    (b"[" * 100_000 + b"]" * 100_000, 400, "invalid_json", None),
+    ({"model": "tiny-a", "prompt": "\ud800"}, 400, "invalid_json", None),      # a lone surrogate
+    ({"model": "tiny-a", "prompt": "x", "sampling": {"temperature": 10 ** 400}}, 400, None, "temperature"),
+    ({"model": "tiny-a", "prompt": "x", "sampling": {"logit_bias": {"1": 10 ** 400}}}, 400, None, "logit_bias"),
+    ({"model": "tiny-a", "prompt": "x", "queue_timeout_s": 10 ** 400}, 400, None, "queue_timeout_s"),
     ({"model": "no-such-model", "prompt": "x"}, 404, "model_not_found", "model"),
     ({"model": "tiny-a", "prompt_token_ids": [5] * 4096}, 400, "context_length_exceeded", "prompt"),
     ({"model": "tiny-a", "prompt_token_ids": [5] * 10, "sampling": {"max_tokens": 4090}}, 400,

@@ -91,6 +91,19 @@ def test_a_bad_brief_is_a_value_error(junk):
         NodeState.from_header(junk, _full_state())
 
 
+def test_numbers_past_floats_range_in_a_state_are_junk_values():
+    huge = 10 ** 400    # what json reads from 400 digits: an exact int that float() cannot hold
+    state = _full_state()
+    polled = state.to_json()
+    polled["utilization"] = huge
+    assert NodeState.from_json(polled).utilization == 0.0
+    brief = state.to_brief()
+    brief["u"] = huge
+    brief["l"][0][2] = huge
+    got = NodeState.from_brief(brief, state)
+    assert got.utilization == 0.0 and got.loading[0].elapsed_s == 0.0
+
+
 def test_queue_work_ahead_of_each_class():
     q = QueueState(admitted_by_class=(1, 2, 3), admitted_tokens_by_class=(10, 20, 30))
     assert [q.ahead_of(c) for c in LatencyClass] == [(1, 10), (3, 30), (6, 60)]

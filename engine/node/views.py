@@ -2,7 +2,6 @@
 tokenize/detokenize."""
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
@@ -13,7 +12,8 @@ from engine.node.generation import SSEBody, collect, model_not_found, prompt_tok
 from engine.node.node import Node
 from engine.node.registry import ModelBusy, ModelNotFound, ModelUnavailable
 from engine.node.tracing import EXTENSION_KEY as TRACING_KEY, GenerationTrace
-from engine.protocol import APIError, DetokenizeRequest, GenerateRequest, TokenizeRequest, bad_value, optional_str
+from engine.protocol import (APIError, DetokenizeRequest, GenerateRequest, TokenizeRequest, bad_value, optional_str,
+                             parse_json)
 from models.inspect import check_quantization
 
 bp = Blueprint("node", __name__)
@@ -26,8 +26,8 @@ def the_node() -> Node:
 def json_body() -> Any:
     raw = request.get_data(cache=False)
     try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
+        return parse_json(raw)
+    except ValueError as e:   # UnicodeDecodeError too
         raise bad_value(f"the request body is not valid JSON: {e}", None, "invalid_json") from None
 
 
