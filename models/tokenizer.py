@@ -366,7 +366,8 @@ class Tokenizer:
             )
         except TemplateError:
             raise
-        except (jinja2.TemplateError, TypeError, KeyError, IndexError, AttributeError) as e:
+        except (jinja2.TemplateError, TypeError, KeyError, IndexError, AttributeError, ArithmeticError,
+                RecursionError) as e:
             raise TemplateError(f"chat template failed on these messages: {e}") from None
 
     # ---- serialization ------------------------------------------------------------------------------

@@ -224,6 +224,9 @@ def test_chat_template_environment():
     assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "ok"
     with pytest.raises(TemplateError, match="user first!"):
         tok.apply_chat_template([{"role": "system", "content": "x"}])
+    for failing in ("{{ 1 // (messages | length - 1) }}", "{{ range(10 ** 9) | list }}"):   # a division by
+        with pytest.raises(TemplateError, match="failed on these messages"):                # zero, a range too long
+            _with_template(failing).apply_chat_template([{"role": "user", "content": "x"}])
     # the sandbox refuses attribute escapes
     tok = _with_template("{{ messages.__class__.__mro__ }}")
     with pytest.raises(ValueError):
