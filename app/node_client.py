@@ -185,7 +185,7 @@ class NodeStream:
                             self._client.observe(self.node, event[STATE_FIELD])
                     yield event
                 return
-            except NodeStreamError as exc:
+            except NodeStreamError:
                 if self.started:
                     raise
                 self._client.release(self.node, self._conn, self.response, reuse=False)

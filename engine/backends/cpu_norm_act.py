@@ -4,7 +4,6 @@ gating, and a scale of the activations. Serial, as cpu_ops' rmsnorm and silu_mul
 a token, less than a parallel region's start-up costs."""
 from __future__ import annotations
 
-import numpy as np
 from numba import njit
 
 from engine.backends import cpu_simd, cpu_transforms

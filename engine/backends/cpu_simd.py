@@ -10,8 +10,6 @@ dot of each level); here the intrinsics that use it (vdpbusd, vdpbusd4_nib, vfma
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 from llvmlite import ir
 from numba import types
