@@ -146,7 +146,8 @@ class KVCacheManager:
 
     def find_cached_prefix(self, seq: Sequence) -> tuple[list[int], int]:
         """The longest run of cached full blocks at the start of seq, and the tokens they hold.
-        At least one token is always left to compute, so the step yields the next token's logits."""
+        At least one token is always left to compute, so the step yields the next token's logits. The
+        scheduler records the query (pool.record_prefix_query) once it admits seq."""
         if not self.enable_prefix_caching:
             return [], 0
         self._update_hashes(seq)
@@ -157,9 +158,7 @@ class KVCacheManager:
             if b is None:
                 break
             blocks.append(b)
-        hit = len(blocks) * self.block_size
-        self.pool.record_prefix_query(seq.num_tokens, hit)
-        return blocks, hit
+        return blocks, len(blocks) * self.block_size
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
         """Make room for num_new_tokens more computed tokens; False (and no change) if the pool can't."""

@@ -4,7 +4,9 @@ One loop serves prefill, chunked prefill, prefix hits and decode alike: every se
 between the tokens it has and the tokens whose K/V are computed, and a step closes part of each gap
 within a token budget. Order is by priority — latency class, then arrival — with an aging guard so
 batch work is never starved. When blocks run out, the lowest-priority, most recently admitted
-sequence is preempted: its blocks go back to the pool and it is recomputed later, never dropped.
+sequence is preempted: its blocks go back to the pool and it is recomputed later, never dropped. A
+request of a higher class preempts one of a lower class for batch slots or blocks, even one already
+scheduled in this step (its tokens go back to the budget).
 """
 from __future__ import annotations
 
@@ -96,8 +98,10 @@ class Scheduler:
             if n == 0:
                 break   # decodes come first, so only prompts are left: they continue next step
             while not self.kv.allocate_slots(seq, n):
-                victim = self._lowest_priority_running(now, exclude=[s for s, _ in out.scheduled])
-                self._preempt(victim, out)
+                victim = self._victim(seq, now, out, lower_class_only=False)
+                if self.running.index(victim) < i:   # scheduled before seq: the list shifts under i
+                    i -= 1
+                budget += self._preempt(victim, out)
                 if victim is seq:
                     break
             else:
@@ -118,15 +122,21 @@ class Scheduler:
                 leader = seq.prefill_leader
                 if leader is not None and not leader.is_finished and not leader.is_prefilled:
                     continue  # n > 1: share the leader's prompt blocks once they are computed
-                if len(self.running) >= self.config.max_num_seqs and not self._make_room(seq, now, out):
-                    break
+                if len(self.running) >= self.config.max_num_seqs:
+                    freed = self._make_room(seq, now, out)
+                    if freed is None:
+                        break
+                    budget += freed
                 cached, num_cached = self.kv.find_cached_prefix(seq)
                 n = min(seq.num_tokens - num_cached, budget)
-                if not self.kv.allocate_slots(seq, n, cached):
-                    if self._make_room(seq, now, out) and self.kv.allocate_slots(seq, n, cached):
-                        pass
-                    else:
-                        break
+                admitted = self.kv.allocate_slots(seq, n, cached)
+                while not admitted and (freed := self._make_room(seq, now, out)) is not None:
+                    budget += freed
+                    n = min(seq.num_tokens - num_cached, budget)
+                    admitted = self.kv.allocate_slots(seq, n, cached)
+                if not admitted:
+                    break
+                self.kv.pool.record_prefix_query(seq.num_tokens, num_cached)   # once, as it is admitted
                 seq.num_computed_tokens = num_cached
                 self.waiting.remove(seq)
                 self.running.append(seq)
@@ -170,11 +180,27 @@ class Scheduler:
                                             f"past its {timeout:g} s deadline")
                 out.timed_out.append(seq)
 
-    def _lowest_priority_running(self, now: float, exclude: list[Sequence]) -> Sequence:
-        candidates = [s for s in self.running if s not in exclude]
-        return max(candidates, key=lambda s: (self.priority(s, now)[0], s.admitted_at or 0.0, s.seq_id))
+    def _victim(self, seq: Sequence, now: float, out: SchedulerOutput, lower_class_only: bool) -> Sequence | None:
+        """The running sequence to preempt so that seq runs: the lowest-priority, most recently admitted of
+        those not scheduled this step and those scheduled of a strictly lower class than seq (a realtime
+        request does not wait for batch decodes to finish). lower_class_only: None unless that one is of
+        a strictly lower class."""
+        cls = self.priority(seq, now)[0]
+        scheduled = {s.seq_id for s, _ in out.scheduled}
+        candidates = [s for s in self.running
+                      if s.seq_id not in scheduled or self.priority(s, now)[0] > cls]
+        if not candidates:
+            return None
+        victim = max(candidates, key=lambda s: (self.priority(s, now)[0], s.admitted_at or 0.0, s.seq_id))
+        if lower_class_only and self.priority(victim, now)[0] <= cls:
+            return None
+        return victim
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> int:
+        """Back to the queue, its blocks to the pool; the tokens it was scheduled for this step (0 if none),
+        which come back to the step's budget."""
+        scheduled = [n for s, n in out.scheduled if s is seq]
+        out.scheduled = [(s, n) for s, n in out.scheduled if s is not seq]
         self.running.remove(seq)
         self.kv.free(seq)
         seq.num_computed_tokens = 0
@@ -182,15 +208,10 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
         out.preempted.append(seq)
+        return sum(scheduled)
 
-    def _make_room(self, seq: Sequence, now: float, out: SchedulerOutput) -> bool:
-        """Preempt one running sequence of a strictly lower class than seq, if there is one."""
-        scheduled = [s for s, _ in out.scheduled]
-        candidates = [s for s in self.running if s not in scheduled]
-        if not candidates:
-            return False
-        victim = max(candidates, key=lambda s: (self.priority(s, now)[0], s.admitted_at or 0.0, s.seq_id))
-        if self.priority(victim, now)[0] <= self.priority(seq, now)[0]:
-            return False
-        self._preempt(victim, out)
-        return True
+    def _make_room(self, seq: Sequence, now: float, out: SchedulerOutput) -> int | None:
+        """Preempt one running sequence of a strictly lower class than seq: the tokens it gives back to the
+        step's budget, or None when there is none."""
+        victim = self._victim(seq, now, out, lower_class_only=True)
+        return None if victim is None else self._preempt(victim, out)

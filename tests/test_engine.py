@@ -126,6 +126,55 @@ def test_realtime_first_token_before_earlier_batch_requests(tiny_gguf):
     assert max(first[f"r{i}"] for i in range(2)) < min(first[f"b{i}"] for i in range(6))
 
 
+def _with_a_late_request(eng, late, steps_before):
+    """Step `steps_before` times, add `late`, run everything: {request_id: (step of its first token, step
+    it finished, its tokens)}, steps counted from late's arrival."""
+    seen, step = {}, 0
+    for _ in range(steps_before):
+        for d in eng.step():
+            seen.setdefault(d.request_id, [None, None, []])[2].extend(d.token_ids)
+    eng.add_request(late)
+    while eng.has_unfinished():
+        step += 1
+        for d in eng.step():
+            entry = seen.setdefault(d.request_id, [None, None, []])
+            entry[2].extend(d.token_ids)
+            if d.token_ids and entry[0] is None:
+                entry[0] = step
+            if d.finished:
+                entry[1] = step
+    eng.pool.check_invariants([])
+    return seen
+
+
+@pytest.mark.parametrize("short_of", ["slots", "blocks"])
+def test_a_realtime_request_preempts_batch_decodes_in_progress(tiny_gguf, short_of):
+    """A realtime request arriving while batch streams decode starts at once: a batch sequence is
+    preempted (and recomputed later, its tokens unchanged), though it was already decoding."""
+    slots = short_of == "slots"
+    def batch():
+        return [req(f"b{i}", prompt(40 + i, 8), LatencyClass.BATCH, max_tokens=30 if slots else 24,
+                    temperature=1.0, seed=i) for i in range(2)]
+    eng = make_engine(tiny_gguf, num_blocks=64 if slots else 20, max_batched=64, max_num_seqs=2 if slots else 16)
+    for r in batch():
+        eng.add_request(r)
+    late = req("rt", prompt(99, 8 if slots else 44), LatencyClass.REALTIME, max_tokens=2, temperature=1.0, seed=5)
+    seen = _with_a_late_request(eng, late, steps_before=2 if slots else 10)
+    assert seen["rt"][0] == 1 and seen["rt"][1] < min(seen["b0"][1], seen["b1"][1])
+    assert eng.num_preemptions >= 1
+    alone = run(make_engine(tiny_gguf), batch())
+    assert [seen[f"b{i}"][2] for i in range(2)] == [alone[f"b{i}"][0][0] for i in range(2)]
+
+
+def test_a_request_waiting_for_blocks_is_one_prefix_cache_query(tiny_gguf):
+    eng = make_engine(tiny_gguf, num_blocks=20, max_batched=64)
+    for i in range(2):
+        eng.add_request(req(f"b{i}", prompt(40 + i, 8), max_tokens=24))
+    seen = _with_a_late_request(eng, req("late", prompt(99, 44), max_tokens=2), steps_before=10)
+    assert seen["late"][0] > 1                        # it waited for blocks, step after step
+    assert eng.pool.prefix_query_tokens == 8 + 8 + 44  # each prompt once, as it was admitted
+
+
 def test_a_short_prompt_starts_before_a_long_prefill_ends(tiny_gguf):
     """Chunked prefill shares the step: a short prompt arriving while a long one is being prefilled
     gets its first token within a step or two, not after the long prompt's whole prefill."""

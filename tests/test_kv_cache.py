@@ -53,7 +53,6 @@ def test_prefix_hits_share_blocks_and_keep_one_token_to_compute():
     assert kv.find_cached_prefix(s3)[1] == 4
     s4 = _seq(4, [5] + list(range(1, 10)))   # the chain: a changed first block misses everything
     assert kv.find_cached_prefix(s4) == ([], 0)
-    assert pool.prefix_query_tokens == 10 + 8 + 10 and pool.prefix_hit_tokens == 8 + 4
     kv.free(s1)
     kv.free(s2)
     pool.check_invariants([])
