@@ -232,7 +232,7 @@ def _name_prompt_param(exc: APIError, kind: str, max_tokens_param: str | None) -
     """A node's error names the request's own parameters: messages or prompt, and max_completion_tokens
     where the client sent that rather than max_tokens (the node knows only max_tokens)."""
     if exc.param in ("prompt", "messages", "prompt_token_ids") or (
-            exc.code == "context_length_exceeded" and exc.param != "max_tokens"):
+            exc.code == "context_length_exceeded" and exc.param not in ("max_tokens", "min_tokens")):
         exc.param = "messages" if kind == CHAT else "prompt"
     elif exc.param == "max_tokens" and max_tokens_param == "max_completion_tokens":
         exc.param = "max_completion_tokens"

@@ -176,6 +176,11 @@ class Engine:
                                f"{self.max_seq_tokens} tokens this node's KV cache holds for one sequence; "
                                f"use max_tokens <= {self.max_seq_tokens - n}", param="max_tokens",
                                code="context_length_exceeded")
+        if n + p.min_tokens > self.max_seq_tokens:   # else it ends at the pool's limit, short of min_tokens
+            raise RequestError(f"min_tokens ({p.min_tokens}) plus the prompt's {n} tokens exceeds the "
+                               f"{self.max_seq_tokens} tokens this node's KV cache holds for one sequence; "
+                               f"use min_tokens <= {self.max_seq_tokens - n}", param="min_tokens",
+                               code="context_length_exceeded")
         if request.request_id in self._requests:
             raise RequestError(f"request id {request.request_id!r} is already in use", param="request_id",
                                code="duplicate_request_id")
@@ -268,7 +273,7 @@ class Engine:
         # a stop token ends the text before it, as a stop string does; under min_tokens nothing stops
         stop_token = long_enough and (token in o.stop_ids or (not p.ignore_eos and token in self.eos_token_ids))
         piece = "" if stop_token else o.detok.push(token)
-        text, stopped = o.stop.push(piece) if long_enough else (piece, False)
+        text, stopped = o.stop.push(piece, may_stop=long_enough)
         reason = None
         if stopped or grammar_done or stop_token:
             reason = "stop"
@@ -278,8 +283,9 @@ class Engine:
             reason = "length"
         if reason is not None:
             if not stopped:  # the stream ends: release held-back bytes and stop-string prefixes
-                tail, stopped = o.stop.push(o.detok.flush())
+                tail, stopped = o.stop.push(o.detok.flush(), may_stop=long_enough)
                 text += tail if stopped else tail + o.stop.flush()
+                reason = "stop" if stopped else reason
             self.scheduler.finish(seq, reason, message)
             return self._finished_delta(seq, [token], text, lp)
         return self._delta(seq, [token], text, lp)

@@ -23,19 +23,22 @@ class StopChecker:
     def stopped(self) -> bool:
         return self._done
 
-    def push(self, delta_text: str) -> tuple[str, bool]:
+    def push(self, delta_text: str, may_stop: bool = True) -> tuple[str, bool]:
+        """may_stop=False (under min_tokens): a stop string is text like any other, but the tail that may
+        begin one is still held, so that one completed once stopping is allowed is caught whole."""
         if not self.stop:
             return delta_text, False
         if self._done:
             return "", True
         if not delta_text:
             return "", False
-        # The held text is shorter than every stop string it begins, and holds no stop string; any
-        # match therefore ends inside delta_text, and text before the held part was already safe.
+        # The held text is shorter than every stop string it begins; a match counts only if it ends
+        # inside delta_text (one in the held text was passed under min_tokens), and text before the
+        # held part was already safe.
         buf = self._held + delta_text
         first, hit = -1, None
-        for s in self.stop:
-            i = buf.find(s)
+        for s in self.stop if may_stop else ():
+            i = buf.find(s, max(0, len(self._held) - len(s) + 1))
             if i >= 0 and (first < 0 or i < first):
                 first, hit = i, s
         if hit is not None:

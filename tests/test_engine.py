@@ -367,6 +367,16 @@ def test_stop_strings_min_tokens_and_ignore_eos(tiny_gguf):
     assert len(late[0]) > len(cut[0]) and late[2].startswith(text[:text.index(stop) + len(stop)])
 
 
+def test_a_stop_string_begun_under_min_tokens_stops_once_it_ends_after_them(tiny_gguf):
+    eng = make_engine(tiny_gguf)
+    c = 3 + ord("c")   # the tiny tokenizer's byte token for "c": greedy emits it every step with this bias
+    for min_tokens in (0, 2, 3, 4, 6):
+        tokens, finish, text = run(eng, [req("m", prompt(3, 6), max_tokens=10, logit_bias={c: 100.0},
+                                             stop=["ccc"], min_tokens=min_tokens)])["m"][0]
+        # the first "ccc" that ends once min_tokens are out stops it; the text before it is kept
+        assert (finish, len(tokens), text) == ("stop", max(3, min_tokens), "c" * max(0, min_tokens - 3))
+
+
 def test_a_request_whose_first_sequence_started_does_not_time_out_in_the_queue(tiny_gguf):
     eng = make_engine(tiny_gguf, max_batched=8)
     r = req("n", prompt(72, 40), n=2, temperature=1.0, seed=3, max_tokens=4)
@@ -412,6 +422,7 @@ def test_a_default_max_tokens_is_cut_to_what_the_prompt_leaves(engine):
     (dict(max_tokens=10_000), "max_tokens"),
     (dict(toks=[10**7]), "prompt"),
     (dict(toks=[10] * 10, max_tokens=300), "max_tokens"),   # fits the context (512), not the pool (256)
+    (dict(toks=[10] * 10, max_tokens=None, min_tokens=300), "min_tokens"),   # nor can min_tokens
 ])
 def test_bad_requests_fail_at_add_request(engine, bad, param):
     toks = bad.pop("toks", [5, 6, 7])

@@ -60,6 +60,16 @@ def test_multiple_stops_earliest_wins():
     assert sc.matched == "\n\n"
 
 
+def test_under_min_tokens_a_stop_string_is_text_and_one_that_ends_after_it_stops():
+    sc = StopChecker(["ccc"])
+    assert sc.push("ccc", may_stop=False) == ("c", False)     # passed, but "cc" may begin one
+    assert sc.push("c", may_stop=False) == ("c", False)
+    assert sc.push("c", may_stop=True) == ("", True)          # "cc" + "c": begun before, ended after
+    sc = StopChecker(["ab", "xaby"])
+    assert sc.push("xab", may_stop=False) == ("", False)      # "ab" passed; "xab" may begin "xaby"
+    assert sc.push("z", may_stop=True) == ("xabz", False)     # the passed "ab" does not stop it later
+
+
 def test_held_back_text_is_flushed_at_the_end():
     sc = StopChecker(["STOP"])
     assert sc.push("the ST") == ("the ", False)
