@@ -209,7 +209,9 @@ class Engine:
             if seqs:
                 seq.prefill_leader = seqs[0]
             seqs.append(seq)
-            self._outputs[seq.seq_id] = _Output(seq, self.tokenizer)
+        outputs = [_Output(seq, self.tokenizer) for seq in seqs]
+        for seq, output in zip(seqs, outputs):   # all built first: a failure above queues nothing
+            self._outputs[seq.seq_id] = output
             self.scheduler.add(seq)
         self._requests[request.request_id] = seqs
 

@@ -57,3 +57,18 @@ def test_a_bad_constraint_is_refused_before_it_is_queued(engine):
         engine.add_request(req("bad", prompt(1, 4), structured_output={"type": "regex", "value": "(["}))
     assert err.value.param == "structured_output"
     assert not engine.has_unfinished()
+
+
+def test_a_request_whose_later_sequence_fails_to_set_up_queues_nothing(engine, monkeypatch):
+    made = []
+    real = engine.grammars.new_grammar
+
+    def second_fails(compiled):
+        made.append(compiled)
+        if len(made) == 2:
+            raise MemoryError("no room for a second matcher")
+        return real(compiled)
+    monkeypatch.setattr(engine.grammars, "new_grammar", second_fails)
+    with pytest.raises(MemoryError):
+        engine.add_request(req("so", prompt(6, 9), n=3, structured_output=DIGITS))
+    assert not engine.has_unfinished() and engine.step() == []
