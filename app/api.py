@@ -61,7 +61,7 @@ def read_json_body() -> Mapping[str, Any]:
     """The request's JSON object; 400 when it is not one, 413 when it is too large."""
     raw = request.get_data(cache=False)      # werkzeug raises 413 past MAX_CONTENT_LENGTH...
     limit = current_app.config["MAX_CONTENT_LENGTH"]
-    if request.content_length is None and len(raw) >= limit:
+    if request.content_length is None and len(raw) >= limit and request.environ["wsgi.input"].read(1):
         raise RequestEntityTooLarge()        # ...but cuts a chunked body off there without a word
     if not raw:
         raise bad_value("The request body is empty; send a JSON object", None, "invalid_json")

@@ -37,11 +37,12 @@ NODE_SHUTDOWN = "node_shutdown"      # error code: the node's drain ended the re
 def parse_json(raw: bytes) -> Any:
     """A request body's JSON; ValueError when it is not JSON, is nested past the parser's depth, or holds a
     lone surrogate (an escape such as "\\ud800": a string that no UTF-8 text, and no tokenizer, takes)."""
+    text = raw.decode(json.detect_encoding(raw))   # strict: a raw lone surrogate in UTF-16 is an error
     try:
-        value = json.loads(raw)
+        value = json.loads(text)
     except RecursionError:
         raise ValueError("nested too deeply") from None
-    if b"\\ud" in raw or b"\\uD" in raw:    # only an escape writes a surrogate
+    if "\\ud" in text or "\\uD" in text:    # only an escape writes a surrogate now
         try:
             json.dumps(value, ensure_ascii=False).encode()
         except UnicodeEncodeError:

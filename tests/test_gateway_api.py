@@ -720,8 +720,10 @@ def test_an_integer_past_floats_range_is_a_400_naming_it(client, auth, param):
 
 @pytest.mark.parametrize("path", [CHAT, "/tokenize"])
 def test_a_lone_surrogate_is_a_400_and_reaches_no_node(client, auth, node, path):
-    assert_error(client.post(path, headers=auth, json=chat_body(messages=[{"role": "user", "content": "a\ud800"}])),
-                 400, None, "invalid_json")
+    lone = json.dumps(chat_body(messages=[{"role": "user", "content": "a\ud800"}]))
+    for raw in (lone.encode(), lone.encode("utf-16"), lone.encode("utf-32-le")):   # json reads all three
+        assert_error(client.post(path, headers=auth, data=raw, content_type="application/json"),
+                     400, None, "invalid_json")
     assert node.received == []
     ok = chat_body(messages=[{"role": "user", "content": "\ud83c\udf89"}], max_tokens=2)   # a pair: one character
     assert client.post(path, headers=auth, json=ok).status_code == 200
@@ -794,7 +796,8 @@ def test_an_oversized_chunked_body_is_413_not_cut_short(node):
     cfg = make_config([node.url], server={"max_body_bytes": 2048})
     app = create_app(cfg)
     try:
-        for size, status in ((5000, "413"), (1000, "200")):
+        exact = 2048 - len(json.dumps({"model": "zen-small", "prompt": "", "max_tokens": 2}))
+        for size, status in ((5000, "413"), (1000, "200"), (exact, "200")):     # exact: 2048 bytes in all
             body = json.dumps({"model": "zen-small", "prompt": "a" * size, "max_tokens": 2}).encode()
             env = EnvironBuilder(COMPLETIONS, method="POST", data=body, headers={
                 **bearer(cfg), "Content-Type": "application/json"}).get_environ()
