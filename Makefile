@@ -96,10 +96,12 @@ kernels: install
 	$(VPY) -m cuda.compile_check
 
 # runs as it is on a GPU machine without a network: its python with numba-cuda (torch + transformers for the
-# comparison), no install, no model file (random weights of the model's shapes); the gguf wheel on PYTHONPATH
-# (cuda/gpu_check/__init__.py says how)
+# comparison), no install, no model file (random weights of the model's shapes); carried wheels from wheels/:
+# gguf on PYTHONPATH, a numpy numba-cuda can import installed ahead of the machine's (cuda/gpu_check/__init__.py)
 gpu-check:
-	PYTHONPATH=.:$$(ls wheels/gguf-*.whl 2>/dev/null | head -1) $(PY) -m cuda.gpu_check
+	if ls wheels/numpy-*.whl >/dev/null 2>&1; then $(PY) -m pip install -q --no-index --no-deps --no-compile \
+		--upgrade --target build/gpu-site wheels/numpy-*.whl; fi
+	PYTHONPATH=build/gpu-site:.:$$(ls wheels/gguf-*.whl 2>/dev/null | head -1) $(PY) -m cuda.gpu_check
 
 bench-engine: install model
 	$(VPY) benchmarks/bench_engine.py

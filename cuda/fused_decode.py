@@ -94,6 +94,7 @@ class FusedDecode:
         self._launcher = None
         self._part_views: dict = {}
         self.grid = 1 if SIMULATOR else None
+        self._pending: PackedBuffer | None = None  # the prepared step's inputs, uploaded by upload()
 
     def _allocate_state(self, cfg, b: int) -> None:
         z, c = self.backend.zeros, self.backend.config
@@ -142,6 +143,13 @@ class FusedDecode:
     # --- the step
     def run(self, step, batch) -> SampleResult:
         """Sample one token for each sequence of a pure decode step (token t belongs to block-table row t)."""
+        plan, args, out = self.prepare(step, batch)
+        self.upload()
+        self.launch(plan, args)
+        return self.download(out, batch)
+
+    def prepare(self, step, batch) -> tuple:
+        """The step's inputs packed into its bucket's host buffer: (phase plan, kernel arguments, output buffer)."""
         n = len(step.tokens)
         bucket = self.bucket(n)
         if bucket is None or n != batch.num_rows:
@@ -153,8 +161,7 @@ class FusedDecode:
                                  batch.allowed_mask.shape if batch.constrained else (1, 1))
         out = self._output_buffer(bucket, batch.max_num_logprobs)
         fill_inputs(inp, step, batch)
-        inp.upload()
-        self.counters.uploads += 1
+        self._pending = inp
         nsplit, split = self.backend.split_plan(n * self.num_kv_heads, int(np.max(step.positions)) + 1)
         state = list(self.state_arrays)
         state[5], state[6] = self._partials(n, nsplit)
@@ -162,7 +169,14 @@ class FusedDecode:
         args = (n, nsplit, split, self.num_heads, self.num_kv_heads, self.scale, self.eps,
                 tuple(inp.device[f] for f in names), self.weights, tuple(state),
                 tuple(out.device[f[0]] for f in output_fields(1, 1)))
-        plan = self.plans[nsplit > 1]
+        return self.plans[nsplit > 1], args, out
+
+    def upload(self) -> None:
+        """The prepared step's one host-to-device copy."""
+        self._pending.upload()
+        self.counters.uploads += 1
+
+    def launch(self, plan, args) -> None:
         if self.mode == "cooperative":
             self._cooperative(plan, args)
         else:
@@ -170,9 +184,12 @@ class FusedDecode:
             for s in range(plan.shape[0]):
                 kern[self._grid or self.backend.config.sm_count, self.spec.threads](plan, s, s + 1, *args)
                 self.counters.launches += 1
+
+    def download(self, out, batch) -> SampleResult:
+        """The step's one device-to-host copy (it waits for the step), as a SampleResult."""
         out.download()
         self.counters.downloads += 1
-        return self._result(out.host, n, batch)
+        return self._result(out.host, batch.num_rows, batch)
 
     def _cooperative(self, plan, args) -> None:
         kern = step_k.decode_step(self.spec)

@@ -8,7 +8,9 @@
 3. decode tokens/s at batch 1, 16, 64, 256 through decode_step (one launch a step) and through the per-op path,
    with the launches, uploads and downloads of a step, and prefill tokens/s, beside the roofline (the lower of
    the memory-bandwidth and the FP32 compute bound) and beside transformers on PyTorch (eager, bf16, the same
-   shapes and weights) when torch is importable.
+   shapes and weights) when torch is importable;
+4. where a decode_step step's time goes (host stages, the kernel and each phase on the device: profile.py), and
+   each kernel's time at the model's shapes.
 Writes cuda/RESULTS.md (date, GPU, configuration, every number) and exits 1 on any mismatch or error,
 after running whatever else it can. When the model file is missing (the default one is 98 MB), a model of
 the same shapes and formats with random weights stands in, and the report says so.
@@ -16,15 +18,18 @@ the same shapes and formats with random weights stands in, and the report says s
     python -m cuda.gpu_check [--model PATH] [--budget 390] [--no-torch] [--out cuda/RESULTS.md]
 
 On a lent GPU machine (no network, at most 64 MiB of working tree: no venv, no model file) the one command is
-`make gpu-check PY=python`, i.e. `PYTHONPATH=.:wheels/gguf-0.19.0-py3-none-any.whl python -m cuda.gpu_check`:
-its python has numba-cuda, numpy, torch and transformers; the one wheel it lacks, gguf (pure Python), is
-fetched here beforehand into the git-ignored wheels/ folder and carried (`carry: ["wheels"]`):
+`make gpu-check PY=python3`: its python has numba-cuda, numpy, torch and transformers. Two wheels travel in the
+git-ignored wheels/ folder (`carry: ["wheels"]`), fetched here beforehand:
     python -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d wheels gguf==0.19.0
+    python -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d wheels numpy==2.4.6 ...
+(for numpy, add the `--implementation cp --platform manylinux_2_28_x86_64` a binary wheel for that machine needs).
+gguf (pure Python) is read from its wheel; numpy is installed into build/gpu-site ahead of the machine's own, whose
+2.5 dropped np.row_stack, which numba-cuda 0.30 calls when it compiles a first kernel.
 The whole run stays under 8 minutes on one H200 (--budget 390 s for the checks and benchmarks, then the report).
 
 The modules: plan (sizes), roofline (what the GPU can do at best), model_setup (the model and its step
-inputs), checks (correctness), timing (throughput and kernel timings), torch_baseline (transformers),
-report (cuda/RESULTS.md); this one runs them in that order.
+inputs), checks (correctness), timing (throughput and kernel timings), profile (decode_step's breakdown),
+torch_baseline (transformers), report (cuda/RESULTS.md); this one runs them in that order.
 """
 from __future__ import annotations
 
@@ -43,6 +48,7 @@ import numpy as np
 from cuda.gpu_check.checks import kernel_checks, model_check
 from cuda.gpu_check.model_setup import load_weights, logits_of
 from cuda.gpu_check.plan import FULL, TINY, tiny_launch_config
+from cuda.gpu_check.profile import decode_step_profile
 from cuda.gpu_check.report import Report
 from cuda.gpu_check.roofline import bandwidth_for, fp32_peak
 from cuda.gpu_check.timing import benchmarks, kernel_timings
@@ -155,14 +161,15 @@ def measure(weights, be, report: Report, plan, args, start: float, deadline: flo
         benchmarks(weights, be, report, deadline, bandwidth, peak, torch_model, plan)
     except Exception:
         report.errors.append(f"benchmarks:\n{traceback.format_exc()}")
-    print(f"\n[4/4] kernel timings ({time.time() - start:.0f} s)", flush=True)
-    if time.time() < deadline:
+    print(f"\n[4/4] decode_step profile and kernel timings ({time.time() - start:.0f} s)", flush=True)
+    for what, fn in (("decode_step profile", decode_step_profile), ("kernel timings", kernel_timings)):
+        if time.time() > deadline:
+            report.notes.append(f"{what} skipped: the time budget ran out")
+            continue
         try:
-            kernel_timings(weights, be, report, deadline, plan)
+            fn(weights, be, report, deadline, plan)
         except Exception:
-            report.errors.append(f"kernel timings:\n{traceback.format_exc()}")
-    else:
-        report.notes.append("kernel timings skipped: the time budget ran out")
+            report.errors.append(f"{what}:\n{traceback.format_exc()}")
 
 
 def verdict(report: Report) -> int:

@@ -29,6 +29,8 @@ class Plan:
     timing_batches: tuple = (1, 64, 256)      # kernel timings: decode batches of attention and sampling
     timing_contexts: tuple = (160, 2048)      # kernel timings: attention context lengths
     timing_max_reps: int = 200                # kernel timings: most timed repetitions of one call
+    profile_batches: tuple = (1, 256)         # decode_step profile: batch sizes
+    profile_steps: int = 5                    # decode_step profile: steps timed per batch size
     tiny_model: bool = False            # a tiny synthetic model instead of the default one
 
 
@@ -36,7 +38,7 @@ FULL = Plan()
 TINY = Plan(batches=(2,), prompt_len=5, decode_steps=1, prefill_seqs=1, greedy_tokens=2, k=64, n=20, vocab=300,
             sample_rows=9, attn_seqs=((0, 9), (40, 1), (20, 5)), attn_heads=((2, 1, 72),), formats=("q4_1",),
             warmup_steps=1, prefill_reps=1, timing_tokens=(3,), timing_batches=(2,), timing_contexts=(12,),
-            timing_max_reps=1, tiny_model=True)
+            timing_max_reps=1, profile_batches=(2,), profile_steps=1, tiny_model=True)
 
 
 def tiny_launch_config():

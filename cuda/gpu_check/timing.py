@@ -13,17 +13,23 @@ from cuda.gpu_check.report import Report
 from cuda.gpu_check.roofline import decode_roofline, matmul_params
 
 
+def prefilled(model, layout: BatchLayout, prompts: np.ndarray, sample) -> tuple:
+    """A KV cache holding every sequence's prompt (per-op path): (k_cache, v_cache, each one's first token)."""
+    kc, vc = model.allocate_kv_cache(layout.num_blocks, layout.block_size)
+    tokens = np.zeros(layout.batch, np.int32)
+    for first, count in prefill_groups(layout.batch, prompts.shape[1], 2048):
+        logits = model.forward(upload_step(model.backend, layout.prefill(prompts, first, count)), kc, vc)
+        tokens[first:first + count] = sample(logits, count)
+    return kc, vc, tokens
+
+
 def _time_decode(model, layout: BatchLayout, prompts: np.ndarray, steps: int, warmup: int, sample,
                  fused: bool) -> tuple[float, tuple]:
     """Prefill every sequence (per-op path), then time `steps` decode steps: forward + on-device sampling with
     the ids copied back (per-op), or decode_step (fused). (tokens/s, (launches, uploads, downloads) of a step)."""
     b = model.backend
-    kc, vc = model.allocate_kv_cache(layout.num_blocks, layout.block_size)
+    kc, vc, tokens = prefilled(model, layout, prompts, sample)
     p = prompts.shape[1]
-    tokens = np.zeros(layout.batch, np.int32)
-    for first, count in prefill_groups(layout.batch, p, 2048):
-        logits = model.forward(upload_step(b, layout.prefill(prompts, first, count)), kc, vc)
-        tokens[first:first + count] = sample(logits, count)
     if fused:
         step_fn = b.fused_decode(model, kc, vc)
         if step_fn is None:
@@ -58,7 +64,7 @@ def _time_decode(model, layout: BatchLayout, prompts: np.ndarray, steps: int, wa
     return layout.batch * steps / (time.perf_counter() - t0), per_step
 
 
-def _greedy_sampler(be):
+def greedy_sampler(be):
     """sample(logits, rows) -> greedy ids on the device; sample.batch(rows): its SamplingBatch."""
     from engine.backends.contract import RowSpec, SamplingBatch, SamplingParams
 
@@ -84,7 +90,7 @@ def benchmarks(weights, be, report: Report, deadline: float, bandwidth, peak, to
     model = LlamaModel(weights, be)
     wbytes = model.nbytes
     rng = np.random.default_rng(11)
-    sample = _greedy_sampler(be)
+    sample = greedy_sampler(be)
 
     for batch in plan.batches:
         if time.time() > deadline:
