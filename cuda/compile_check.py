@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import re
 import shutil
@@ -77,7 +78,7 @@ STACKED = {fam: tuple(types.Array(a.dtype, 3, "C") for a in arrays) for fam, arr
 # the decode step's argument tuples (cuda/kernels/decode_phases.py lists them)
 DECODE_INPUTS = types.Tuple((I32_1, I32_1, I64_1, I32_2, F32_1, F32_1, I32_1, F32_1, F32_1, F32_1, F32_1, U64_1,
                              I64_1, I32_1, I64_1, I32_1, F32_1, I64_1, I32_1, I64_1, I32_1, I32_1, I32_1, U32_2))
-DECODE_STATE = types.Tuple((F32_2, F32_2, F32_2, F32_2, F32_2, F32_4, F32_4, F32_2, I32_2, F32_1, F32_1))
+DECODE_STATE = types.Tuple((F32_2, F32_2, F32_2, F32_2, F32_2, F32_4, F32_4, F32_2, I32_2, F32_1, F32_1, F32_2))
 DECODE_OUTPUTS = types.Tuple((I64_1, F32_1, I64_2, F32_2))
 
 
@@ -134,14 +135,17 @@ def catalog(cfg: launch.LaunchConfig, own_row: bool = True) -> list[Spec]:
                           (F32_2, F32_4, F32_4, I32_2, I32_1, I32_1, I32_1, I32_1, INT, INT, F32, INT, INT,
                            F32_2, F32_4, F32_4)))
     for fams in DECODE_FAMILIES if own_row else DECODE_FAMILIES[:1]:
-        spec = DecodeSpec.for_config(cfg, fams, 64)
-        tag = f"[{','.join(fams)};threads={spec.threads},tok={spec.tok}]"
-        specs.append(Spec(f"decode_step{tag}", step_k.decode_step(spec), decode_argtypes(spec),
-                          cooperative=True, threads=spec.threads, blocks_per_sm=cfg.decode_blocks_per_sm))
+        for tiled in (False, True):  # the GEMV variant and the tiled one (batches past gemv_max_tokens)
+            spec = dataclasses.replace(DecodeSpec.for_config(cfg, fams, 64), tiled=tiled)
+            tag = f"[{','.join(fams)};threads={spec.threads},{'tiled' if tiled else f'tok={spec.tok}'}]"
+            specs.append(Spec(f"decode_step{tag}", step_k.decode_step(spec), decode_argtypes(spec),
+                              cooperative=True, threads=spec.threads, blocks_per_sm=cfg.decode_blocks_per_sm))
     if own_row:
-        spec = DecodeSpec.for_config(cfg, DECODE_FAMILIES[0], 64)
-        specs.append(Spec(f"decode_phase[{','.join(spec.families)};threads={spec.threads}]",
-                          step_k.decode_phase(spec), decode_argtypes(spec), threads=spec.threads))
+        for tiled in (False, True):
+            spec = dataclasses.replace(DecodeSpec.for_config(cfg, DECODE_FAMILIES[0], 64), tiled=tiled)
+            specs.append(Spec(f"decode_phase[{','.join(spec.families)};threads={spec.threads}"
+                              f"{',tiled' if tiled else ''}]", step_k.decode_phase(spec), decode_argtypes(spec),
+                              threads=spec.threads))
     specs += [
         Spec("attention_reduce", attn_k.attention_reduce, (F32_4, F32_4, I32_1, INT, F32_2)),
         Spec("sample_rows", samp_k.sample_rows,

@@ -14,7 +14,9 @@ without cooperative launches gets no FusedDecode: the per-op path serves it, Cud
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
+from typing import NamedTuple
 
 import numpy as np
 
@@ -54,6 +56,15 @@ def _stack(backend, linears) -> tuple:
     return tuple(stacked)
 
 
+class PreparedStep(NamedTuple):
+    """A step packed for its launch: the decode_step variant, its phase plan, the kernel's arguments, the
+    output buffer."""
+    spec: DecodeSpec
+    plan: object
+    args: tuple
+    out: PackedBuffer
+
+
 class FusedDecode:
     def __init__(self, backend, model, k_cache, v_cache, mode: str = "cooperative", grid: int | None = None):
         cfg, c = model.config, backend.config
@@ -73,6 +84,8 @@ class FusedDecode:
                  "lm_head": [model.lm_head]}
         families = tuple(_role_family(lins, role) for role, lins in roles.items())
         self.spec = DecodeSpec.for_config(c, families, cfg.head_dim)
+        # decode_step's two variants: GEMV matmul phases, and tiled ones past the GEMV's batch (as the per-op path)
+        self.specs = {False: self.spec, True: dataclasses.replace(self.spec, tiled=True)}
         vec = backend.vector
         self.weights = (
             *model.embed.parts[0].arrays, vec(np.stack([backend.download(ly.attn_norm) for ly in layers])),
@@ -83,7 +96,8 @@ class FusedDecode:
         self.buckets = tuple(sorted(c.decode_buckets))
         self.max_batch = self.buckets[-1]
         self._allocate_state(cfg, self.max_batch)
-        self.plans = {split: backend.upload(phase_plan(cfg.num_layers, split)) for split in (False, True)}
+        self.plans = {(split, tiled): backend.upload(phase_plan(cfg.num_layers, split, tiled))
+                      for split in (False, True) for tiled in (False, True)}
         self.head_dim, self.vocab = cfg.head_dim, cfg.vocab_size
         self._inputs: dict[int, PackedBuffer] = {}
         self._outputs: dict[int, PackedBuffer] = {}
@@ -91,9 +105,9 @@ class FusedDecode:
             self._input_buffer(b, 8, 64)
             self._output_buffer(b, 1)
         self._grid = grid
-        self._launcher = None
+        self._launchers: dict = {}  # spec -> decode_step configured for its grid
+        self.grids: dict = {}       # spec -> its cooperative grid (blocks)
         self._part_views: dict = {}
-        self.grid = 1 if SIMULATOR else None
         self._pending: PackedBuffer | None = None  # the prepared step's inputs, uploaded by upload()
 
     def _allocate_state(self, cfg, b: int) -> None:
@@ -104,7 +118,7 @@ class FusedDecode:
         self._parts = z((b + most_splits) * cfg.num_heads * (cfg.head_dim + 2))
         self.state_arrays = [z((b, cfg.hidden_size)), z((b, qkv)), z((b, cfg.q_size)), z((b, cfg.intermediate_size)),
                              z((b, cfg.vocab_size)), None, None, z((b, cfg.vocab_size)),
-                             z((b, cfg.vocab_size), np.int32), z(b), z(b)]
+                             z((b, cfg.vocab_size), np.int32), z(b), z(b), z((b, 2 * cfg.intermediate_size))]
 
     # --- buckets and buffers
     def bucket(self, n: int) -> int | None:
@@ -143,13 +157,13 @@ class FusedDecode:
     # --- the step
     def run(self, step, batch) -> SampleResult:
         """Sample one token for each sequence of a pure decode step (token t belongs to block-table row t)."""
-        plan, args, out = self.prepare(step, batch)
+        prepared = self.prepare(step, batch)
         self.upload()
-        self.launch(plan, args)
-        return self.download(out, batch)
+        self.launch(prepared)
+        return self.download(prepared, batch)
 
-    def prepare(self, step, batch) -> tuple:
-        """The step's inputs packed into its bucket's host buffer: (phase plan, kernel arguments, output buffer)."""
+    def prepare(self, step, batch) -> PreparedStep:
+        """The step's inputs packed into its bucket's host buffer, and what its launch takes."""
         n = len(step.tokens)
         bucket = self.bucket(n)
         if bucket is None or n != batch.num_rows:
@@ -169,53 +183,60 @@ class FusedDecode:
         args = (n, nsplit, split, self.num_heads, self.num_kv_heads, self.scale, self.eps,
                 tuple(inp.device[f] for f in names), self.weights, tuple(state),
                 tuple(out.device[f[0]] for f in output_fields(1, 1)))
-        return self.plans[nsplit > 1], args, out
+        # past the GEMV's batch the matmul phases are tiled GEMMs, as the per-op path switches to its GEMM
+        tiled = n > self.backend.config.gemv_max_tokens
+        return PreparedStep(self.specs[tiled], self.plans[nsplit > 1, tiled], args, out)
 
     def upload(self) -> None:
         """The prepared step's one host-to-device copy."""
         self._pending.upload()
         self.counters.uploads += 1
 
-    def launch(self, plan, args) -> None:
+    def launch(self, p: PreparedStep) -> None:
         if self.mode == "cooperative":
-            self._cooperative(plan, args)
+            self._cooperative(p)
         else:
-            kern = step_k.decode_phase(self.spec)
-            for s in range(plan.shape[0]):
-                kern[self._grid or self.backend.config.sm_count, self.spec.threads](plan, s, s + 1, *args)
+            kern = step_k.decode_phase(p.spec)
+            for s in range(p.plan.shape[0]):
+                kern[self._grid or self.backend.config.sm_count, p.spec.threads](p.plan, s, s + 1, *p.args)
                 self.counters.launches += 1
 
-    def download(self, out, batch) -> SampleResult:
+    def download(self, p: PreparedStep, batch) -> SampleResult:
         """The step's one device-to-host copy (it waits for the step), as a SampleResult."""
-        out.download()
+        p.out.download()
         self.counters.downloads += 1
-        return self._result(out.host, batch.num_rows, batch)
+        return self._result(p.out.host, batch.num_rows, batch)
 
-    def _cooperative(self, plan, args) -> None:
-        kern = step_k.decode_step(self.spec)
+    def grid(self, spec: DecodeSpec) -> int | None:
+        """The blocks decode_step of this variant runs on (None before its first cooperative launch)."""
+        return 1 if SIMULATOR else self.grids.get(spec)
+
+    def _cooperative(self, p: PreparedStep) -> None:
+        kern = step_k.decode_step(p.spec)
         if SIMULATOR:  # the simulator's grid sync is a block barrier: one block only
-            kern[1, self.spec.threads](plan, 0, plan.shape[0], *args)
+            kern[1, p.spec.threads](p.plan, 0, p.plan.shape[0], *p.args)
         else:
-            if self._launcher is None:
-                self._launcher = self._configure(kern, plan, args)
-            self._launcher(plan, 0, plan.shape[0], *args)
+            if p.spec not in self._launchers:
+                self._launchers[p.spec] = self._configure(kern, p)
+            self._launchers[p.spec](p.plan, 0, p.plan.shape[0], *p.args)
         self.counters.launches += 1
 
-    def _configure(self, kern, plan, args):
+    def _configure(self, kern, p: PreparedStep):
         """decode_step specialized for these argument types, on the largest co-resident grid (at most
         blocks_per_sm per SM, and the driver's cooperative limit for its registers and shared memory)."""
-        special = kern.specialize(plan, 0, plan.shape[0], *args)
+        special = kern.specialize(p.plan, 0, p.plan.shape[0], *p.args)
         compiled = next(iter(special.overloads.values()))
-        limit = compiled.max_cooperative_grid_blocks(self.spec.threads)
+        limit = compiled.max_cooperative_grid_blocks(p.spec.threads)
         c = self.backend.config
         grid = min(limit, c.sm_count * c.decode_blocks_per_sm)
         if self._grid:
             grid = min(grid, self._grid)
         if grid < 1:
             raise Unsupported("decode_step does not fit one block on an SM")
-        log.info("decode_step: %d blocks of %d threads (cooperative limit %d)", grid, self.spec.threads, limit)
-        self.grid = grid
-        return special[grid, self.spec.threads]
+        log.info("decode_step%s: %d blocks of %d threads (cooperative limit %d)", " (tiled)" if p.spec.tiled else "",
+                 grid, p.spec.threads, limit)
+        self.grids[p.spec] = grid
+        return special[grid, p.spec.threads]
 
     @staticmethod
     def _result(host, n: int, batch) -> SampleResult:

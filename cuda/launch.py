@@ -21,6 +21,21 @@ MAX_HEAD_DIM = 256    # per-op attention: heads wider than ATTN_HEAD_DIM take fe
 GEMM_BK = 32  # GEMM reduction depth per shared-memory stage: one quantization block per row
 
 
+def decode_gemm_tile(threads: int) -> tuple[int, int, int, int]:
+    """(bm, bn, tm, tn) of decode_step's tiled phases for a block of `threads`: 4 x 2 outputs a thread, 16
+    threads across 32 columns, threads / 16 across the tokens (4 x 4 spilled registers in sm_80's variant)."""
+    return threads // 4, 32, 4, 2
+
+
+def decode_shared_floats(threads: int, tok: int, attn_rows: int, attn_chunk: int, dh_max: int) -> int:
+    """Floats of decode_step's one shared buffer: the largest of the GEMV's, the tiled GEMM's and attention's."""
+    bm, bn, _, _ = decode_gemm_tile(threads)
+    gemv = 2 * tok * threads
+    gemm = GEMM_BK * (bm + 1) + GEMM_BK * (bn + 1)
+    attention = 2 * attn_rows * dh_max + attn_chunk * (dh_max + 1) + attn_rows * attn_chunk + 3 * attn_rows
+    return max(gemv, gemm, attention, threads)
+
+
 @dataclass(frozen=True)
 class LaunchConfig:
     arch: str
@@ -89,9 +104,8 @@ class LaunchConfig:
                 raise ValueError(f"{self.arch}: {what} needs {nbytes} B of static shared memory")
         if self.decode_blocks_per_sm < 1 or not self.decode_buckets or min(self.decode_buckets) < 1:
             raise ValueError(f"{self.arch}: decode_step needs >= 1 block per SM and positive batch buckets")
-        decode_floats = max(2 * self.gemv_tokens * self.decode_threads,
-                            2 * self.attn_rows * ATTN_HEAD_DIM + self.attn_chunk * (ATTN_HEAD_DIM + 1)
-                            + self.attn_rows * self.attn_chunk + 3 * self.attn_rows)
+        decode_floats = decode_shared_floats(self.decode_threads, self.gemv_tokens, self.attn_rows, self.attn_chunk,
+                                             ATTN_HEAD_DIM)
         if 4 * (decode_floats + 1) + 4 * (self.decode_threads + 1) > STATIC_SHARED_LIMIT:
             raise ValueError(f"{self.arch}: decode_step needs more than {STATIC_SHARED_LIMIT} B of static shared memory")
         if self.gemv_max_tokens < 0 or self.gemv_tokens < 1:

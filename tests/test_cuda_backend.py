@@ -194,12 +194,14 @@ def test_compile_check_compiles_decode_step_offline():
     float64, and its registers x threads x blocks per SM within the register file; an impossible row fails."""
     from cuda import compile_check as cc
 
-    spec = next(s for s in cc.catalog(launch.TABLE["sm_90"]) if s.name.startswith("decode_step[q8"))
-    assert spec.cooperative and spec.threads == 256
-    res = cc.check(spec, "sm_90")
-    assert res.ok, res.errors
-    assert res.registers * spec.threads <= cc.REGISTER_FILE and res.spills == 0 and res.f64 == 0
-    assert cc.register_file_error(spec, res.registers) is None
+    default = [s for s in cc.catalog(launch.TABLE["sm_90"]) if s.name.startswith("decode_step[q8,q4,q4,q4,q4,q8;")]
+    assert [s.name.rsplit(",", 1)[1] for s in default] == ["tok=8]", "tiled]"]  # the GEMV and the tiled variant
+    for spec in default:
+        assert spec.cooperative and spec.threads == 256
+        res = cc.check(spec, "sm_90")
+        assert res.ok, res.errors
+        assert res.registers * spec.threads <= cc.REGISTER_FILE and res.spills == 0 and res.f64 == 0
+        assert cc.register_file_error(spec, res.registers) is None
     greedy = dataclasses.replace(spec, blocks_per_sm=cc.REGISTER_FILE // (res.registers * spec.threads) + 1)
     assert "exceed the SM's" in cc.register_file_error(greedy, res.registers)
 
@@ -214,6 +216,10 @@ def test_decode_step_plan_and_launch_rows():
                              [ph.LM_HEAD, 0], [ph.SAMPLE, 0]]
     split = ph.phase_plan(30, split=True)
     assert len(split) == 1 + 30 * 6 + 2 and (split[:, 0] == ph.MERGE).sum() == 30
+    tiled = ph.phase_plan(2, split=True, tiled=True)
+    assert tiled[:, 0].tolist() == [ph.EMBED] + [ph.QKV_T, ph.ROPE_KV, ph.ATTN, ph.MERGE, ph.O_T, ph.GATE_UP_T,
+                                                 ph.SILU, ph.DOWN_T] * 2 + [ph.LM_HEAD_T, ph.SAMPLE]
+    assert tiled[:, 1].tolist() == [0] + [0] * 8 + [1] * 8 + [0, 0]
     sm90, sm80 = launch.TABLE["sm_90"], launch.TABLE["sm_80"]
     assert (sm90.decode_threads, sm90.decode_blocks_per_sm) != (sm80.decode_threads, sm80.decode_blocks_per_sm)
     for cfg in launch.TABLE.values():
@@ -221,6 +227,9 @@ def test_decode_step_plan_and_launch_rows():
         assert spec.threads == cfg.decode_threads and spec.dh_max == 64
         assert 4 * (spec.shared_floats + spec.threads + 2) <= launch.STATIC_SHARED_LIMIT
         assert spec.shared_floats >= 2 * spec.tok * spec.threads  # the paired GEMV's two reduction buffers
+        bm, bn, tm, tn = spec.gemm_tile
+        assert (bm // tm) * (bn // tn) == spec.threads and bm % tm == 0 and bn % tn == 0
+        assert spec.shared_floats >= launch.GEMM_BK * (bm + 1 + bn + 1)  # the tiled phases' x and W tiles
     assert ph.DecodeSpec.for_config(sm90, ("f32",) * 6, head_dim=128).dh_max == 128
     with pytest.raises(ValueError, match="bucket"):
         dataclasses.replace(sm90, decode_buckets=()).validate()

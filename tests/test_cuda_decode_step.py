@@ -34,6 +34,8 @@ SIM_DECODE = dataclasses.replace(
     gemv_max_tokens=4, gemm_tiles=((16, 16, 2, 2),), attn_rows=4, attn_chunk=8, attn_threads=32,
     attn_min_split=8, sample_threads=32, decode_threads=64, decode_blocks_per_sm=1, decode_buckets=(2, 4),
 )
+# every step of two or more sequences takes the tiled phases (past gemv_max_tokens)
+SIM_TILED = dataclasses.replace(SIM_DECODE, gemv_max_tokens=1)
 BLOCK = 4
 TINY = dict(vocab=64, hidden=32, layers=2, heads=2, kv_heads=1, ffn=64)
 SMOL_HEADS = dict(vocab=48, hidden=192, layers=1, heads=3, kv_heads=1, ffn=64, head_dim=64)
@@ -57,10 +59,10 @@ class Pair:
     """The same random model on the cpu backend (float32 activations) and on the cuda backend, with paged KV
     caches holding the same prefilled contexts."""
 
-    def __init__(self, fmt: str, shape: dict, ctx_lens: list[int], seed: int, weights=None):
+    def __init__(self, fmt: str, shape: dict, ctx_lens: list[int], seed: int, weights=None, config=SIM_DECODE):
         self.weights = make_tiny_weights(seed=seed, fmt=fmt, **shape) if weights is None else weights
         self.cpu = LlamaModel(self.weights, CpuBackend(int8_activations=False))
-        self.be = CudaBackend(SIM_DECODE)
+        self.be = CudaBackend(config)
         self.gpu = LlamaModel(self.weights, self.be)
         cfg = self.cpu.config
         self.rng = np.random.default_rng(seed)
@@ -137,6 +139,29 @@ def test_phases_on_smollm2_head_shape(fmt):
     """5a on a layer of SmolLM2's shape of heads (Dh = 64, GQA 3:1), a context split over the blocks."""
     pair = Pair(fmt, SMOL_HEADS, ctx_lens=[13, 6], seed=5)
     pair.check(2, "phased", grid=2)
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "f16"])
+def test_tiled_phases_on_many_blocks_match_the_cpu_backend(fmt):
+    """Past the GEMV's batch the matmul phases are tiled GEMMs, RoPE + KV write and SiLU phases of their own:
+    phase by phase on 3 blocks, against the cpu backend."""
+    pair = Pair(fmt, TINY, ctx_lens=[5, 9, 3], seed=12, config=SIM_TILED)
+    fused = pair.check(3, "phased", grid=3)
+    # embed, 8 phases a layer (qkv, rope_kv, attention, merge, o, gate_up, silu, down), lm head, sample
+    assert fused.counters.launches == len(phase_plan(2, True, tiled=True)) == 1 + 8 * 2 + 2
+
+
+def test_tiled_phases_on_smollm2_head_shape_and_k_quants():
+    """The tiled phases on SmolLM2's heads (Dh = 64, GQA 3:1), and on the K-quant layouts a role."""
+    Pair("q4_1", SMOL_HEADS, ctx_lens=[13, 6], seed=5, config=SIM_TILED).check(2, "phased", grid=2)
+    weights = mixed_format_weights(make_tiny_weights(seed=4, **KQUANT), (ROLE_KQUANTS,), "q5_k", "q6_k")
+    Pair("f32", KQUANT, ctx_lens=[6, 11], seed=4, weights=weights, config=SIM_TILED).check(2, "phased", grid=2)
+
+
+def test_cooperative_decode_step_takes_the_tiled_phases_on_one_block():
+    pair = Pair("q8_0", TINY, ctx_lens=[7, 2, 9, 4], seed=13, config=SIM_TILED)
+    fused = pair.check(4, "cooperative", grid=None)
+    assert (fused.counters.launches, fused.counters.uploads, fused.counters.downloads) == (1, 1, 1)
 
 
 def test_decode_step_takes_the_k_quant_layouts():

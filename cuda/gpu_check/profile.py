@@ -88,42 +88,42 @@ def profile_batch(weights, be, batch: int, plan: Plan, clock: DeviceClock) -> di
         tokens = fd.run(layout.decode(tokens, pos), greedy).token_ids.astype(np.int32)
         pos += 1
 
-    phase_kern = step_k.decode_phase(fd.spec)
-    p, args, out = fd.prepare(layout.decode(tokens, pos), greedy)
-    fd.upload()
-    phase_kern[fd.grid, fd.spec.threads](p, 0, 0, *args)  # no phase: compiles decode_phase outside the timing
-    be.synchronize()
     host = {k: [] for k in ("pack", "upload", "launch", "wait", "download", "step")}
     kernel = []
     phase_ms = np.zeros(len(PHASE_NAMES))
-    for _ in range(plan.profile_steps):
+    for i in range(plan.profile_steps + 1):  # the first compiles decode_phase, untimed
         be.synchronize()
         t0 = time.perf_counter()
-        p, args, out = fd.prepare(layout.decode(tokens, pos), greedy)
+        p = fd.prepare(layout.decode(tokens, pos), greedy)
         t1 = time.perf_counter()
         fd.upload()
         t2 = time.perf_counter()
-        fd.launch(p, args)
+        fd.launch(p)
         t3 = time.perf_counter()
         be.synchronize()
         t4 = time.perf_counter()
-        tokens = fd.download(out, greedy).token_ids.astype(np.int32)
+        tokens = fd.download(p, greedy).token_ids.astype(np.int32)
         t5 = time.perf_counter()
+        grid, threads = fd.grid(p.spec), p.spec.threads
+        phase_kern = step_k.decode_phase(p.spec)
+        if i == 0:
+            phase_kern[grid, threads](p.plan, 0, 0, *p.args)  # no phase: compiles decode_phase
+            pos += 1
+            continue
         for k, a, b in (("pack", t0, t1), ("upload", t1, t2), ("launch", t2, t3), ("wait", t3, t4),
                         ("download", t4, t5), ("step", t0, t5)):
             host[k].append(b - a)
         # the same step again (its KV writes are the same values): the kernel alone, then phase by phase
-        kernel.append(clock.time([lambda: fd.launch(p, args)])[0])
-        grid, threads = fd.grid, fd.spec.threads
-        rows = [lambda s=s: phase_kern[grid, threads](p, s, s + 1, *args) for s in range(p.shape[0])]
-        for (phase, _), ms in zip(p, clock.time(rows)):
+        kernel.append(clock.time([lambda: fd.launch(p)])[0])
+        rows = [lambda s=s: phase_kern[grid, threads](p.plan, s, s + 1, *p.args) for s in range(p.plan.shape[0])]
+        for (phase, _), ms in zip(p.plan.copy_to_host(), clock.time(rows)):
             phase_ms[phase] += ms
         pos += 1
     res = {k: 1e6 * float(np.median(v)) for k, v in host.items()}
     res["kernel"] = _median_us(kernel)
     res["phases"] = {PHASE_NAMES[i]: 1e3 * phase_ms[i] / plan.profile_steps for i in range(len(PHASE_NAMES))
                      if phase_ms[i]}
-    res["grid"] = (fd.grid, fd.spec.threads)
+    res["grid"] = (grid, threads)
     return res
 
 
@@ -143,8 +143,9 @@ def decode_step_profile(weights, be, report: Report, deadline: float, plan: Plan
     lines = ["## decode_step: where a step's time goes", "",
              f"Medians of {plan.profile_steps} steps, microseconds. Host: wall time of each stage of "
              "`FusedDecode.run`, synchronised after the launch. Device: CUDA events, the work queued behind a "
-             f"{SPIN_MS} ms spin kernel; phases as decode_phase launches on decode_step's grid "
-             f"({results[cols[0]]['grid'][0]} blocks of {results[cols[0]]['grid'][1]} threads), summed over layers.",
+             f"{SPIN_MS} ms spin kernel; phases as decode_phase launches on decode_step's grid ("
+             + ", ".join(f"batch {b}: {r['grid'][0]} blocks of {r['grid'][1]} threads" for b, r in results.items())
+             + "), summed over layers; past gemv_max_tokens the matmul phases are tiled (decode_phases.py).",
              "", "| | " + " | ".join(f"batch {b}" for b in cols) + " |", "|---|" + "---:|" * len(cols)]
 
     def row(label, values):
@@ -155,7 +156,9 @@ def decode_step_profile(weights, be, report: Report, deadline: float, plan: Plan
                        ("download", "host: download (one copy)"), ("step", "host: the whole step"),
                        ("kernel", "device: decode_step")):
         row(label, [results[b][key] for b in cols])
-    names = [n for n in results[cols[0]]["phases"]]
+    from cuda.kernels.decode_phases import PHASE_NAMES
+
+    names = [n for n in PHASE_NAMES if any(n in results[b]["phases"] for b in cols)]
     for n in names:
         row(f"device: phase {n}", [results[b]["phases"].get(n, 0.0) for b in cols])
     row("device: phases, sum", [sum(results[b]["phases"].values()) for b in cols])

@@ -19,6 +19,10 @@ phases are launched one by one; cuda/kernels/decode_step.py has both).
   LM_HEAD    logits = rmsnorm(h) Wlm^T
   SAMPLE     one row a block (cuda/kernels/sampling.py, the grammar's allowed-token mask included); ss_attn = 0
              for the next step
+Past the GEMV's batch (launch table's gemv_max_tokens) the matmuls are tiled GEMMs (linear.gemm_rows, a tile of
+tokens x outputs a block, weights read once a tile of tokens instead of once every `tok` tokens): QKV_T writes
+the normed q|k|v unrotated and ROPE_KV rotates them and fills the cache; GATE_UP_T writes gate|up [B, 2F] and
+SILU makes mlp; O_T, DOWN_T and LM_HEAD_T keep the GEMV phases' epilogues.
 
 Weights keep their stored formats (one family per role, stacked over layers: wa[layer] is that layer's
 matrix in the layout of cuda/kernels/common.py) and are dequantized in registers by the GEMV code of
@@ -29,7 +33,8 @@ cuda/kernels/linear.py. Argument tuples (built by cuda/fused_decode.py, typed in
            gate_up (a, b, c), down (a, b, c), final_norm f32 [D], lm_head (a, b, c), cos, sin [P, Dh/2],
            k_cache, v_cache [L, blocks, block_size, Hkv, Dh]
   state    h [B, D], qkv [B, (H + 2 Hkv) Dh], attn [B, H Dh], mlp [B, F], logits [B, V], part_acc
-           [B, H, splits, Dh], part_ml [B, H, splits, 2], work f32 [B, V], cnt i32 [B, V], ss_attn, ss_ffn [B]
+           [B, H, splits, Dh], part_ml [B, H, splits, 2], work f32 [B, V], cnt i32 [B, V], ss_attn, ss_ffn [B],
+           gate_up [B, 2F] (the tiled phases)
   outputs  token i64 [B], logprob f32 [B], top ids i64 [B, K], top logprobs f32 [B, K]
 """
 from __future__ import annotations
@@ -45,9 +50,12 @@ from cuda.kernels import linear as lin_k
 from cuda.kernels.common import F0, LOADERS, inv_rms, silu
 from cuda.kernels.rowwise import rotate
 from cuda.kernels.sampling import sample_row
+from cuda.launch import GEMM_BK, decode_gemm_tile, decode_shared_floats
 
 EMBED, QKV, ATTN, MERGE, O, GATE_UP, DOWN, LM_HEAD, SAMPLE = range(9)
-PHASE_NAMES = ("embed", "qkv", "attn", "merge", "o", "gate_up", "down", "lm_head", "sample")
+QKV_T, ROPE_KV, O_T, GATE_UP_T, SILU, DOWN_T, LM_HEAD_T = range(9, 16)  # tiled: batches past the GEMV's
+PHASE_NAMES = ("embed", "qkv", "attn", "merge", "o", "gate_up", "down", "lm_head", "sample",
+               "qkv tiled", "rope_kv", "o tiled", "gate_up tiled", "silu", "down tiled", "lm_head tiled")
 ROLES = ("embedding", "qkv", "o", "gate_up", "down", "lm_head")
 
 
@@ -60,6 +68,7 @@ class DecodeSpec:
     attn_rows: int           # attention: query heads of a group held at once (>= num_heads / num_kv_heads)
     attn_chunk: int          # attention: context positions staged per step
     dh_max: int              # attention: largest head dim (64 or 128)
+    tiled: bool = False      # the matmul phases as tiled GEMMs (batches past gemv_max_tokens), else GEMVs
 
     @classmethod
     def for_config(cls, cfg, families: tuple, head_dim: int) -> "DecodeSpec":
@@ -68,18 +77,25 @@ class DecodeSpec:
                    attn_rows=cfg.attn_rows, attn_chunk=cfg.attn_chunk, dh_max=64 if head_dim <= 64 else 128)
 
     @property
+    def gemm_tile(self) -> tuple[int, int, int, int]:
+        """(bm, bn, tm, tn) of the tiled phases (cuda/launch.py: decode_gemm_tile)."""
+        return decode_gemm_tile(self.threads)
+
+    @property
     def shared_floats(self) -> int:
         """Floats of the one shared buffer every phase carves its scratch from."""
-        gemv = 2 * self.tok * self.threads
-        attention = (2 * self.attn_rows * self.dh_max + self.attn_chunk * (self.dh_max + 1)
-                     + self.attn_rows * self.attn_chunk + 3 * self.attn_rows)
-        return max(gemv, attention, self.threads)
+        return decode_shared_floats(self.threads, self.tok, self.attn_rows, self.attn_chunk, self.dh_max)
 
 
-def phase_plan(num_layers: int, split: bool) -> np.ndarray:
-    """The (phase, layer) pairs of one decode step, in order, int32 [n, 2]; MERGE only when split."""
-    per_layer = (QKV, ATTN, MERGE, O, GATE_UP, DOWN) if split else (QKV, ATTN, O, GATE_UP, DOWN)
-    plan = [(EMBED, 0)] + [(p, li) for li in range(num_layers) for p in per_layer] + [(LM_HEAD, 0), (SAMPLE, 0)]
+def phase_plan(num_layers: int, split: bool, tiled: bool = False) -> np.ndarray:
+    """The (phase, layer) pairs of one decode step, in order, int32 [n, 2]; MERGE only when split; tiled: the
+    matmuls as tiled GEMMs, RoPE + the KV write and SiLU x up then phases of their own."""
+    if tiled:
+        per_layer = (QKV_T, ROPE_KV, ATTN) + ((MERGE,) if split else ()) + (O_T, GATE_UP_T, SILU, DOWN_T)
+    else:
+        per_layer = (QKV, ATTN) + ((MERGE,) if split else ()) + (O, GATE_UP, DOWN)
+    head = LM_HEAD_T if tiled else LM_HEAD
+    plan = [(EMBED, 0)] + [(p, li) for li in range(num_layers) for p in per_layer] + [(head, 0), (SAMPLE, 0)]
     return np.asarray(plan, np.int32)
 
 
@@ -175,6 +191,48 @@ def embed_phase(family: str):
     return embed
 
 
+@cuda.jit(device=True, fastmath=True)
+def rope_kv_phase(ntok, qkv, positions, slots, cos, sin, k_cache, v_cache, num_heads, num_kv_heads):
+    """The QKV GEMV's epilogue as a phase after the tiled QKV: RoPE on each (i, i + Dh/2) pair of q and k in
+    qkv, k and v written to the paged cache; a grid-stride loop over ntok x (pairs + v elements)."""
+    dh = k_cache.shape[3]
+    half = dh >> 1
+    bs = k_cache.shape[1]
+    npairs = (num_heads + num_kv_heads) * half
+    units = npairs + num_kv_heads * dh
+    for e in range(cuda.grid(1), ntok * units, cuda.gridsize(1)):
+        t = e // units
+        u = e - t * units
+        slot = slots[t]
+        blk = slot // bs
+        off = slot - blk * bs
+        if u < npairs:
+            hh = u // half
+            i = u - hh * half
+            n1 = hh * dh + i
+            p = positions[t]
+            ra, rb = rotate(qkv[t, n1], qkv[t, n1 + half], cos[p, i], sin[p, i])
+            qkv[t, n1] = ra
+            qkv[t, n1 + half] = rb
+            if hh >= num_heads and slot >= 0:
+                k_cache[blk, off, hh - num_heads, i] = ra
+                k_cache[blk, off, hh - num_heads, i + half] = rb
+        elif slot >= 0:
+            v = u - npairs
+            kvh = v // dh
+            v_cache[blk, off, kvh, v - kvh * dh] = qkv[t, (num_heads + num_kv_heads) * dh + v]
+
+
+@cuda.jit(device=True, fastmath=True)
+def silu_phase(ntok, gate_up, mlp):
+    """mlp[t, n] = silu(gate) * up from the tiled gate|up output [ntok, 2F] (the GEMV's epilogue as a phase)."""
+    f = mlp.shape[1]
+    for e in range(cuda.grid(1), ntok * f, cuda.gridsize(1)):
+        t = e // f
+        n = e - t * f
+        mlp[t, n] = silu(gate_up[t, n]) * gate_up[t, f + n]
+
+
 @cuda.jit(device=True)
 def zero_rows(ss, ntok):
     """ss[:ntok] = 0 (grid-stride)."""
@@ -226,38 +284,27 @@ def merge_phase(ntok, part_acc, part_ml, positions, split_size, out):
 
 
 @functools.lru_cache(maxsize=None)
-def phases(spec: DecodeSpec):
-    """run_phase(phase, layer, ...) for this spec: one (phase, layer) of phase_plan with the whole grid."""
-    f_emb, f_qkv, f_o, f_gu, f_down, f_lm = spec.families
+def gemv_matmuls(spec: DecodeSpec):
+    """The matmul phases QKV, O, GATE_UP, DOWN, LM_HEAD as GEMVs (a warp a row, `tok` tokens a weight read)."""
+    _, f_qkv, f_o, f_gu, f_down, f_lm = spec.families
     tok, threads = spec.tok, spec.threads
-    embed = embed_phase(f_emb)
     qkv_rows = paired_gemv(f_qkv, tok, threads, True)
     gate_up_rows = paired_gemv(f_gu, tok, threads, False)
     o_rows = lin_k.gemv_rows(f_o, False, True, tok, threads)
     down_rows = lin_k.gemv_rows(f_down, False, True, tok, threads)
     lm_rows = lin_k.gemv_rows(f_lm, True, False, tok, threads)
-    attention = attention_phase(spec.attn_rows, spec.attn_chunk, spec.dh_max)
 
     @cuda.jit(device=True, fastmath=True)
-    def run_phase(phase, layer, ntok, nsplit, split_size, num_heads, num_kv_heads, scale, eps, inputs, weights,
-                  state, outputs, smem, ibuf, found, acc1, acc2):
-        tokens, positions, slots, block_tables = inputs[0], inputs[1], inputs[2], inputs[3]
-        emb_a, emb_b, emb_c, attn_norm = weights[0], weights[1], weights[2], weights[3]
+    def matmuls(phase, layer, ntok, num_heads, num_kv_heads, eps, positions, slots, weights, state, smem, acc1,
+                acc2, tacc, av, bv):
         h, qkv, attn, mlp, logits = state[0], state[1], state[2], state[3], state[4]
-        part_acc, part_ml, ss_attn, ss_ffn = state[5], state[6], state[9], state[10]
+        ss_attn, ss_ffn = state[9], state[10]
         unused = acc2  # the ss_out of a GEMV that squares nothing
-        if phase == EMBED:
-            embed(tokens, ntok, emb_a, emb_b, emb_c, h, ss_attn)
-        elif phase == QKV:
+        if phase == QKV:
             zero_rows(ss_ffn, ntok)
-            qkv_rows(h, attn_norm[layer], ss_attn, eps, ntok, weights[4][layer], weights[5][layer],
+            qkv_rows(h, weights[3][layer], ss_attn, eps, ntok, weights[4][layer], weights[5][layer],
                      weights[6][layer], qkv, positions, slots, weights[21], weights[22], weights[23][layer],
                      weights[24][layer], num_heads, num_kv_heads, smem, acc1, acc2)
-        elif phase == ATTN:
-            attention(ntok, nsplit, split_size, qkv, weights[23][layer], weights[24][layer], block_tables,
-                      positions, num_heads, num_kv_heads, scale, attn, part_acc, part_ml, smem)
-        elif phase == MERGE:
-            merge_phase(ntok, part_acc, part_ml, positions, split_size, attn)
         elif phase == O:
             o_rows(attn, unused, unused, eps, ntok, weights[7][layer], weights[8][layer], weights[9][layer], h,
                    0, True, ss_ffn, smem, acc1)
@@ -272,11 +319,82 @@ def phases(spec: DecodeSpec):
         elif phase == LM_HEAD:
             lm_rows(h, weights[17], ss_attn, eps, ntok, weights[18], weights[19], weights[20], logits, 0, False,
                     unused, smem, acc1)
-        else:
+    return matmuls
+
+
+@functools.lru_cache(maxsize=None)
+def tiled_matmuls(spec: DecodeSpec):
+    """The matmul phases QKV_T, ROPE_KV, O_T, GATE_UP_T, SILU, DOWN_T, LM_HEAD_T: tiled GEMMs (linear.gemm_rows)
+    and the GEMV epilogues they cannot hold as phases of their own."""
+    _, f_qkv, f_o, f_gu, f_down, f_lm = spec.families
+    tile = spec.gemm_tile[:2] + (GEMM_BK,) + spec.gemm_tile[2:]
+    qkv_tiles = lin_k.gemm_rows(f_qkv, True, False, *tile)
+    gate_up_tiles = lin_k.gemm_rows(f_gu, True, False, *tile)
+    o_tiles = lin_k.gemm_rows(f_o, False, True, *tile)
+    down_tiles = lin_k.gemm_rows(f_down, False, True, *tile)
+    lm_tiles = lin_k.gemm_rows(f_lm, True, False, *tile)
+
+    @cuda.jit(device=True, fastmath=True)
+    def matmuls(phase, layer, ntok, num_heads, num_kv_heads, eps, positions, slots, weights, state, smem, acc1,
+                acc2, tacc, av, bv):
+        h, qkv, attn, mlp, logits = state[0], state[1], state[2], state[3], state[4]
+        ss_attn, ss_ffn, gate_up = state[9], state[10], state[11]
+        unused = acc2
+        if phase == QKV_T:
+            zero_rows(ss_ffn, ntok)
+            qkv_tiles(h, weights[3][layer], ss_attn, eps, ntok, weights[4][layer], weights[5][layer],
+                      weights[6][layer], qkv, False, unused, smem, tacc, av, bv)
+        elif phase == ROPE_KV:
+            rope_kv_phase(ntok, qkv, positions, slots, weights[21], weights[22], weights[23][layer],
+                          weights[24][layer], num_heads, num_kv_heads)
+        elif phase == O_T:
+            o_tiles(attn, unused, unused, eps, ntok, weights[7][layer], weights[8][layer], weights[9][layer], h,
+                    True, ss_ffn, smem, tacc, av, bv)
+        elif phase == GATE_UP_T:
+            zero_rows(ss_attn, ntok)
+            gate_up_tiles(h, weights[10][layer], ss_ffn, eps, ntok, weights[11][layer], weights[12][layer],
+                          weights[13][layer], gate_up, False, unused, smem, tacc, av, bv)
+        elif phase == SILU:
+            silu_phase(ntok, gate_up, mlp)
+        elif phase == DOWN_T:
+            down_tiles(mlp, unused, unused, eps, ntok, weights[14][layer], weights[15][layer], weights[16][layer],
+                       h, True, ss_attn, smem, tacc, av, bv)
+        elif phase == LM_HEAD_T:
+            lm_tiles(h, weights[17], ss_attn, eps, ntok, weights[18], weights[19], weights[20], logits, False,
+                     unused, smem, tacc, av, bv)
+    return matmuls
+
+
+@functools.lru_cache(maxsize=None)
+def phases(spec: DecodeSpec):
+    """run_phase(phase, layer, ...) for this spec: one (phase, layer) of phase_plan(..., spec.tiled) with the
+    whole grid. The GEMV and the tiled matmul phases are separate variants: one kernel holding both needed
+    more than 255 registers a thread (sm_90, 256 threads), each alone fits without spills."""
+    embed = embed_phase(spec.families[0])
+    attention = attention_phase(spec.attn_rows, spec.attn_chunk, spec.dh_max)
+    matmuls = tiled_matmuls(spec) if spec.tiled else gemv_matmuls(spec)
+
+    @cuda.jit(device=True, fastmath=True)
+    def run_phase(phase, layer, ntok, nsplit, split_size, num_heads, num_kv_heads, scale, eps, inputs, weights,
+                  state, outputs, smem, ibuf, found, acc1, acc2, tacc, av, bv):
+        tokens, positions, slots, block_tables = inputs[0], inputs[1], inputs[2], inputs[3]
+        h, qkv, attn, logits = state[0], state[1], state[2], state[4]
+        part_acc, part_ml, ss_attn = state[5], state[6], state[9]
+        if phase == EMBED:
+            embed(tokens, ntok, weights[0], weights[1], weights[2], h, ss_attn)
+        elif phase == ATTN:
+            attention(ntok, nsplit, split_size, qkv, weights[23][layer], weights[24][layer], block_tables,
+                      positions, num_heads, num_kv_heads, scale, attn, part_acc, part_ml, smem)
+        elif phase == MERGE:
+            merge_phase(ntok, part_acc, part_ml, positions, split_size, attn)
+        elif phase == SAMPLE:
             for i in range(cuda.blockIdx.x, ntok, cuda.gridDim.x):
                 sample_row(i, logits, state[7], state[8], inputs[4], inputs[5], inputs[6], inputs[7], inputs[8],
                            inputs[9], inputs[10], inputs[11], inputs[12], inputs[13], inputs[14], inputs[15],
                            inputs[16], inputs[17], inputs[18], inputs[19], inputs[20], inputs[21], inputs[22],
                            inputs[23], outputs[0], outputs[1], outputs[2], outputs[3], smem, ibuf, found)
             zero_rows(ss_attn, ntok)
+        else:
+            matmuls(phase, layer, ntok, num_heads, num_kv_heads, eps, positions, slots, weights, state, smem, acc1,
+                    acc2, tacc, av, bv)
     return run_phase

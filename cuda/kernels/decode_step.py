@@ -25,6 +25,8 @@ from cuda.kernels.decode_phases import DecodeSpec, phases
 def _decode_kernel(spec: DecodeSpec, persistent: bool):
     run_phase = phases(spec)
     nsmem, threads, tok = spec.shared_floats, spec.threads, spec.tok
+    tm, tn = spec.gemm_tile[2:]
+    tile_size = tm * tn  # a local array's size must be a constant of the closure
 
     @cuda.jit(fastmath=True)
     def decode_kernel(plan, first, last, ntok, nsplit, split_size, num_heads, num_kv_heads, scale, eps, inputs,
@@ -35,9 +37,12 @@ def _decode_kernel(spec: DecodeSpec, persistent: bool):
         found = cuda.shared.array(1, int32)
         acc1 = cuda.local.array(tok, float32)
         acc2 = cuda.local.array(tok, float32)
+        tacc = cuda.local.array(tile_size, float32)  # the tiled phases' register tile
+        av = cuda.local.array(tm, float32)
+        bv = cuda.local.array(tn, float32)
         for s in range(first, last):
             run_phase(plan[s, 0], plan[s, 1], ntok, nsplit, split_size, num_heads, num_kv_heads, scale, eps,
-                      inputs, weights, state, outputs, smem, ibuf, found, acc1, acc2)
+                      inputs, weights, state, outputs, smem, ibuf, found, acc1, acc2, tacc, av, bv)
             if persistent and s + 1 < last:
                 cuda.cg.this_grid().sync()  # the next phase reads what every block of this one wrote
 

@@ -202,26 +202,75 @@ def gemv(family: str, tok: int, threads: int):
 
 
 @functools.lru_cache(maxsize=None)
-def gemm(family: str, bm: int, bn: int, bk: int, tm: int, tn: int):
-    """Tiled GEMM: x tile [bm, bk] and dequantized W tile [bn, bk] staged (k-major) in shared memory, each thread
-    accumulating a tm x tn register tile at rows ty + i*(bm/tm), columns tx + j*(bn/tn) (conflict-free reads,
-    coalesced writes)."""
+def gemm_tile(family: str, normed: bool, bm: int, bn: int, bk: int, tm: int, tn: int):
+    """One [bm, bn] output tile: x tile [bm, bk] and dequantized W tile [bn, bk] staged k-major in the shared
+    arrays xs (bk * (bm + 1)) and ws (bk * (bn + 1)), each thread accumulating acc[i * tn + j] for row
+    m0 + ty + i*(bm/tm) and column n0 + tx + j*(bn/tn) (conflict-free reads, coalesced writes); x' = x * g
+    when normed. Every one of the (bm/tm) * (bn/tn) threads of the block calls it."""
     load = LOADERS[family]
     tx_n = bn // tn
     ty_n = bm // tm
     nthreads = tx_n * ty_n
-    xs_shape = (bk, bm + 1)  # +1: the transposed stores of consecutive k hit distinct banks
-    ws_shape = (bk, bn + 1)
-    acc_shape = (tm, tn)
+    xw = bm + 1  # +1: the transposed stores of consecutive k hit distinct banks
+    ww = bn + 1
     x_elems = bm * bk
     w_elems = bn * bk
+
+    @cuda.jit(device=True, fastmath=True)
+    def tile(x, g, ntok, wa, wb, wc, n0, m0, xs, ws, acc, av, bv):
+        tid = cuda.threadIdx.x
+        tx = tid % tx_n
+        ty = tid // tx_n
+        kdim = x.shape[1]
+        rows = wa.shape[0]
+        for i in range(tm * tn):
+            acc[i] = F0
+        for k0 in range(0, kdim, bk):
+            for e in range(tid, x_elems, nthreads):
+                mm = e // bk
+                kk = e - mm * bk
+                v = F0
+                if m0 + mm < ntok and k0 + kk < kdim:
+                    v = x[m0 + mm, k0 + kk]
+                    if normed:
+                        v *= g[k0 + kk]
+                xs[kk * xw + mm] = v
+            for e in range(tid, w_elems, nthreads):
+                nn = e // bk
+                kk = e - nn * bk
+                v = F0
+                if n0 + nn < rows and k0 + kk < kdim:
+                    v = load(wa, wb, wc, n0 + nn, k0 + kk)
+                ws[kk * ww + nn] = v
+            cuda.syncthreads()  # both tiles staged before any thread reads them
+            for kk in range(bk):
+                for i in range(tm):
+                    av[i] = xs[kk * xw + ty + i * ty_n]
+                for j in range(tn):
+                    bv[j] = ws[kk * ww + tx + j * tx_n]
+                for i in range(tm):
+                    for j in range(tn):
+                        acc[i * tn + j] += av[i] * bv[j]
+            cuda.syncthreads()  # all reads done before the next stage overwrites the tiles
+    return tile
+
+
+@functools.lru_cache(maxsize=None)
+def gemm(family: str, bm: int, bn: int, bk: int, tm: int, tn: int):
+    """Tiled GEMM kernel: one gemm_tile per block, grid = (ceil(N / bn), ceil(T / bm)), block = (bm/tm) * (bn/tn)."""
+    tile = gemm_tile(family, False, bm, bn, bk, tm, tn)
+    tx_n = bn // tn
+    ty_n = bm // tm
+    xs_size = bk * (bm + 1)
+    ws_size = bk * (bn + 1)
+    tile_size = tm * tn  # a local array's size must be a constant of the closure
 
     @cuda.jit(fastmath=True)
     def gemm_kernel(x, wa, wb, wc, out, col0, accumulate):
         """out[t, col0 + n] (+)= sum_k x[t, k] W[n, k] over a [bm, bn] output tile per block."""
-        xs = cuda.shared.array(xs_shape, float32)
-        ws = cuda.shared.array(ws_shape, float32)
-        acc = cuda.local.array(acc_shape, float32)
+        xs = cuda.shared.array(xs_size, float32)
+        ws = cuda.shared.array(ws_size, float32)
+        acc = cuda.local.array(tile_size, float32)
         av = cuda.local.array(tm, float32)
         bv = cuda.local.array(tn, float32)
         tid = cuda.threadIdx.x
@@ -230,45 +279,60 @@ def gemm(family: str, bm: int, bn: int, bk: int, tm: int, tn: int):
         n0 = cuda.blockIdx.x * bn
         m0 = cuda.blockIdx.y * bm
         ntok = x.shape[0]
-        kdim = x.shape[1]
         rows = wa.shape[0]
-        for i in range(tm):
-            for j in range(tn):
-                acc[i, j] = F0
-        for k0 in range(0, kdim, bk):
-            for e in range(tid, x_elems, nthreads):
-                mm = e // bk
-                kk = e - mm * bk
-                v = F0
-                if m0 + mm < ntok and k0 + kk < kdim:
-                    v = x[m0 + mm, k0 + kk]
-                xs[kk, mm] = v
-            for e in range(tid, w_elems, nthreads):
-                nn = e // bk
-                kk = e - nn * bk
-                v = F0
-                if n0 + nn < rows and k0 + kk < kdim:
-                    v = load(wa, wb, wc, n0 + nn, k0 + kk)
-                ws[kk, nn] = v
-            cuda.syncthreads()  # both tiles staged before any thread reads them
-            for kk in range(bk):
-                for i in range(tm):
-                    av[i] = xs[kk, ty + i * ty_n]
-                for j in range(tn):
-                    bv[j] = ws[kk, tx + j * tx_n]
-                for i in range(tm):
-                    for j in range(tn):
-                        acc[i, j] += av[i] * bv[j]
-            cuda.syncthreads()  # all reads done before the next stage overwrites the tiles
+        tile(x, x, ntok, wa, wb, wc, n0, m0, xs, ws, acc, av, bv)
         for i in range(tm):
             t = m0 + ty + i * ty_n
             if t < ntok:
                 for j in range(tn):
                     n = n0 + tx + j * tx_n
                     if n < rows:
-                        v = acc[i, j]
+                        v = acc[i * tn + j]
                         if accumulate:
                             v += out[t, col0 + n]
                         out[t, col0 + n] = v
 
     return gemm_kernel
+
+
+@functools.lru_cache(maxsize=None)
+def gemm_rows(family: str, normed: bool, square: bool, bm: int, bn: int, bk: int, tm: int, tn: int):
+    """gemm_tile over every output tile, spread over the blocks with a grid-stride loop (any grid): the decode
+    step's phases at batches past the GEMV's, with gemv_rows' epilogue (per-token inverse RMS when normed, the
+    residual add when accumulate, the sum of squares into ss_out when square). smem: the shared floats of xs
+    and ws; acc, av, bv: tm * tn, tm and tn local floats."""
+    tile = gemm_tile(family, normed, bm, bn, bk, tm, tn)
+    tx_n = bn // tn
+    ty_n = bm // tm
+    xs_size = bk * (bm + 1)
+    ws_size = bk * (bn + 1)
+
+    @cuda.jit(device=True, fastmath=True)
+    def tiles_loop(x, g, ss_in, eps, ntok, wa, wb, wc, out, accumulate, ss_out, smem, acc, av, bv):
+        xs = smem[:xs_size]
+        ws = smem[xs_size:xs_size + ws_size]
+        tid = cuda.threadIdx.x
+        tx = tid % tx_n
+        ty = tid // tx_n
+        rows = wa.shape[0]
+        ncol = (rows + bn - 1) // bn
+        for w in range(cuda.blockIdx.x, ncol * ((ntok + bm - 1) // bm), cuda.gridDim.x):
+            m0 = (w // ncol) * bm
+            n0 = (w - (w // ncol) * ncol) * bn
+            tile(x, g, ntok, wa, wb, wc, n0, m0, xs, ws, acc, av, bv)
+            for i in range(tm):
+                t = m0 + ty + i * ty_n
+                if t < ntok:
+                    inv = F1
+                    if normed:
+                        inv = inv_rms(ss_in[t], x.shape[1], eps)
+                    for j in range(tn):
+                        n = n0 + tx + j * tx_n
+                        if n < rows:
+                            v = acc[i * tn + j] * inv
+                            if accumulate:
+                                v += out[t, n]
+                            out[t, n] = v
+                            if square:
+                                cuda.atomic.add(ss_out, t, v * v)
+    return tiles_loop
