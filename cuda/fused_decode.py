@@ -125,6 +125,11 @@ class FusedDecode:
         """The smallest bucket that holds n sequences, or None (more than the largest: the per-op path)."""
         return next((b for b in self.buckets if b >= n), None)
 
+    def variant_batches(self) -> tuple[int, ...]:
+        """A batch size that takes each decode_step variant this model can run (GEMV; tiled past the GEMV's)."""
+        tiled = self.backend.config.gemv_max_tokens + 1
+        return (1, tiled) if tiled <= self.max_batch else (1,)
+
     def _input_buffer(self, bucket: int, width: int, csr: int, mask_shape: tuple = (1, 1)) -> PackedBuffer:
         buf = self._inputs.get(bucket)
         masks = buf.host["allowed_mask"].shape if buf else (1, 1)

@@ -113,8 +113,8 @@ class LaunchConfig:
         return self
 
 
-# Starting points from the hardware, not yet tuned on the GPUs themselves (cuda/RESULTS.md has measurements
-# once `make gpu-check` has run). sm_90: 132 SMs (H100 SXM / H200), 228 KiB shared per SM, 64 warps per SM.
+# Starting points from the hardware; sm_90 measured once on an H200 (cuda/RESULTS.md, docs/gpu.md), not
+# tuned yet. sm_90: 132 SMs (H100 SXM / H200), 228 KiB shared per SM, 64 warps per SM.
 # sm_80: 108 SMs (A100), 164 KiB shared per SM, 64 warps per SM. fallback: small blocks that fit anywhere.
 # decode_step's registers (docs/gpu.md, from `make kernels`, no register cap) fit 256 threads once or 128 threads
 # twice into the 64 Ki registers of an SM on both architectures, not more.

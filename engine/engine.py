@@ -70,6 +70,18 @@ class _Output:
         self.stop_ids = set(p.stop_token_ids or [])
 
 
+def warm_up_fused(fused) -> list:
+    """Run each variant of the one-launch decode step once (each builds its kernel on its first run), all
+    rows on the KV cache's first block, which holds nothing yet; the SampleResults."""
+    results = []
+    for n in fused.variant_batches():
+        z = np.zeros(n, np.int32)
+        rows = np.arange(n, dtype=np.int32)
+        results.append(fused.run(StepInput(z, z, rows, z.astype(np.int64), z[:, None], rows),
+                                 SamplingBatch.build([RowSpec(SamplingParams(temperature=0.0), seed=0, step=0)] * n)))
+    return results
+
+
 class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -125,11 +137,8 @@ class Engine:
             logits = self.model.forward(StepInput(*(None if a is None else b.upload(a) for a in step.arrays())),
                                         self.runner.k_cache, self.runner.v_cache)
             b.sample(logits, SamplingBatch.build([RowSpec(SamplingParams(temperature=0.0), seed=0, step=0)]))
-        fused = self.runner.fused_decode
-        if fused is not None:  # the one-launch decode step builds its kernel on its first run
-            one = np.zeros(1, np.int32)
-            fused.run(StepInput(one, one, one, one.astype(np.int64), one[None, :], one),
-                      SamplingBatch.build([RowSpec(SamplingParams(temperature=0.0), seed=0, step=0)]))
+        if self.runner.fused_decode is not None:
+            warm_up_fused(self.runner.fused_decode)
 
     def _grammar_compiler(self) -> GrammarCompiler | None:
         """Structured outputs for this model's tokenizer (None, logged, if llguidance cannot take it)."""

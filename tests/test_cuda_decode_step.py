@@ -164,6 +164,20 @@ def test_cooperative_decode_step_takes_the_tiled_phases_on_one_block():
     assert (fused.counters.launches, fused.counters.uploads, fused.counters.downloads) == (1, 1, 1)
 
 
+def test_engine_warm_up_runs_each_decode_step_variant():
+    """Engine.warm_up runs one step per variant (GEMV, and tiled where a bucket passes gemv_max_tokens), so
+    no kernel is built under the first requests."""
+    from engine.engine import warm_up_fused
+
+    for config, sizes in ((SIM_DECODE, (1,)), (SIM_TILED, (1, 2))):
+        pair = Pair("q4_1", TINY, ctx_lens=[3, 3], seed=14, config=config)
+        fused = FusedDecode(pair.be, pair.gpu, pair.gkc, pair.gvc)
+        assert fused.variant_batches() == sizes
+        results = warm_up_fused(fused)
+        assert [len(r.token_ids) for r in results] == list(sizes)
+        assert all(0 <= t < pair.vocab for r in results for t in r.token_ids)
+
+
 def test_decode_step_takes_the_k_quant_layouts():
     """q4k, q8m and q8h weights (a format per role, the same in every layer) in the fused step, phase by phase
     on 2 blocks, token for token with the cpu backend."""
