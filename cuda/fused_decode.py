@@ -58,10 +58,11 @@ def _stack(backend, linears) -> tuple:
 
 class PreparedStep(NamedTuple):
     """A step packed for its launch: the decode_step variant, its phase plan, the kernel's arguments, the
-    output buffer."""
+    packed inputs (host side filled, uploaded by FusedDecode.upload) and the output buffer."""
     spec: DecodeSpec
     plan: object
     args: tuple
+    inputs: PackedBuffer
     out: PackedBuffer
 
 
@@ -108,7 +109,6 @@ class FusedDecode:
         self._launchers: dict = {}  # spec -> decode_step configured for its grid
         self.grids: dict = {}       # spec -> its cooperative grid (blocks)
         self._part_views: dict = {}
-        self._pending: PackedBuffer | None = None  # the prepared step's inputs, uploaded by upload()
 
     def _allocate_state(self, cfg, b: int) -> None:
         z, c = self.backend.zeros, self.backend.config
@@ -125,10 +125,11 @@ class FusedDecode:
         """The smallest bucket that holds n sequences, or None (more than the largest: the per-op path)."""
         return next((b for b in self.buckets if b >= n), None)
 
-    def variant_batches(self) -> tuple[int, ...]:
-        """A batch size that takes each decode_step variant this model can run (GEMV; tiled past the GEMV's)."""
+    def variant_batches(self, most: int) -> tuple[int, ...]:
+        """A batch size that takes each decode_step variant this model runs with at most `most` sequences a
+        step (GEMV; tiled past the GEMV's)."""
         tiled = self.backend.config.gemv_max_tokens + 1
-        return (1, tiled) if tiled <= self.max_batch else (1,)
+        return (1, tiled) if tiled <= min(most, self.max_batch) else (1,)
 
     def _input_buffer(self, bucket: int, width: int, csr: int, mask_shape: tuple = (1, 1)) -> PackedBuffer:
         buf = self._inputs.get(bucket)
@@ -163,7 +164,7 @@ class FusedDecode:
     def run(self, step, batch) -> SampleResult:
         """Sample one token for each sequence of a pure decode step (token t belongs to block-table row t)."""
         prepared = self.prepare(step, batch)
-        self.upload()
+        self.upload(prepared)
         self.launch(prepared)
         return self.download(prepared, batch)
 
@@ -180,7 +181,6 @@ class FusedDecode:
                                  batch.allowed_mask.shape if batch.constrained else (1, 1))
         out = self._output_buffer(bucket, batch.max_num_logprobs)
         fill_inputs(inp, step, batch)
-        self._pending = inp
         nsplit, split = self.backend.split_plan(n * self.num_kv_heads, int(np.max(step.positions)) + 1)
         state = list(self.state_arrays)
         state[5], state[6] = self._partials(n, nsplit)
@@ -190,11 +190,11 @@ class FusedDecode:
                 tuple(out.device[f[0]] for f in output_fields(1, 1)))
         # past the GEMV's batch the matmul phases are tiled GEMMs, as the per-op path switches to its GEMM
         tiled = n > self.backend.config.gemv_max_tokens
-        return PreparedStep(self.specs[tiled], self.plans[nsplit > 1, tiled], args, out)
+        return PreparedStep(self.specs[tiled], self.plans[nsplit > 1, tiled], args, inp, out)
 
-    def upload(self) -> None:
-        """The prepared step's one host-to-device copy."""
-        self._pending.upload()
+    def upload(self, p: PreparedStep) -> None:
+        """The step's one host-to-device copy."""
+        p.inputs.upload()
         self.counters.uploads += 1
 
     def launch(self, p: PreparedStep) -> None:

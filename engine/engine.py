@@ -70,11 +70,12 @@ class _Output:
         self.stop_ids = set(p.stop_token_ids or [])
 
 
-def warm_up_fused(fused) -> list:
-    """Run each variant of the one-launch decode step once (each builds its kernel on its first run), all
-    rows on the KV cache's first block, which holds nothing yet; the SampleResults."""
+def warm_up_fused(fused, max_num_seqs: int) -> list:
+    """Run each variant of the one-launch decode step that steps of at most max_num_seqs sequences take, once
+    (each builds its kernel on its first run), all rows on the KV cache's first block, which holds nothing
+    yet; the SampleResults."""
     results = []
-    for n in fused.variant_batches():
+    for n in fused.variant_batches(max_num_seqs):
         z = np.zeros(n, np.int32)
         rows = np.arange(n, dtype=np.int32)
         results.append(fused.run(StepInput(z, z, rows, z.astype(np.int64), z[:, None], rows),
@@ -138,7 +139,7 @@ class Engine:
                                         self.runner.k_cache, self.runner.v_cache)
             b.sample(logits, SamplingBatch.build([RowSpec(SamplingParams(temperature=0.0), seed=0, step=0)]))
         if self.runner.fused_decode is not None:
-            warm_up_fused(self.runner.fused_decode)
+            warm_up_fused(self.runner.fused_decode, self.config.scheduler.max_num_seqs)
 
     def _grammar_compiler(self) -> GrammarCompiler | None:
         """Structured outputs for this model's tokenizer (None, logged, if llguidance cannot take it)."""

@@ -158,6 +158,14 @@ def test_tiled_phases_on_smollm2_head_shape_and_k_quants():
     Pair("f32", KQUANT, ctx_lens=[6, 11], seed=4, weights=weights, config=SIM_TILED).check(2, "phased", grid=2)
 
 
+def test_tiled_phases_over_several_token_tiles():
+    """10 sequences on 32-thread blocks: token tiles of 8, the second partial."""
+    config = dataclasses.replace(SIM_TILED, decode_threads=32, decode_buckets=(12,))
+    pair = Pair("q8_0", TINY, ctx_lens=[5, 9, 3, 7, 2, 11, 6, 4, 8, 10], seed=15, config=config)
+    fused = pair.check(10, "phased", grid=3)
+    assert fused.spec.gemm_tile[0] == 8
+
+
 def test_cooperative_decode_step_takes_the_tiled_phases_on_one_block():
     pair = Pair("q8_0", TINY, ctx_lens=[7, 2, 9, 4], seed=13, config=SIM_TILED)
     fused = pair.check(4, "cooperative", grid=None)
@@ -169,11 +177,11 @@ def test_engine_warm_up_runs_each_decode_step_variant():
     no kernel is built under the first requests."""
     from engine.engine import warm_up_fused
 
-    for config, sizes in ((SIM_DECODE, (1,)), (SIM_TILED, (1, 2))):
+    for config, most, sizes in ((SIM_DECODE, 64, (1,)), (SIM_TILED, 64, (1, 2)), (SIM_TILED, 1, (1,))):
         pair = Pair("q4_1", TINY, ctx_lens=[3, 3], seed=14, config=config)
         fused = FusedDecode(pair.be, pair.gpu, pair.gkc, pair.gvc)
-        assert fused.variant_batches() == sizes
-        results = warm_up_fused(fused)
+        assert fused.variant_batches(most) == sizes  # most: the scheduler's max_num_seqs
+        results = warm_up_fused(fused, most)
         assert [len(r.token_ids) for r in results] == list(sizes)
         assert all(0 <= t < pair.vocab for r in results for t in r.token_ids)
 

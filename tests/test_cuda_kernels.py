@@ -309,5 +309,6 @@ def test_gpu_check_script_in_the_simulator(tmp_path):
     for want in ("matmul q4_1 T=1 (gemv)", "paged attention", "split(s) (forced)", "sample: token ids equal",
                  "model: greedy ids equal", "| decode, batch 2", "| prefill, 1 x 5 tokens",
                  "model: greedy ids equal (decode_step vs cpu, float32)", "| 1/1/1; ",
-                 "## decode_step: where a step's time goes", "| device: phase qkv |"):
+                 "## decode_step: where a step's time goes", "| device: phase qkv tiled |",
+                 "model: greedy ids equal (tiled decode_step vs per-op, batch 2)"):
         assert want in md, want

@@ -4,7 +4,8 @@
    the GEMV and GEMM paths, RoPE + paged attention with and without split-K, head dims 64 and 128, the
    sampler against the cpu sampler on a full vocabulary);
 2. the cuda backend against the cpu backend on the default model: logits of a prompt close, greedy ids equal
-   (both compute in float32: the cpu reference without int8 activations), and decode_step's greedy ids too;
+   (both compute in float32: the cpu reference without int8 activations), and decode_step's greedy ids too,
+   its tiled variant's against the per-op path at a batch past gemv_max_tokens;
 3. decode tokens/s at batch 1, 16, 64, 256 through decode_step (one launch a step) and through the per-op path,
    with the launches, uploads and downloads of a step, and prefill tokens/s, beside the roofline (the lower of
    the memory-bandwidth and the FP32 compute bound) and beside transformers on PyTorch (eager, bf16, the same

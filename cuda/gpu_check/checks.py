@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from cuda.gpu_check.model_setup import BatchLayout
+from cuda.gpu_check.model_setup import BatchLayout, greedy_sampler, prefilled, upload_step
 from cuda.gpu_check.plan import BLOCK_SIZE, CHECK_PROMPT, FULL, Plan
 from cuda.gpu_check.report import Report
 
@@ -202,6 +202,34 @@ def model_check(weights, tokenizer, be, report: Report, greedy_tokens: int = 24)
         report.check("model: greedy ids equal (decode_step vs cpu, float32)", first is None,
                      f"{greedy_tokens} tokens, {launches} launch(es) a decode step"
                      + ("" if first is None else f"; first difference at token {first}"))
+        tiled_decode_check(weights, be, report, min(4, greedy_tokens))
+
+
+def tiled_decode_check(weights, be, report: Report, steps: int) -> None:
+    """decode_step's tiled variant (a batch past gemv_max_tokens) against the per-op path, both on the GPU:
+    greedy ids of every sequence equal for `steps` steps (the per-op path is checked against the cpu above)."""
+    from models.llama import LlamaModel
+
+    batch = be.config.gemv_max_tokens + 1
+    model = LlamaModel(weights, be)
+    sample = greedy_sampler(be)
+    prompts = np.random.default_rng(9).integers(3, weights.config.vocab_size, (batch, 8)).astype(np.int32)
+    layout = BatchLayout(batch, 8 + steps + 1)
+    fused_kv, per_op_kv = prefilled(model, layout, prompts, sample), prefilled(model, layout, prompts, sample)
+    fused = be.fused_decode(model, *fused_kv[:2])
+    if fused is None or fused.bucket(batch) is None:
+        report.notes.append(f"decode_step's tiled variant not checked: no fused step takes a batch of {batch} here")
+        return
+    tokens, first = fused_kv[2], None
+    for s in range(steps):
+        a = fused.run(layout.decode(tokens, 8 + s), sample.batch(batch)).token_ids.astype(np.int32)
+        b = sample(model.forward(upload_step(be, layout.decode(tokens, 8 + s)), *per_op_kv[:2]), batch)
+        if not np.array_equal(a, b):
+            first = (s, int(np.sum(a != b)))
+            break
+        tokens = a
+    report.check(f"model: greedy ids equal (tiled decode_step vs per-op, batch {batch})", first is None,
+                 f"{steps} steps" + ("" if first is None else f"; step {first[0]}: {first[1]} sequences differ"))
 
 
 def fused_greedy(weights, be, ids: np.ndarray, layout, greedy, count: int):

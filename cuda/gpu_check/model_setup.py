@@ -124,3 +124,32 @@ def upload_step(b, step):
 
     return StepInput(*(b.upload(a) for a in (step.tokens, step.positions, step.token_seq, step.slot_mapping,
                                              step.block_tables, step.logits_indices)))
+
+
+def prefilled(model, layout: BatchLayout, prompts: np.ndarray, sample) -> tuple:
+    """A KV cache holding every sequence's prompt (per-op path): (k_cache, v_cache, each one's first token)."""
+    kc, vc = model.allocate_kv_cache(layout.num_blocks, layout.block_size)
+    tokens = np.zeros(layout.batch, np.int32)
+    for first, count in prefill_groups(layout.batch, prompts.shape[1], 2048):
+        logits = model.forward(upload_step(model.backend, layout.prefill(prompts, first, count)), kc, vc)
+        tokens[first:first + count] = sample(logits, count)
+    return kc, vc, tokens
+
+
+def greedy_sampler(be):
+    """sample(logits, rows) -> greedy ids on the device; sample.batch(rows): its SamplingBatch."""
+    from engine.backends.contract import RowSpec, SamplingBatch, SamplingParams
+
+    batches = {}
+
+    def batch(rows):
+        if rows not in batches:
+            batches[rows] = SamplingBatch.build([RowSpec(params=SamplingParams(temperature=0.0), seed=0, step=0)]
+                                                * rows)
+        return batches[rows]
+
+    def sample(logits, rows):
+        return be.sample(logits, batch(rows)).token_ids.astype(np.int32)
+
+    sample.batch = batch
+    return sample

@@ -46,6 +46,6 @@ def tiny_launch_config():
     from cuda import launch
 
     return dataclasses.replace(launch.TABLE["fallback"], arch="simulator", sm_count=1, threads=32, gemv_threads=64,
-                               gemv_tokens=2, gemv_max_tokens=4, gemm_tiles=((16, 16, 2, 2),),
+                               gemv_tokens=2, gemv_max_tokens=1, gemm_tiles=((16, 16, 2, 2),),
                                attn_rows=8, attn_chunk=8, attn_threads=32, attn_min_split=8, sample_threads=32,
                                decode_threads=32, decode_buckets=(2,))

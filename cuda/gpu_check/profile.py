@@ -8,13 +8,13 @@ launches on decode_step's own grid, an event between two: the same device code w
 from __future__ import annotations
 
 import time
+import traceback
 
 import numpy as np
 
-from cuda.gpu_check.model_setup import BatchLayout
+from cuda.gpu_check.model_setup import BatchLayout, greedy_sampler, prefilled
 from cuda.gpu_check.plan import FULL, Plan
 from cuda.gpu_check.report import Report
-from cuda.gpu_check.timing import greedy_sampler, prefilled
 
 SPIN_MS = 300  # the GPU held this long while the host queues the timed launches
 
@@ -96,7 +96,7 @@ def profile_batch(weights, be, batch: int, plan: Plan, clock: DeviceClock) -> di
         t0 = time.perf_counter()
         p = fd.prepare(layout.decode(tokens, pos), greedy)
         t1 = time.perf_counter()
-        fd.upload()
+        fd.upload(p)
         t2 = time.perf_counter()
         fd.launch(p)
         t3 = time.perf_counter()
@@ -135,13 +135,21 @@ def decode_step_profile(weights, be, report: Report, deadline: float, plan: Plan
         if time.time() > deadline:
             report.notes.append(f"decode_step profile at batch {batch} and later skipped: the time budget ran out")
             break
-        results[batch] = r = profile_batch(weights, be, batch, plan, clock)
+        if batch > max(be.config.decode_buckets):
+            report.notes.append(f"decode_step profile at batch {batch} skipped: past the largest bucket")
+            continue
+        try:
+            results[batch] = r = profile_batch(weights, be, batch, plan, clock)
+        except Exception:
+            report.errors.append(f"decode_step profile, batch {batch}:\n{traceback.format_exc()}")
+            continue
         print(f"  profile batch {batch}: step {r['step']:.0f} us, kernel {r['kernel']:.0f} us (device)", flush=True)
     if not results:
         return
     cols = list(results)
     lines = ["## decode_step: where a step's time goes", "",
-             f"Medians of {plan.profile_steps} steps, microseconds. Host: wall time of each stage of "
+             f"Microseconds a step: host and kernel rows the medians of {plan.profile_steps} steps, phase rows their "
+             "means. Host: wall time of each stage of "
              "`FusedDecode.run`, synchronised after the launch. Device: CUDA events, the work queued behind a "
              f"{SPIN_MS} ms spin kernel; phases as decode_phase launches on decode_step's grid ("
              + ", ".join(f"batch {b}: {r['grid'][0]} blocks of {r['grid'][1]} threads" for b, r in results.items())

@@ -7,20 +7,10 @@ import traceback
 
 import numpy as np
 
-from cuda.gpu_check.model_setup import BatchLayout, prefill_groups, upload_step
+from cuda.gpu_check.model_setup import BatchLayout, greedy_sampler, prefilled, upload_step
 from cuda.gpu_check.plan import BLOCK_SIZE, FULL, Plan
 from cuda.gpu_check.report import Report
 from cuda.gpu_check.roofline import decode_roofline, matmul_params
-
-
-def prefilled(model, layout: BatchLayout, prompts: np.ndarray, sample) -> tuple:
-    """A KV cache holding every sequence's prompt (per-op path): (k_cache, v_cache, each one's first token)."""
-    kc, vc = model.allocate_kv_cache(layout.num_blocks, layout.block_size)
-    tokens = np.zeros(layout.batch, np.int32)
-    for first, count in prefill_groups(layout.batch, prompts.shape[1], 2048):
-        logits = model.forward(upload_step(model.backend, layout.prefill(prompts, first, count)), kc, vc)
-        tokens[first:first + count] = sample(logits, count)
-    return kc, vc, tokens
 
 
 def _time_decode(model, layout: BatchLayout, prompts: np.ndarray, steps: int, warmup: int, sample,
@@ -62,25 +52,6 @@ def _time_decode(model, layout: BatchLayout, prompts: np.ndarray, steps: int, wa
         pos += 1
     b.synchronize()
     return layout.batch * steps / (time.perf_counter() - t0), per_step
-
-
-def greedy_sampler(be):
-    """sample(logits, rows) -> greedy ids on the device; sample.batch(rows): its SamplingBatch."""
-    from engine.backends.contract import RowSpec, SamplingBatch, SamplingParams
-
-    batches = {}
-
-    def batch(rows):
-        if rows not in batches:
-            batches[rows] = SamplingBatch.build([RowSpec(params=SamplingParams(temperature=0.0), seed=0, step=0)]
-                                                * rows)
-        return batches[rows]
-
-    def sample(logits, rows):
-        return be.sample(logits, batch(rows)).token_ids.astype(np.int32)
-
-    sample.batch = batch
-    return sample
 
 
 def benchmarks(weights, be, report: Report, deadline: float, bandwidth, peak, torch_model, plan: Plan = FULL) -> None:
