@@ -48,7 +48,7 @@ from numba import cuda
 from cuda.kernels import attention as attn_k
 from cuda.kernels import linear as lin_k
 from cuda.kernels.common import F0, LOADERS, inv_rms, silu
-from cuda.kernels.rowwise import rotate
+from cuda.kernels.rowwise import gated_rows, rope_store_unit, rotate
 from cuda.kernels.sampling import sample_row
 from cuda.launch import GEMM_BK, decode_gemm_tile, decode_shared_floats
 
@@ -193,44 +193,13 @@ def embed_phase(family: str):
 
 @cuda.jit(device=True, fastmath=True)
 def rope_kv_phase(ntok, qkv, positions, slots, cos, sin, k_cache, v_cache, num_heads, num_kv_heads):
-    """The QKV GEMV's epilogue as a phase after the tiled QKV: RoPE on each (i, i + Dh/2) pair of q and k in
-    qkv, k and v written to the paged cache; a grid-stride loop over ntok x (pairs + v elements)."""
-    dh = k_cache.shape[3]
-    half = dh >> 1
-    bs = k_cache.shape[1]
-    npairs = (num_heads + num_kv_heads) * half
-    units = npairs + num_kv_heads * dh
+    """The QKV GEMV's epilogue as a phase after the tiled QKV: the per-op rope_store_kv's units (RoPE on q and
+    k in qkv, k and v into the paged cache), a grid-stride loop over ntok x units."""
+    units = (num_heads + 3 * num_kv_heads) * (k_cache.shape[3] >> 1)
     for e in range(cuda.grid(1), ntok * units, cuda.gridsize(1)):
         t = e // units
-        u = e - t * units
-        slot = slots[t]
-        blk = slot // bs
-        off = slot - blk * bs
-        if u < npairs:
-            hh = u // half
-            i = u - hh * half
-            n1 = hh * dh + i
-            p = positions[t]
-            ra, rb = rotate(qkv[t, n1], qkv[t, n1 + half], cos[p, i], sin[p, i])
-            qkv[t, n1] = ra
-            qkv[t, n1 + half] = rb
-            if hh >= num_heads and slot >= 0:
-                k_cache[blk, off, hh - num_heads, i] = ra
-                k_cache[blk, off, hh - num_heads, i + half] = rb
-        elif slot >= 0:
-            v = u - npairs
-            kvh = v // dh
-            v_cache[blk, off, kvh, v - kvh * dh] = qkv[t, (num_heads + num_kv_heads) * dh + v]
-
-
-@cuda.jit(device=True, fastmath=True)
-def silu_phase(ntok, gate_up, mlp):
-    """mlp[t, n] = silu(gate) * up from the tiled gate|up output [ntok, 2F] (the GEMV's epilogue as a phase)."""
-    f = mlp.shape[1]
-    for e in range(cuda.grid(1), ntok * f, cuda.gridsize(1)):
-        t = e // f
-        n = e - t * f
-        mlp[t, n] = silu(gate_up[t, n]) * gate_up[t, f + n]
+        rope_store_unit(t, e - t * units, qkv, positions, slots, cos, sin, k_cache, v_cache, num_heads,
+                        num_kv_heads)
 
 
 @cuda.jit(device=True)
@@ -333,6 +302,7 @@ def tiled_matmuls(spec: DecodeSpec):
     o_tiles = lin_k.gemm_rows(f_o, False, True, *tile)
     down_tiles = lin_k.gemm_rows(f_down, False, True, *tile)
     lm_tiles = lin_k.gemm_rows(f_lm, True, False, *tile)
+    silu_rows = gated_rows("silu")
 
     @cuda.jit(device=True, fastmath=True)
     def matmuls(phase, layer, ntok, num_heads, num_kv_heads, eps, positions, slots, weights, state, smem, acc1,
@@ -355,7 +325,7 @@ def tiled_matmuls(spec: DecodeSpec):
             gate_up_tiles(h, weights[10][layer], ss_ffn, eps, ntok, weights[11][layer], weights[12][layer],
                           weights[13][layer], gate_up, False, unused, smem, tacc, av, bv)
         elif phase == SILU:
-            silu_phase(ntok, gate_up, mlp)
+            silu_rows(gate_up, mlp, ntok)
         elif phase == DOWN_T:
             down_tiles(mlp, unused, unused, eps, ntok, weights[14][layer], weights[15][layer], weights[16][layer],
                        h, True, ss_attn, smem, tacc, av, bv)

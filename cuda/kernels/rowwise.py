@@ -60,35 +60,42 @@ def rotate(a, b, c, s):
     return a * c - b * s, b * c + a * s
 
 
-@cuda.jit(fastmath=True)
-def rope_store_kv(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads):
-    """Rotate q and k of token t in place (rotate-half RoPE at positions[t]) and write its k, v into the paged
-    cache at slot_mapping[t]; grid = T. Each thread owns whole (i, i + Dh/2) pairs: no synchronisation."""
-    t = cuda.blockIdx.x
-    p = positions[t]
+@cuda.jit(device=True, fastmath=True)
+def rope_store_unit(t, u, qkv, positions, slot_mapping, cos, sin, k_cache, v_cache, num_heads, num_kv_heads):
+    """Unit u of token t: u < (H + Hkv) * Dh/2 a (i, i + Dh/2) pair of q or k rotated in place (rotate-half
+    RoPE at positions[t]), k also written into the paged cache at slot_mapping[t]; past them element
+    u - pairs of v written into the cache. Units touch disjoint elements: no synchronisation."""
     bs = k_cache.shape[1]
     dh = k_cache.shape[3]
     half = dh >> 1
+    npairs = (num_heads + num_kv_heads) * half
     slot = slot_mapping[t]
     blk = slot // bs
     off = slot - blk * bs
-    for e in range(cuda.threadIdx.x, (num_heads + num_kv_heads) * half, cuda.blockDim.x):
-        hh = e // half  # q heads 0..H-1, then k heads H..H+Hkv-1 (contiguous in qkv)
-        i = e - hh * half
+    if u < npairs:
+        hh = u // half  # q heads 0..H-1, then k heads H..H+Hkv-1 (contiguous in qkv)
+        i = u - hh * half
         col = hh * dh + i
-        a = qkv[t, col]
-        b = qkv[t, col + half]
-        ra, rb = rotate(a, b, cos[p, i], sin[p, i])
+        p = positions[t]
+        ra, rb = rotate(qkv[t, col], qkv[t, col + half], cos[p, i], sin[p, i])
         qkv[t, col] = ra
         qkv[t, col + half] = rb
         if hh >= num_heads and slot >= 0:
             k_cache[blk, off, hh - num_heads, i] = ra
             k_cache[blk, off, hh - num_heads, i + half] = rb
-    v0 = (num_heads + num_kv_heads) * dh
-    if slot >= 0:
-        for e in range(cuda.threadIdx.x, num_kv_heads * dh, cuda.blockDim.x):
-            h = e // dh
-            v_cache[blk, off, h, e - h * dh] = qkv[t, v0 + e]
+    elif slot >= 0:
+        e = u - npairs
+        h = e // dh
+        v_cache[blk, off, h, e - h * dh] = qkv[t, (num_heads + num_kv_heads) * dh + e]
+
+
+@cuda.jit(fastmath=True)
+def rope_store_kv(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads):
+    """rope_store_unit over every unit of token t = blockIdx.x; grid = T."""
+    t = cuda.blockIdx.x
+    units = (num_heads + 3 * num_kv_heads) * (k_cache.shape[3] >> 1)  # pairs of q and k, then v elements
+    for u in range(cuda.threadIdx.x, units, cuda.blockDim.x):
+        rope_store_unit(t, u, qkv, positions, slot_mapping, cos, sin, k_cache, v_cache, num_heads, num_kv_heads)
 
 
 @cuda.jit(device=True, fastmath=True)
@@ -101,18 +108,28 @@ def gelu_tanh(g):
 def gated(activation: str):
     """out = activation(gate) * up with gate_up = [gate | up] (SwiGLU: silu, GeGLU: gelu_tanh); a
     grid-stride loop over T * F."""
-    act = {"silu": silu, "gelu_tanh": gelu_tanh}[activation]
+    rows = gated_rows(activation)
 
     @cuda.jit(fastmath=True)
     def gated_kernel(gate_up, out):
+        rows(gate_up, out, out.shape[0])
+    return gated_kernel
+
+
+@functools.lru_cache(maxsize=None)
+def gated_rows(activation: str):
+    """out[t] = activation(gate) * up for t < ntok, a grid-stride loop over ntok * F (any grid): the per-op
+    kernel's body and the tiled decode step's SILU phase."""
+    act = {"silu": silu, "gelu_tanh": gelu_tanh}[activation]
+
+    @cuda.jit(device=True, fastmath=True)
+    def rows(gate_up, out, ntok):
         f = out.shape[1]
-        n = out.shape[0] * f
-        start, stride = cuda.grid(1), cuda.gridsize(1)
-        for e in range(start, n, stride):
+        for e in range(cuda.grid(1), ntok * f, cuda.gridsize(1)):
             t = e // f
             i = e - t * f
             out[t, i] = act(gate_up[t, i]) * gate_up[t, f + i]
-    return gated_kernel
+    return rows
 
 
 silu_mul = gated("silu")
