@@ -13,6 +13,7 @@ node renders the prompt. Nothing here imports more than the standard library.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -183,27 +184,31 @@ def _parse_call(body: str) -> ToolCall | None:
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False)) if isinstance(args, dict) else None
 
 
+# inside a call: what changes whether the JSON text is in a string, and the close tag
+_CALL_MARKS = re.compile(r'["\\]|' + re.escape(CALL_CLOSE))
+
+
 class ToolCallParser:
     """Generated text in, pieces out: ("text", str) safe to show as content, and ("call", ToolCall) for
     each complete call. A tail that may begin a call is held back until it is known; a block that does
-    not hold a valid call is content after all."""
+    not hold a valid call is content after all. A call's text is scanned once, however it arrives."""
 
     def __init__(self) -> None:
         self._buf = ""
         self._in_call = False
+        self._scanned = 0          # inside a call: how far the buffer was scanned, and whether that point
+        self._in_string = False    # is inside a JSON string (a close tag there is the arguments' text)
 
     def push(self, text: str) -> list[tuple[str, Any]]:
         self._buf += text
         out: list[tuple[str, Any]] = []
         while True:
             if self._in_call:
-                end = self._buf.find(CALL_CLOSE)
-                while end >= 0 and _ends_in_string(self._buf[:end]):   # the arguments' own text
-                    end = self._buf.find(CALL_CLOSE, end + 1)
+                end = self._call_end()
                 if end < 0:
                     return out
                 body, self._buf = self._buf[:end], self._buf[end + len(CALL_CLOSE):]
-                self._in_call = False
+                self._in_call, self._scanned, self._in_string = False, 0, False
                 call = _parse_call(body)
                 out.append(("call", call) if call else ("text", CALL_OPEN + body + CALL_CLOSE))
                 continue
@@ -219,24 +224,29 @@ class ToolCallParser:
                 self._buf = self._buf[len(self._buf) - keep:]
             return out
 
+    def _call_end(self) -> int:
+        """Where the call's close tag outside any JSON string begins, or -1 while there is none yet;
+        scanning on from where the last push left off."""
+        buf, pos = self._buf, self._scanned
+        while (mark := _CALL_MARKS.search(buf, pos)) is not None:
+            token = mark.group()
+            if token == CALL_CLOSE and not self._in_string:
+                return mark.start()
+            if token == "\\" and self._in_string:
+                pos = mark.end() + 1           # past what it escapes, which may not have come yet
+                continue
+            if token == '"':
+                self._in_string = not self._in_string
+            pos = mark.end()
+        # no quote or backslash past pos: only a close tag cut at the end may still complete
+        self._scanned = max(pos, len(buf) - len(CALL_CLOSE) + 1)
+        return -1
+
     def finish(self) -> list[tuple[str, Any]]:
         """The end of the text: what was held back is content (an unclosed call too)."""
         rest = (CALL_OPEN if self._in_call else "") + self._buf
-        self._buf, self._in_call = "", False
+        self._buf, self._in_call, self._scanned, self._in_string = "", False, 0, False
         return [("text", rest)] if rest else []
-
-
-def _ends_in_string(text: str) -> bool:
-    """Whether JSON text cut at its end is inside a string: a close tag there is part of a value."""
-    inside = escaped = False
-    for ch in text:
-        if escaped:
-            escaped = False
-        elif ch == "\\":
-            escaped = inside
-        elif ch == '"':
-            inside = not inside
-    return inside
 
 
 def _partial_tail(buf: str, tag: str) -> int:

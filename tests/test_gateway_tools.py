@@ -3,6 +3,7 @@ call), and the node's text turned into message.tool_calls or streamed tool-call 
 from __future__ import annotations
 
 import json
+import random
 
 import llguidance
 import pytest
@@ -231,3 +232,53 @@ def test_the_results_of_parallel_calls_are_one_user_turn():
                                {"role": "user", "content": "and?"}], None)
     assert [m["role"] for m in msgs] == ["user", "assistant", "user", "user"]
     assert msgs[2]["content"] == "<tool_response>\n12:00\n</tool_response>\n<tool_response>\n13:00\n</tool_response>"
+
+
+
+def _ends_in_string(text: str) -> bool:
+    """Whether JSON text cut at its end is inside a string, read char by char (the oracle's way)."""
+    inside = escaped = False
+    for ch in text:
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = inside
+        elif ch == '"':
+            inside = not inside
+    return inside
+
+
+def _split_calls(text: str) -> tuple[str, list[str]]:
+    """(content, the calls' JSON bodies) of a whole text, each close tag tried from the call's start."""
+    content, bodies, pos = "", [], 0
+    while (start := text.find("<tool_call>", pos)) >= 0:
+        body_at = start + len("<tool_call>")
+        end = text.find("</tool_call>", body_at)
+        while end >= 0 and _ends_in_string(text[body_at:end]):
+            end = text.find("</tool_call>", end + 1)
+        if end < 0:
+            break
+        content, pos = content + text[pos:start], end + len("</tool_call>")
+        bodies.append(text[body_at:end])
+    return content + text[pos:], bodies
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_call_streamed_in_any_pieces_parses_as_it_does_whole(seed):
+    # quotes, backslashes and close tags inside the arguments, the text cut anywhere
+    rng = random.Random(seed)
+    values = ["a </tool_call> b", 'q " </tool_call>', "back\\", '\\"</tool_call', "</tool_", "plain"]
+    text = "".join(rng.choice(["x", "<tool_c", ""]) + "<tool_call>" + json.dumps(
+        {"name": "note", "arguments": {"t": rng.choice(values), "u": rng.choice(values)}}) + "</tool_call>"
+        for _ in range(3))
+    text += rng.choice(["", 'y<tool_call>{"name": "a", "arguments": {"t": "open </tool_call>'])
+    cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, len(text) // 3)))
+    parser, pieces = ToolCallParser(), []
+    for a, b in zip([0, *cuts], [*cuts, len(text)]):
+        pieces += parser.push(text[a:b])
+    pieces += parser.finish()
+    content, bodies = _split_calls(text)
+    assert len(bodies) == 3
+    assert "".join(p for kind, p in pieces if kind == "text") == content
+    assert [json.loads(p.arguments) for kind, p in pieces if kind == "call"] == [
+        json.loads(body)["arguments"] for body in bodies]
