@@ -6,7 +6,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from engine.tools import ToolCall, ToolCallParser, parse_tool_calls
+from engine.tools import ToolCall, ToolCallParser
 
 
 def _call_id() -> str:
@@ -19,16 +19,23 @@ def _finish(reason: str | None, calls: int) -> str | None:
 
 
 def chat_message(text: str, finish_reason: str | None, mode: str) -> tuple[dict, str | None]:
-    """(the assistant message, the finish reason) of a whole answer; mode "single" keeps the first call."""
-    content, calls = parse_tool_calls(text)
-    if mode == "single":
-        calls = calls[:1]
-    # the newlines between calls are not content
-    message: dict[str, Any] = {"role": "assistant", "content": content if content.strip() or not calls else None}
+    """(the assistant message, the finish reason) of a whole answer: what its stream's deltas add up to
+    (mode "single" keeps the first call; the whitespace before a call, or after the last, is not content)."""
+    stream = ToolCallDeltas(mode)
+    deltas = stream.push(text)
+    rest, finish = stream.finish(finish_reason)
+    content, calls = "", []
+    for delta in deltas + rest:
+        content += delta.get("content", "")
+        for part in delta.get("tool_calls", ()):
+            if "id" in part:
+                calls.append({"id": part["id"], "type": "function", "function": dict(part["function"])})
+            else:
+                calls[part["index"]]["function"]["arguments"] += part["function"]["arguments"]
+    message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
     if calls:
-        message["tool_calls"] = [{"id": _call_id(), "type": "function",
-                                  "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
-    return message, _finish(finish_reason, len(calls))
+        message["tool_calls"] = calls
+    return message, finish
 
 
 class ToolCallDeltas:
@@ -39,24 +46,27 @@ class ToolCallDeltas:
         self.mode = mode
         self.parser = ToolCallParser()
         self.calls = 0
-        self._space = ""   # whitespace after a call: content if text follows, a separator if a call does
+        self._space = ""   # whitespace held back: content if text follows, a separator if a call does
 
     def push(self, text: str) -> list[dict]:
         return self._deltas(self.parser.push(text))
 
     def finish(self, reason: str | None) -> tuple[list[dict], str | None]:
         """The deltas of what was held back, and the finish reason."""
-        return self._deltas(self.parser.finish()), _finish(reason, self.calls)
+        out = self._deltas(self.parser.finish())
+        if self._space and not self.calls:     # an answer without calls is its text, whole
+            out.append({"content": self._space})
+        return out, _finish(reason, self.calls)
 
     def _deltas(self, pieces: list[tuple[str, Any]]) -> list[dict]:
         out = []
         for kind, piece in pieces:
             if kind == "text":
-                if self.calls and not piece.strip():
-                    self._space += piece
-                elif piece:
-                    out.append({"content": self._space + piece})
-                    self._space = ""
+                held = self._space + piece
+                text = held.rstrip()
+                if text:
+                    out.append({"content": text})
+                self._space = held[len(text):]
             else:
                 self._space = ""
                 if self.mode == "parallel" or self.calls == 0:

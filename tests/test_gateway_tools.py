@@ -117,7 +117,7 @@ def test_whole_answers_become_tool_calls():
                         {"index": 2, "text": CALL + "\n" + CALL, "finish_reason": "length"}], "usage": {}}
     out = chat_completion("r", "zen-small", "m", "q", body, None, "parallel")
     c0, c1, c2 = out["choices"]
-    assert c0["finish_reason"] == "tool_calls" and c0["message"]["content"] == "Let me check.\n"
+    assert c0["finish_reason"] == "tool_calls" and c0["message"]["content"] == "Let me check."
     call = c0["message"]["tool_calls"][0]
     assert call["type"] == "function" and call["id"].startswith("call_")
     assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Paris"}
@@ -154,14 +154,45 @@ def test_streamed_deltas_reassemble_into_the_calls():
             c["name"] += tc.get("function", {}).get("name") or ""
             c["arguments"] += tc.get("function", {}).get("arguments") or ""
         finish = e["choices"][0]["finish_reason"] or finish
-    assert content == "ok " and finish == "tool_calls"
+    assert content == "ok" and finish == "tool_calls"
     assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
         ("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Oslo"})]
 
 
+def _streamed(text: str, mode: str, piece: int) -> tuple[str, list[tuple[str, dict]], str]:
+    """(content, calls, finish reason) that a client reassembles from text streamed in pieces."""
+    writer = ChunkWriter(CHAT, "r", "zen-small", "m", "q", 1, False, None, mode)
+    chunks = "".join(writer.token({"index": 0, "text": text[i:i + piece]}) for i in range(0, len(text), piece))
+    chunks += "".join(writer.done({"choices": [{"index": 0, "finish_reason": "stop"}]}))
+    content, calls, finish = "", {}, None
+    for e in (json.loads(line[6:]) for line in chunks.split("\n\n") if line.startswith("data: ")):
+        d = e["choices"][0]["delta"]
+        content += d.get("content") or ""
+        for tc in d.get("tool_calls") or []:
+            c = calls.setdefault(tc["index"], {"name": "", "arguments": ""})
+            c["name"] += tc.get("function", {}).get("name") or ""
+            c["arguments"] += tc.get("function", {}).get("arguments") or ""
+        finish = e["choices"][0]["finish_reason"] or finish
+    return content, [(c["name"], json.loads(c["arguments"])) for c in calls.values()], finish
+
+
+@pytest.mark.parametrize("mode", ["parallel", "single"])
+@pytest.mark.parametrize("text", [
+    "Sure" + CALL + "\n" + CALL, CALL + "\n\n", "a\n" + CALL + " b " + CALL + "\n", "no call", " " + CALL,
+])
+def test_a_whole_answer_is_what_its_stream_adds_up_to(text, mode):
+    [choice] = chat_completion("r", "zen-small", "m", "q", {"choices": [
+        {"index": 0, "text": text, "finish_reason": "stop"}], "usage": {}}, None, mode)["choices"]
+    message = choice["message"]
+    whole = (message["content"] or "", [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                                        for c in message.get("tool_calls", [])], choice["finish_reason"])
+    assert whole == _streamed(text, mode, 1) == _streamed(text, mode, 7)
+    assert message["content"] is not None or message.get("tool_calls")
+
+
 def test_streamed_text_after_a_call_keeps_its_spaces():
-    # a space or a newline is often a token of its own: only whitespace between calls (or after the last)
-    # is a separator; before text it is the text's, as in the whole answer
+    # a space or a newline is often a token of its own: whitespace before a call (or after the last) is a
+    # separator; before text it is the text's, as in the whole answer
     text = CALL + "\nIt is" + " " + "25" + " degrees." + "\n\n" + "Bye" + "\n" + CALL + "\n"
     writer = ChunkWriter(CHAT, "r", "zen-small", "m", "q", 1, False, None, "parallel")
     pieces = [CALL, "\n", "It", " is", " ", "25", " degrees.", "\n\n", "Bye", "\n", CALL, "\n"]
@@ -173,7 +204,7 @@ def test_streamed_text_after_a_call_keeps_its_spaces():
     assert content == "\nIt is 25 degrees.\n\nBye"
     whole = chat_completion("r", "zen-small", "m", "q", {"choices": [{"index": 0, "text": text, "finish_reason": "stop"}],
                                                          "usage": {}}, None, "parallel")
-    assert whole["choices"][0]["message"]["content"].rstrip() == content
+    assert whole["choices"][0]["message"]["content"] == content
 
 
 def test_streamed_tool_deltas_carry_every_tokens_logprobs():
