@@ -39,23 +39,28 @@ To call a function, answer with a JSON object that names it and gives its argume
 
 _ARGUMENTS = "/properties/arguments"   # where a function's parameters sit in its call's schema
 _LITERAL_KEYWORDS = ("const", "enum", "default", "examples")   # their values are data, not schemas
+# their values map names (a property's, a definition's) to schemas: a name is never a keyword
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
-def _rebased(schema: Any, prefix: str) -> Any:
+def _rebased(schema: Any, prefix: str, names: bool = False) -> Any:
     """schema with its local references (`#`, `#/...`) pointing under `prefix`: the parameters' `$defs`
-    (what `openai.pydantic_function_tool` writes for nested models) stay reachable once nested."""
+    (what `openai.pydantic_function_tool` writes for nested models) stay reachable once nested. With
+    `names`, schema is a map of names to schemas."""
     if isinstance(schema, list):
         return [_rebased(v, prefix) for v in schema]
     if not isinstance(schema, dict):
         return schema
     out = {}
     for key, value in schema.items():
-        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+        if names:
+            out[key] = _rebased(value, prefix)
+        elif key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
             out[key] = "#" + prefix + value[1:]
         elif key in _LITERAL_KEYWORDS:
             out[key] = value
         else:
-            out[key] = _rebased(value, prefix)
+            out[key] = _rebased(value, prefix, names=key in _SCHEMA_MAPS)
     return out
 
 

@@ -74,24 +74,31 @@ def test_the_grammar_accepts_exactly_valid_calls():
     assert not accepts('<tool_call>{"name":"get_weather","arguments":{"city":"a"}}</tool_call>\n' * 2)
 
 
-# what openai.pydantic_function_tool writes for a model with a nested model: references into $defs
-PLAN = {"type": "function", "function": {"name": "plan", "parameters": {
-    "$defs": {"Step": {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"],
-                       "additionalProperties": False}},
-    "type": "object", "properties": {"steps": {"type": "array", "items": {"$ref": "#/$defs/Step"}}},
-    "required": ["steps"], "additionalProperties": False}}}
+def _plan(field: str = "steps", definition: str = "Step") -> dict:
+    """What openai.pydantic_function_tool writes for a model with a nested model: references into $defs."""
+    return {"type": "function", "function": {"name": "plan", "parameters": {
+        "$defs": {definition: {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"],
+                               "additionalProperties": False}},
+        "type": "object", "properties": {field: {"type": "array", "items": {"$ref": f"#/$defs/{definition}"}}},
+        "required": [field], "additionalProperties": False}}}
 
 
-def test_a_forced_call_follows_the_parameters_references():
+PLAN = _plan()
+
+
+# names that are also keywords whose values are data: a property or a definition may be called so
+@pytest.mark.parametrize("field, definition", [
+    ("steps", "Step"), ("examples", "Step"), ("default", "Step"), ("enum", "const"), ("const", "examples")])
+def test_a_forced_call_follows_the_parameters_references(field, definition):
     tok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteTokenizer()))
-    grammar = llguidance.grammar_from("lark", tool_call_grammar([PLAN["function"]], parallel=False))
+    grammar = llguidance.grammar_from("lark", tool_call_grammar([_plan(field, definition)["function"]], parallel=False))
 
     def accepts(text: str) -> bool:
         m = llguidance.LLMatcher(tok, grammar, log_level=0)
         assert not m.is_error(), m.get_error()
         return m.consume_tokens(list(text.encode())) and m.is_accepting()
-    assert accepts('<tool_call>{"name":"plan","arguments":{"steps":[{"x":"a"}]}}</tool_call>')
-    assert not accepts('<tool_call>{"name":"plan","arguments":{"steps":[{"y":"a"}]}}</tool_call>')   # not a Step
+    assert accepts('<tool_call>{"name":"plan","arguments":{"%s":[{"x":"a"}]}}</tool_call>' % field)
+    assert not accepts('<tool_call>{"name":"plan","arguments":{"%s":[{"y":"a"}]}}</tool_call>' % field)
 
 
 def test_a_forced_call_with_references_is_accepted(client, auth, node):  # noqa: F811
