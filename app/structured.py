@@ -8,11 +8,10 @@ so a bad schema is a 400 naming the field before anything is reserved or queued.
 """
 from __future__ import annotations
 
-import json
 from typing import Any, Mapping
 
 from engine.grammar import check_constraint
-from engine.protocol import bad_value
+from engine.protocol import bad_value, json_value
 from engine.sampling import SamplingParamError, check_structured_output
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -25,7 +24,7 @@ def _schema(value: Any, param: str) -> dict:
     """A JSON schema given as an object or as its JSON text."""
     if isinstance(value, str):
         try:
-            value = json.loads(value)
+            value = json_value(value)
         except ValueError as e:
             raise bad_value(f"`{param}` is not valid JSON: {e}", param) from None
     if not isinstance(value, dict):

@@ -34,14 +34,20 @@ MAX_CHAT_TEMPLATE_CHARS = 100_000    # longest chat_template a request may carry
 NODE_SHUTDOWN = "node_shutdown"      # error code: the node's drain ended the request (retry elsewhere), not a failure
 
 
+def json_value(text: str) -> Any:
+    """The value of JSON text (a request's body, or JSON a request carries in a string); ValueError when
+    it is not JSON or is nested past the parser's depth (json.loads raises RecursionError there)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
 def parse_json(raw: bytes) -> Any:
     """A request body's JSON; ValueError when it is not JSON, is nested past the parser's depth, or holds a
     lone surrogate (an escape such as "\\ud800": a string that no UTF-8 text, and no tokenizer, takes)."""
     text = raw.decode(json.detect_encoding(raw))   # strict: a raw lone surrogate in UTF-16 is an error
-    try:
-        value = json.loads(text)
-    except RecursionError:
-        raise ValueError("nested too deeply") from None
+    value = json_value(text)
     if "\\ud" in text or "\\uD" in text:    # only an escape writes a surrogate now
         try:
             json.dumps(value, ensure_ascii=False).encode()

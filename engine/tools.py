@@ -8,7 +8,7 @@ template renders `tools` itself gets them there; any other template gets the def
 the assistant's text and tool results as user messages in `<tool_response>` tags (docs/structured-outputs.md).
 
 The gateway builds the grammar (tool_choice "required" or a named function) and parses the output; the
-node renders the prompt. Nothing here imports more than the standard library.
+node renders the prompt. Nothing here imports more than the standard library and the wire protocol.
 """
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ import json
 import re
 from dataclasses import dataclass
 from typing import Any
+
+from engine.protocol import json_value
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
@@ -99,7 +101,7 @@ def _call_text(call: dict) -> str:
     args = f.get("arguments")
     if isinstance(args, str):
         try:
-            args = json.loads(args)
+            args = json_value(args)
         except ValueError:
             pass
     return CALL_OPEN + json.dumps({"name": f.get("name"), "arguments": args}, ensure_ascii=False) + CALL_CLOSE
@@ -155,7 +157,7 @@ def template_messages(messages: list[dict]) -> list[dict]:
                 f = dict(c.get("function") or {})
                 if isinstance(f.get("arguments"), str):
                     try:
-                        f["arguments"] = json.loads(f["arguments"])
+                        f["arguments"] = json_value(f["arguments"])
                     except ValueError:
                         pass
                 calls.append({**c, "function": f})
@@ -174,7 +176,7 @@ class ToolCall:
 
 def _parse_call(body: str) -> ToolCall | None:
     try:
-        obj = json.loads(body)
+        obj = json_value(body)
     except ValueError:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
@@ -182,7 +184,7 @@ def _parse_call(body: str) -> ToolCall | None:
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):   # a model that wrote the arguments as JSON text: an object's, or no call
         try:
-            return ToolCall(obj["name"], args) if isinstance(json.loads(args), dict) else None
+            return ToolCall(obj["name"], args) if isinstance(json_value(args), dict) else None
         except ValueError:
             return None
     # OpenAI's arguments are a JSON object (clients json.loads them and expect one)

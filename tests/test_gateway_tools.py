@@ -320,3 +320,12 @@ def test_a_call_streamed_in_any_pieces_parses_as_it_does_whole(seed):
     assert "".join(p for kind, p in pieces if kind == "text") == content
     assert [json.loads(p.arguments) for kind, p in pieces if kind == "call"] == [
         json.loads(body)["arguments"] for body in bodies]
+
+
+def test_json_nested_past_the_parsers_depth_is_text():
+    deep = "[" * 1500 + "]" * 1500
+    text = '<tool_call>{"name": "f", "arguments": ' + deep + "}</tool_call>"
+    assert parse_tool_calls(text) == (text, [])           # the model's: not a call, its text is content
+    history = [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": deep}}]}]
+    assert deep in render_tool_prompt(history, None)[0]["content"]     # the client's: kept as it came
