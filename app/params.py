@@ -31,6 +31,8 @@ UNSUPPORTED = {
     CHAT: ("functions", "function_call", "audio", "modalities", "prediction", "web_search_options"),
     COMPLETIONS: ("suffix",),
 }
+# values of those fields that ask for what this server does anyway: accepted
+SUPPORTED_VALUES = {"modalities": (["text"],)}
 
 
 @dataclass(frozen=True)
@@ -126,7 +128,7 @@ def check_object(body: Any) -> Mapping[str, Any]:
 
 def check_unsupported(body: Mapping[str, Any], kind: str) -> None:
     for name in UNSUPPORTED[kind]:
-        if body.get(name) not in (None, [], "", {}):
+        if body.get(name) not in (None, [], "", {}, *SUPPORTED_VALUES.get(name, ())):
             raise bad_value(f"`{name}` is not supported by this server", name, "unsupported_parameter")
     if kind == COMPLETIONS and boolean(body, "echo"):
         raise bad_value("`echo` is not supported by this server", "echo", "unsupported_parameter")

@@ -131,6 +131,11 @@ def test_structured_output_sent_to_the_node(client, auth, node, field, expected)
     assert r.status_code == 200 and node.received[-1]["sampling"].get("structured_output") == expected
 
 
+def test_asking_for_text_output_is_no_unsupported_modality(client, auth, node):
+    assert client.post(CHAT, headers=auth, json=chat_body(modalities=["text"])).status_code == 200
+    assert len(node.received) == 1
+
+
 def test_max_completion_tokens_wins_and_stop_applies(client, auth, node):
     r = client.post(CHAT, headers=auth, json=chat_body(max_tokens=100, max_completion_tokens=3))
     assert r.get_json()["choices"][0]["message"]["content"] == "Hello, world"
@@ -669,6 +674,12 @@ BAD_CHAT = [
     (chat_body(structured_outputs={"grammar": "root ::= ("}), "structured_outputs"),
     (chat_body(guided_choice=[]), "guided_choice"),
     (chat_body(guided_json="{not json"), "guided_json"),
+    (chat_body(modalities=["text", "audio"]), "modalities"),
+    (chat_body(audio={"voice": "alloy", "format": "wav"}), "audio"),
+    (chat_body(functions=[{"name": "f"}]), "functions"),
+    (chat_body(guided_json="[" * 1500 + "]" * 1500), "guided_json"),    # past the JSON parser's depth
+    (chat_body(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": "[" * 1500 + "]" * 1500}}),
+     "response_format"),
     (chat_body(guided_regex="a", response_format={"type": "json_object"}), "guided_regex"),
 ]
 
