@@ -146,26 +146,6 @@ def test_a_call_is_one_whose_arguments_are_an_object(arguments, call):
         assert json.loads(calls[0].arguments) == {"city": "Paris"}
 
 
-def test_streamed_deltas_reassemble_into_the_calls():
-    writer = ChunkWriter(CHAT, "r", "zen-small", "m", "q", 1, False, None, "parallel")
-    text = "ok " + CALL + "\n" + CALL.replace("Paris", "Oslo")
-    chunks = "".join(writer.token({"index": 0, "text": text[i:i + 3]}) for i in range(0, len(text), 3))
-    chunks += "".join(writer.done({"choices": [{"index": 0, "finish_reason": "stop"}]}))
-    events = [json.loads(line[6:]) for line in chunks.split("\n\n") if line.startswith("data: ")]
-    content, calls, finish = "", {}, None
-    for e in events:
-        d = e["choices"][0]["delta"]
-        content += d.get("content") or ""
-        for tc in d.get("tool_calls") or []:
-            c = calls.setdefault(tc["index"], {"name": "", "arguments": ""})
-            c["name"] += tc.get("function", {}).get("name") or ""
-            c["arguments"] += tc.get("function", {}).get("arguments") or ""
-        finish = e["choices"][0]["finish_reason"] or finish
-    assert content == "ok" and finish == "tool_calls"
-    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
-        ("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Oslo"})]
-
-
 def _streamed(text: str, mode: str, piece: int) -> tuple[str, list[tuple[str, dict]], str]:
     """(content, calls, finish reason) that a client reassembles from text streamed in pieces."""
     writer = ChunkWriter(CHAT, "r", "zen-small", "m", "q", 1, False, None, mode)
@@ -181,6 +161,12 @@ def _streamed(text: str, mode: str, piece: int) -> tuple[str, list[tuple[str, di
             c["arguments"] += tc.get("function", {}).get("arguments") or ""
         finish = e["choices"][0]["finish_reason"] or finish
     return content, [(c["name"], json.loads(c["arguments"])) for c in calls.values()], finish
+
+
+def test_streamed_deltas_reassemble_into_the_calls():
+    text = "ok " + CALL + "\n" + CALL.replace("Paris", "Oslo")
+    assert _streamed(text, "parallel", 3) == (
+        "ok", [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Oslo"})], "tool_calls")
 
 
 @pytest.mark.parametrize("mode", ["parallel", "single"])
