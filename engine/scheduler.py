@@ -73,7 +73,9 @@ class Scheduler:
 
     # ---- policy
     def priority(self, seq: Sequence, now: float) -> tuple:
-        waited = now - seq.request.arrival_time
+        # the lift counts time in the queue: while a sequence runs it keeps the class it was admitted with
+        since = now if seq.status is SequenceStatus.WAITING else (seq.admitted_at or now)
+        waited = since - seq.request.arrival_time
         lift = int(waited // self.config.starvation_s) if self.config.starvation_s > 0 else 0
         cls = max(int(LatencyClass.REALTIME), int(seq.latency_class) - lift)
         return (cls, seq.request.arrival_time, seq.seq_id)

@@ -255,6 +255,20 @@ def test_batch_work_is_not_starved(tiny_gguf):
     assert order[0] == "batch"
 
 
+def test_a_batch_stream_running_longer_than_the_starvation_period_still_yields_to_realtime(tiny_gguf):
+    """Aging lifts a request by its time in the queue: a batch sequence admitted at once and decoding
+    for several starvation periods stays batch, so a realtime request preempts it."""
+    eng = make_engine(tiny_gguf, max_num_seqs=1, starvation_s=0.05)
+    eng.add_request(req("batch", prompt(30, 8), LatencyClass.BATCH, max_tokens=200, ignore_eos=True))
+    eng.step()                 # admitted without waiting
+    time.sleep(0.15)           # three starvation periods of decoding
+    eng.add_request(req("rt", prompt(31, 8), LatencyClass.REALTIME, max_tokens=2))
+    order = []
+    while eng.has_unfinished():
+        order += [d.request_id for d in eng.step() if d.finished]
+    assert order == ["rt", "batch"] and eng.num_preemptions >= 1
+
+
 def test_preempted_sequences_finish_with_the_same_tokens(tiny_gguf):
     reqs = lambda: [req(f"p{i}", prompt(40 + i, 10), max_tokens=20, temperature=0.8, seed=i) for i in range(4)]  # noqa: E731
     roomy = run(make_engine(tiny_gguf, num_blocks=64), reqs())
