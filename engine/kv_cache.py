@@ -1,7 +1,9 @@
 """PagedAttention KV memory: a pool of fixed-size blocks and the per-sequence manager on top of it.
 
 BlockPool owns the blocks: reference counts, the free queue (least recently used first) and the
-prefix cache (hash of a full block -> block). A block whose count drops to zero stays in the prefix
+prefix cache (digest of a full block and all before it -> block). The digest is a cryptographic hash
+(BLAKE2b): every org's requests share the cache, and a block found under a key that another prompt
+could be made to collide with would run that prompt on the first one's K/V. A block whose count drops to zero stays in the prefix
 cache until the pool hands it out again, so a later request with the same prefix reuses its K/V.
 KVCacheManager turns a sequence's needs into block-table changes; the scheduler holds policy only.
 
@@ -14,6 +16,8 @@ that. Prefix caching is off for such models (a cached prefix would need its wind
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 
 from engine.sequence import Sequence
@@ -25,9 +29,9 @@ class BlockPool:
             raise ValueError("the KV-cache budget holds no block; raise the memory budget")
         self.num_blocks = num_blocks
         self.ref_cnt = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
-        self._cached: dict[int, int] = {}   # block hash -> block id
+        self._cached: dict[bytes, int] = {}   # block digest -> block id
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
 
@@ -40,7 +44,7 @@ class BlockPool:
         """Fraction of blocks held by live sequences."""
         return 1.0 - len(self._free) / self.num_blocks
 
-    def lookup(self, block_hash: int) -> int | None:
+    def lookup(self, block_hash: bytes) -> int | None:
         return self._cached.get(block_hash)
 
     def allocate(self, n: int) -> list[int]:
@@ -75,7 +79,7 @@ class BlockPool:
             if self.ref_cnt[b] == 0:
                 self._free[b] = None
 
-    def cache(self, block: int, block_hash: int) -> None:
+    def cache(self, block: int, block_hash: bytes) -> None:
         """Register a full, computed block under its hash (the first block with a hash wins)."""
         if block_hash not in self._cached and self.block_hash[block] is None:
             self._cached[block_hash] = block
@@ -106,6 +110,7 @@ class KVCacheManager:
         self.pool = pool
         self.block_size = block_size
         self.model_id = model_id
+        self._root_digest = hashlib.blake2b(model_id.encode(), digest_size=32).digest()
         self.window_groups = window_groups
         self.window = window
         self.enable_prefix_caching = enable_prefix_caching and not window_groups
@@ -137,12 +142,14 @@ class KVCacheManager:
         return [seq.block_table] + [[b for b in t if b >= 0] for t in seq.window_tables]
 
     def _update_hashes(self, seq: Sequence) -> None:
-        """Extend seq.block_hashes over its full blocks: hash(parent hash, block tokens, model)."""
+        """Extend seq.block_hashes over its full blocks: BLAKE2b(parent's digest, block tokens), the first
+        block's parent being the model."""
         bs = self.block_size
         hashes = seq.block_hashes
         for i in range(len(hashes), seq.num_tokens // bs):
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash((parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]), self.model_id)))
+            digest = hashlib.blake2b(hashes[-1] if hashes else self._root_digest, digest_size=32)
+            digest.update(array("q", seq.token_ids[i * bs:(i + 1) * bs]).tobytes())
+            hashes.append(digest.digest())
 
     def find_cached_prefix(self, seq: Sequence) -> tuple[list[int], int]:
         """The longest run of cached full blocks at the start of seq, and the tokens they hold.

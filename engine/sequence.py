@@ -47,7 +47,7 @@ class Sequence:
         self.block_table: list[int] = []        # block ids, in order
         # sliding-window models: one table per group of local layers, -1 where a block left the window
         self.window_tables: list[list[int]] = []
-        self.block_hashes: list[int] = []       # hashes of the full blocks of token_ids, in order
+        self.block_hashes: list[bytes] = []     # digests of the full blocks of token_ids, in order
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.finish_message: str | None = None

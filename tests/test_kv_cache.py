@@ -26,12 +26,12 @@ def test_allocate_free_and_double_free():
 def test_cached_blocks_survive_free_and_evict_least_recent_first():
     pool = BlockPool(3)
     a, b, c = pool.allocate(3)
-    pool.cache(a, 111)
-    pool.cache(b, 222)
+    pool.cache(a, b"111")
+    pool.cache(b, b"222")
     pool.free([b, a, c])          # b freed first -> evicted first
-    assert pool.lookup(111) == a and pool.lookup(222) == b
+    assert pool.lookup(b"111") == a and pool.lookup(b"222") == b
     (first,) = pool.allocate(1)
-    assert first == b and pool.lookup(222) is None and pool.lookup(111) == a
+    assert first == b and pool.lookup(b"222") is None and pool.lookup(b"111") == a
     pool.touch([a])               # a hit takes the block out of the free queue
     assert pool.ref_cnt[a] == 1 and pool.num_free_blocks == 1
     pool.check_invariants([[first], [a]])
@@ -77,3 +77,18 @@ def test_hash_depends_on_model():
     a.cache_computed_blocks(s)
     assert b.find_cached_prefix(_seq(2, range(9)))[1] == 0
     assert a.find_cached_prefix(_seq(3, range(9)))[1] == 8
+
+
+def test_a_block_is_found_by_its_tokens_not_by_pythons_hash(monkeypatch):
+    """Every org's prompts share the cache: keys that Python's hash() made equal (its tuple hash can be
+    collided) would run one prompt on another's K/V. The digests do not go through hash() at all."""
+    import builtins
+    monkeypatch.setattr(builtins, "hash", lambda value: 0)     # every key it makes collides
+    kv = KVCacheManager(BlockPool(8), 4, "m")
+    s = _seq(1, range(9))
+    kv.allocate_slots(s, 9)
+    s.num_computed_tokens = 9
+    kv.cache_computed_blocks(s)
+    assert kv.find_cached_prefix(_seq(2, range(100, 109)))[1] == 0
+    assert kv.find_cached_prefix(_seq(3, range(9)))[1] == 8
+    assert all(len(h) == 32 for h in s.block_hashes)
