@@ -148,6 +148,10 @@ def test_metrics_present_and_moving(node):
     assert delta("zen_node_request_decode_time_seconds_count", **labels) == 2
     assert delta("zen_node_generation_tokens_total", **labels) == 10
     assert delta("zen_node_prompt_tokens_total", **labels) == 2 * len(prompt)
+    r = post(node, {"model": "tiny-b", "org": "metrics-org", "latency_class": "batch", "queue_timeout_s": 1e-9,
+                    "prompt_token_ids": prompt, "sampling": {"max_tokens": 5}})
+    assert r.status_code == 503      # timed out in the queue: its prompt was never served
+    assert metric(scrape(node), "zen_node_prompt_tokens_total", **labels) == metric(after, "zen_node_prompt_tokens_total", **labels)
     assert delta("zen_node_request_success_total", finished_reason="length", **labels) == 2
     assert delta("zen_node_iteration_batch_size_count", model="tiny-b") >= 5
     assert delta("zen_node_prefix_cache_queries_total", model="tiny-b") >= 2 * len(prompt)

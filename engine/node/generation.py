@@ -219,7 +219,8 @@ class Generation:
                     t.first_scheduled if t else None, t.first_token if t else None,
                     list(t.token_times) if t else [], (t.finished if t and t.finished else now)))
             usage = self.usage()
-            metrics.count_tokens(model, cls, usage["prompt_tokens"], usage["completion_tokens"])
+            served = any(c.times is not None and c.times.first_scheduled is not None for c in self.choices)
+            metrics.count_tokens(model, cls, usage["prompt_tokens"] if served else 0, usage["completion_tokens"])
             log.info("generation", extra={
                 "event": "generation", "request_id": self.req.request_id, "org": self.call.org, "model": model,
                 "quantization": self.m.quantization, "latency_class": cls, "outcome": outcome,
