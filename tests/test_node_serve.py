@@ -96,3 +96,10 @@ def test_the_development_node_secret_is_written_once_in_python():
     holders = [str(p.relative_to(REPO_ROOT)) for top in ("app", "engine", "benchmarks", "scripts", "tests")
                for p in (REPO_ROOT / top).rglob("*.py") if DEV_NODE_SECRET in p.read_text()]
     assert holders == ["engine/protocol.py"]
+
+
+def test_the_default_threads_hold_a_full_batch_and_a_full_queue():
+    # each request holds a thread while it waits: fewer, and queue_full is never answered
+    config = NodeConfig(models=[ModelSpec("m.gguf", "m")], max_num_seqs=8, max_waiting=100)
+    assert config.threads > 8 + 100
+    assert NodeConfig(models=[ModelSpec("m.gguf", "m")], threads=4).threads == 4

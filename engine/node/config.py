@@ -29,8 +29,8 @@ def parse_bytes(text: str | int) -> int:
     return int(float(m.group(1)) * 1024 ** power)
 
 
-# HTTP threads beyond a full batch's streams: for requests waiting to run, probes, /state and /metrics
-THREADS_BEYOND_BATCH = 32
+# HTTP threads beyond the requests the node holds (a full batch and a full queue): probes, /state, /metrics
+THREADS_BEYOND_QUEUE = 32
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class NodeConfig:
     preload: list[str] | None = None           # ids loaded at start; None: the listed models, in order, while they fit
     load_wait_s: float = 120.0                 # how long a request waits for a cold load before a 503
     threads: int | None = None                 # concurrent HTTP requests (streams) of the single worker; None:
-                                               # a full batch (max_num_seqs) plus THREADS_BEYOND_BATCH
+                                               # max_num_seqs + max_waiting + THREADS_BEYOND_QUEUE
     drain_grace_s: float = DEFAULT_DRAIN_GRACE_S   # on SIGTERM: how long generations in flight may finish
     log_level: str = "info"
     otlp_endpoint: str | None = None           # OTLP/HTTP trace collector; None: the OTEL_* variables, or off
@@ -88,8 +88,9 @@ class NodeConfig:
             unknown = [p for p in self.preload if p not in ids]
             if unknown:
                 raise ValueError(f"--preload names models not in --models: {', '.join(unknown)}")
-        if self.threads is None:   # each stream holds a thread: fewer than a batch could never fill it
-            self.threads = self.max_num_seqs + THREADS_BEYOND_BATCH
+        if self.threads is None:   # each request holds a thread, waiting too: fewer, and the queue's bound
+            # is never met (requests wait unseen in the listen backlog, not answered 503 queue_full)
+            self.threads = self.max_num_seqs + self.max_waiting + THREADS_BEYOND_QUEUE
         for name in ("kv_cache_bytes", "max_waiting", "max_num_seqs", "max_num_batched_tokens", "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
