@@ -200,6 +200,7 @@ class NodePool:
         self._views = {url: NodeView(url) for url in self.discovery.known()}
         self._lock = threading.Lock()
         self._refresh_lock = threading.Lock()
+        self._refreshes = 0   # refreshes _ensure_fresh has run: a caller that waited for one uses it
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pid: int | None = None
@@ -319,14 +320,18 @@ class NodePool:
 
     def _ensure_fresh(self) -> None:
         """Start polling; poll now if no node has a fresh state (first request, stale)."""
+        seen = self._refreshes     # read before any wait (start() too): a refresh finished meanwhile serves us
         self.start()
         now = self._clock()
         if any(not v.down and self._fresh(v, now) for v in self.snapshot()):
             return
         with self._refresh_lock:
+            if self._refreshes != seen:
+                return
             now = self._clock()
             if not any(not v.down and self._fresh(v, now) for v in self.snapshot()):
                 self.refresh()
+                self._refreshes += 1
 
     def count_ready(self, refresh: bool = True) -> int:
         """Nodes that take traffic now in this worker's view; with refresh, polled now if none is fresh."""
@@ -381,9 +386,10 @@ class NodePool:
                 usable.append((view.url, view.state))
                 fetched_at[view.url] = view.fetched_at
         prefix = self.policy.prefix_of(model, inputs)
-        ranked = self._rank_claiming_loads(model, prompt_tokens, max_tokens, latency_class, views, usable, now,
+        queued = [(url, self.policy.with_sent(url, state, fetched_at[url])) for url, state in usable]
+        ranked = self._rank_claiming_loads(model, prompt_tokens, max_tokens, latency_class, views, queued, now,
                                            self.policy.cached_tokens(prefix, prompt_tokens))
-        return self.policy.order(ranked, dict(usable), fetched_at, prefix)
+        return self.policy.order(ranked, dict(usable), fetched_at, prefix, latency_class, prompt_tokens)
 
     def _rank_claiming_loads(self, model: ResolvedModel, prompt_tokens: int, max_tokens: int,
                              latency_class: LatencyClass, views: list[NodeView],

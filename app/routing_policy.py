@@ -3,7 +3,8 @@
   score              the router's rule (app/router.py): argmin α·L̂ + β·U + γ·1[m ∉ M]·C_load − δ·saved prefill,
                      where the saved prefill is the prompt tokens a node likely has in its prefix cache (this
                      worker's routing history, app/prefix_index.py) over its prefill rate; every routed request
-                     is recorded against the node chosen
+                     is recorded against the node chosen, and L̂ counts the requests this worker sent a node
+                     since its state was polled as queued there (a burst between two polls spreads out)
   round_robin        the usable nodes in turn (per worker process), nothing else considered: a baseline
   least_outstanding  fewest sequences on the node (running + waiting in its last state, plus what this worker
                      sent it since that state was polled), ties in turn: the common load balancer's baseline
@@ -16,13 +17,13 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from app.config import ROUTING_POLICIES as POLICIES
 from app.config import RoutingConfig
 from app.prefix_index import PrefixIndex, canonical_prompt
-from engine.protocol import NodeState
+from engine.protocol import LatencyClass, NodeState
 
 if TYPE_CHECKING:
     from app.catalog import ResolvedModel
@@ -37,6 +38,15 @@ class PromptPrefix:
     chars: int
 
 
+@dataclass
+class SentSince:
+    """What this worker sent a node since the state it has of it was fetched: requests and their prompt
+    tokens per latency class (realtime, standard, batch)."""
+    fetched_at: float
+    requests: list[int] = field(default_factory=lambda: [0, 0, 0])
+    tokens: list[int] = field(default_factory=lambda: [0, 0, 0])
+
+
 class RoutingPolicy:
     """One worker process's routing policy and what it remembers: the prefix index, whose turn it is, and the
     requests sent to each node since its state was last polled."""
@@ -47,7 +57,7 @@ class RoutingPolicy:
         self.name = routing.policy
         self.prefix_index = PrefixIndex(routing.prefix_block_chars, routing.prefix_index_blocks)
         self._turn = itertools.count()
-        self._sent: dict[str, tuple[float, int]] = {}   # url -> (fetched_at of the state, sent since)
+        self._sent: dict[str, SentSince] = {}
         self._lock = threading.Lock()
 
     # -- the prefix term (score) -----------------------------------------------------------------
@@ -75,7 +85,8 @@ class RoutingPolicy:
     # -- the order -------------------------------------------------------------------------------
 
     def order(self, ranked: Sequence[Score], states: Mapping[str, NodeState], fetched_at: Mapping[str, float],
-              prefix: PromptPrefix | None) -> list[Score]:
+              prefix: PromptPrefix | None, latency_class: LatencyClass = LatencyClass.STANDARD,
+              prompt_tokens: int = 0) -> list[Score]:
         """The scored nodes in the order this policy tries them; the first is counted as sent the request."""
         if not ranked:
             return []
@@ -87,7 +98,7 @@ class RoutingPolicy:
             ordered = list(ranked)
             if prefix is not None and prefix.hashes:
                 self.prefix_index.record(prefix.hashes, ordered[0].url)
-        self._count_sent(ordered[0].url, fetched_at.get(ordered[0].url, 0.0))
+        self._count_sent(ordered[0].url, fetched_at.get(ordered[0].url, 0.0), latency_class, prompt_tokens)
         return ordered
 
     def _in_turn(self, ranked: Sequence[Score]) -> list[Score]:
@@ -102,13 +113,31 @@ class RoutingPolicy:
         return sorted(turn, key=lambda s: (self.outstanding(s.url, states[s.url], fetched_at.get(s.url, 0.0)),
                                            position[s.url]))
 
+    def _sent_since(self, url: str, fetched_at: float) -> SentSince | None:
+        with self._lock:
+            sent = self._sent.get(url)
+        return sent if sent is not None and sent.fetched_at == fetched_at else None
+
     def outstanding(self, url: str, state: NodeState, fetched_at: float) -> int:
         """Sequences on the node: its last state's running + waiting, plus those sent it since that state."""
-        with self._lock:
-            seen, sent = self._sent.get(url, (fetched_at, 0))
-        return state.queue.running + state.queue.waiting + (sent if seen == fetched_at else 0)
+        sent = self._sent_since(url, fetched_at)
+        return state.queue.running + state.queue.waiting + (sum(sent.requests) if sent else 0)
 
-    def _count_sent(self, url: str, fetched_at: float) -> None:
+    def with_sent(self, url: str, state: NodeState, fetched_at: float) -> NodeState:
+        """The node's state with what this worker sent it since that state, as admitted and waiting there."""
+        sent = self._sent_since(url, fetched_at)
+        if sent is None:
+            return state
+        q, n = state.queue, sum(sent.requests)
+        return replace(state, queue=replace(
+            q, waiting=q.waiting + n, admitted=q.admitted + n,
+            admitted_by_class=tuple(a + b for a, b in zip(q.admitted_by_class, sent.requests)),
+            admitted_tokens_by_class=tuple(a + b for a, b in zip(q.admitted_tokens_by_class, sent.tokens))))
+
+    def _count_sent(self, url: str, fetched_at: float, latency_class: LatencyClass, prompt_tokens: int) -> None:
         with self._lock:
-            seen, sent = self._sent.get(url, (fetched_at, 0))
-            self._sent[url] = (fetched_at, sent + 1 if seen == fetched_at else 1)
+            sent = self._sent.get(url)
+            if sent is None or sent.fetched_at != fetched_at:
+                sent = self._sent[url] = SentSince(fetched_at)
+            sent.requests[int(latency_class)] += 1
+            sent.tokens[int(latency_class)] += prompt_tokens

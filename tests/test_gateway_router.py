@@ -272,6 +272,23 @@ def test_pool_forgets_stale_state():
         pool.close()
 
 
+def test_a_burst_between_two_polls_spreads_over_equal_nodes():
+    """The score counts what this worker sent a node since its state was polled as queued there: twenty
+    requests in one poll interval do not all go to the node that was best at the poll."""
+    a, b = StandInNode(node_id="a").start(), StandInNode(node_id="b").start()
+    pool = NodePool(_nodes_config([a.url, b.url], poll_interval_s=50, state_ttl_s=100), WEIGHTS)
+    try:
+        pool.rank(SMALL, 200, 200)                                          # the poll
+        firsts = [pool.rank(SMALL, 200, 200)[0].url for _ in range(20)]
+        assert abs(firsts.count(a.url) - firsts.count(b.url)) <= 1
+        pool.refresh()                    # new states of both: what was sent before them is in them
+        assert all(pool.policy.with_sent(v.url, v.state, v.fetched_at) is v.state for v in pool.snapshot())
+    finally:
+        pool.close()
+        a.stop()
+        b.stop()
+
+
 def test_pool_refuses_without_the_node_secret():
     node = StandInNode(secret="other").start()
     pool = NodePool(_nodes_config([node.url]), WEIGHTS)
@@ -281,3 +298,40 @@ def test_pool_refuses_without_the_node_secret():
     finally:
         pool.close()
         node.stop()
+
+
+def test_concurrent_callers_share_one_refresh_of_silent_nodes():
+    """Nodes that accept connections but never answer: callers that queued behind a refresh use it
+    instead of each polling again (the Nth would wait N poll timeouts, /health too)."""
+    import socket
+    import threading
+    holes = [socket.socket() for _ in range(2)]
+    for s in holes:
+        s.bind(("127.0.0.1", 0))
+        s.listen(64)                               # never accepted, never answered
+    timeout = 0.5                                  # one poll's timeout (connect_timeout_s)
+    pool = NodePool(_nodes_config([f"http://127.0.0.1:{s.getsockname()[1]}" for s in holes],
+                                  connect_timeout_s=timeout, state_ttl_s=60, poll_interval_s=60),
+                    WEIGHTS)
+    refreshes = []
+    refresh = pool.refresh
+    pool.refresh = lambda: (refreshes.append(1), refresh())[1]
+    start, took = threading.Barrier(6), []
+
+    def one():
+        start.wait()
+        t0 = time.monotonic()
+        assert pool.rank(SMALL, 10, 10) == []
+        took.append(time.monotonic() - t0)
+    threads = [threading.Thread(target=one) for _ in range(6)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert len(took) == 6 and len(refreshes) == 1
+        assert max(took) < 1.5 * timeout + 0.25    # serially refreshing, the last took 6x the timeout
+    finally:
+        pool.close()
+        for s in holes:
+            s.close()
