@@ -889,6 +889,25 @@ def test_metrics_per_org_and_latency(client, gateway, node):
     assert "zen_gateway_flask_http_request_total" in text
 
 
+def test_failovers_are_labelled_with_the_nodes_a_dns_name_was_found_to_be(monkeypatch):
+    """With discovery (the k8s config), a failover names the discovered pod's URL, not "other"; a URL
+    discovery does not know stays "other" (bounded label values)."""
+    def pods(host, port, type=0):
+        return [(socket.AF_INET, type, 6, "", (f"10.0.0.{i}", port)) for i in (5, 6)]
+    monkeypatch.setattr(socket, "getaddrinfo", pods)
+    app = create_app(make_config(["dns+http://zen-node.zen.svc.cluster.local:8001"]))
+    try:
+        client = app.extensions["zen.nodes"]
+        assert client.pool.discovery.urls() == ["http://10.0.0.5:8001", "http://10.0.0.6:8001"]
+        client.on_failover("http://10.0.0.5:8001", "busy")
+        client.on_failover("http://10.9.9.9:8001", "busy")
+        text = app.test_client().get("/metrics", headers=METRICS_HEADERS).get_data(as_text=True)
+        assert 'zen_gateway_node_failovers_total{node="http://10.0.0.5:8001",reason="busy"} 1.0' in text
+        assert 'zen_gateway_node_failovers_total{node="other",reason="busy"} 1.0' in text
+    finally:
+        close_app(app)
+
+
 def test_logs_are_json_with_request_id_and_org(node):
     cfg = make_config([node.url], server={"log_level": "INFO"})
     app = create_app(cfg)
