@@ -10,7 +10,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import engine.node.telemetry as telemetry
+from engine.node.config import ModelSpec, NodeConfig
 from engine.node.metrics import FinishedSequence, ModelSnapshot, NodeMetrics, NodeSnapshot
+from engine.node.node import Node
 from engine.node.telemetry import Telemetry, TelemetrySample
 
 Temp = namedtuple("Temp", "label current high critical")
@@ -56,6 +58,33 @@ def test_nvml_follows_cuda_visible_devices(monkeypatch):
     assert t.is_gpu and t.device.startswith("cuda:GPU-1234 ")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
     assert not Telemetry().is_gpu    # the fake board has one device: index 3 is not there
+
+
+def test_cuda_visible_devices_set_but_empty_means_no_gpu(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", fake_nvml())
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    t = Telemetry()
+    assert not t.is_gpu and t.sample().device == "cpu"     # GPUs hidden: not GPU 0
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cuda"])
+def test_a_cpu_backend_node_reports_the_host_not_the_gpu(monkeypatch, backend):
+    """On a GPU host, a --backend cpu node's state, temperature and default memory budget are the host's."""
+    monkeypatch.setitem(sys.modules, "pynvml", fake_nvml())
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(psutil, "sensors_temperatures", lambda: {}, raising=False)
+    node = Node(NodeConfig(models=[ModelSpec("/nonexistent", "m")], backend=backend))
+    try:
+        assert node.telemetry.is_gpu == (backend == "cuda")
+        budget = node.registry.memory_budget_bytes
+        if backend == "cpu":
+            sample = node.telemetry.sample()
+            assert sample.device == "cpu" and sample.temperature_c is None    # not the GPU's 61 °C
+            assert budget <= psutil.virtual_memory().total                   # not 90% of 80 GiB of GPU memory
+        else:
+            assert budget == int((80 << 30) * 0.9)
+    finally:
+        node.close()
 
 
 def test_nvml_unsupported_query_is_none(monkeypatch):

@@ -6,6 +6,7 @@ import logging
 import threading
 import time
 
+from engine.backends import backend_name
 from engine.engine import RequestError
 from engine.node.admission import Admission
 from engine.node.config import NodeConfig
@@ -25,7 +26,8 @@ class Node:
 
     def __init__(self, config: NodeConfig, telemetry: Telemetry | None = None):
         self.config = config
-        self.telemetry = telemetry or Telemetry()
+        # a CPU-backend node reports the host, not a GPU it does not use (nor sizes its budget from one)
+        self.telemetry = telemetry or Telemetry(use_nvml=backend_name(config.backend) != "cpu")
         self.admission = Admission(config.max_waiting)
         self.metrics = NodeMetrics(self.snapshot)
         budget = config.memory_budget_bytes or self._default_budget()

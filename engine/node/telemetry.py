@@ -58,10 +58,12 @@ class Telemetry:
 
     def _open_nvml(self, device: int | str | None) -> None:
         """device: an NVML index or a GPU UUID; None: the first of CUDA_VISIBLE_DEVICES (NVML itself
-        ignores that variable), else index 0."""
+        ignores that variable; set but empty, no GPU is visible), else index 0."""
         if device is None:
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
-            device = visible or 0
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            if visible is not None and not visible.strip():   # GPUs hidden from this process: a CPU node
+                return
+            device = (visible or "").split(",")[0].strip() or 0
         if isinstance(device, str) and device.isdigit():
             device = int(device)
         try:
