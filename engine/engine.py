@@ -96,7 +96,8 @@ class Engine:
         self.weight_bytes = self.model.nbytes   # in the backend's layout (5- and 6-bit codes take a byte there)
         del weights
         self.max_model_len = min(config.max_model_len or self.model_config.max_position, self.model_config.max_position)
-        num_blocks = config.kv_cache_bytes // self.model.kv_bytes_per_block(config.block_size)
+        self.kv_block_bytes = self.model.kv_bytes_per_block(config.block_size)   # kept: release() drops the model
+        num_blocks = config.kv_cache_bytes // self.kv_block_bytes
         self.pool = BlockPool(int(num_blocks))
         self.kv = KVCacheManager(self.pool, config.block_size, self.model_id, config.enable_prefix_caching,
                                  self.model.window_groups, self.model_config.sliding_window)

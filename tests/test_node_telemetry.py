@@ -14,6 +14,7 @@ from engine.node.config import ModelSpec, NodeConfig
 from engine.node.metrics import FinishedSequence, ModelSnapshot, NodeMetrics, NodeSnapshot
 from engine.node.node import Node
 from engine.node.telemetry import Telemetry, TelemetrySample
+from tests.node_fixtures import tiny_models  # noqa: F401 (fixture)
 
 Temp = namedtuple("Temp", "label current high critical")
 
@@ -170,3 +171,16 @@ def test_step_listener_counts_batch_prefix_and_preemption_deltas():
     assert s[("zen_node_prefix_cache_queries_total", ml)] == 30 and s[("zen_node_prefix_cache_hits_total", ml)] == 16
     assert s[("zen_node_num_preemptions_total", ml)] == 3
     assert s[("zen_node_iteration_batch_size_count", ml)] == 3 and s[("zen_node_iteration_batch_size_sum", ml)] == 9
+
+
+def test_a_scrape_during_an_eviction_reads_no_released_model(tiny_models):
+    """An eviction releases the engine's weights (model = None) while a scrape may still list the model:
+    the snapshot reads only what the engine keeps."""
+    node = Node(NodeConfig(models=[ModelSpec(tiny_models["a"], "tiny-a")], backend="cpu"))
+    try:
+        m = node.registry.load("tiny-a", wait_s=60)
+        m.engine.release()                         # what the eviction does, the scrape not yet past it
+        [model] = node.snapshot().models
+        assert model.kv_window_saved_bytes == 0
+    finally:
+        node.close()

@@ -149,7 +149,7 @@ class Node:
             models.append(ModelSnapshot(
                 m.id, m.quantization, e.num_running, e.num_waiting, e.pool.usage, e.pool.prefix_query_tokens,
                 e.pool.prefix_hit_tokens, m.bytes, m.load_time_s, m.loop.utilization(),
-                e.kv.window_saved_blocks * e.model.kv_bytes_per_block(e.config.block_size)))
+                e.kv.window_saved_blocks * e.kv_block_bytes))
         return NodeSnapshot(models, self.telemetry.sample(), self.registry.memory_budget_bytes,
                             self.admission.waiting, self.config.max_waiting, dict(self.registry.last_load_s))
 
