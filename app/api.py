@@ -287,8 +287,7 @@ def _answer_json(req: InferenceRequest, kind: str, node: str, result: dict, rese
     metrics.usage(req.org, m.alias, usage["prompt_tokens"], usage["completion_tokens"])
     timings = result["timings"]
     metrics.latency(m.alias, req.latency_class.label,
-                    ttft_s=_float(timings.get("ttft_s")), itl_s=_float(timings.get("mean_itl_s")),
-                    e2e_s=time.perf_counter() - started)
+                    ttft_s=_float(timings.get("ttft_s")), e2e_s=time.perf_counter() - started)
     g.log_fields.update(prompt_tokens=usage["prompt_tokens"],
                         completion_tokens=usage["completion_tokens"])
     resp = jsonify(body)

@@ -76,10 +76,11 @@ class GatewayMetrics:
                                     "Requests refused by a rate limit, by org and limit.",
                                     by_org + ["limit"], registry=registry)
         self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds",
-                              "Time to first token seen by the gateway.",
+                              "Time to first token seen by the gateway (of a JSON answer: the node's own).",
                               ["model", "latency_class"], buckets=TTFT_BUCKETS, registry=registry)
         self.itl = Histogram(f"{PREFIX}_inter_token_latency_seconds",
-                             "Time between tokens of a stream seen by the gateway.",
+                             "Time between tokens of a stream seen by the gateway (streams only: a JSON "
+                             "answer's tokens arrive at once).",
                              ["model", "latency_class"], buckets=ITL_BUCKETS, registry=registry)
         self.e2e = Histogram(f"{PREFIX}_e2e_request_latency_seconds",
                              "End-to-end request latency at the gateway.",
