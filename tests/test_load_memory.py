@@ -2,6 +2,7 @@
 frees go back to the system (glibc's malloc_trim)."""
 from __future__ import annotations
 
+import dataclasses
 import gc
 import platform
 import shutil
@@ -13,6 +14,7 @@ import pytest
 
 from engine.heap import release_free_heap
 from models.loader import load_model
+from tests.tiny_model import make_tiny_tokenizer, make_tiny_weights, write_tiny_gguf
 
 # In a fresh interpreter: 1000 blocks of 64 KiB (below glibc's mmap threshold: they come from the heap),
 # each followed by a small live block so that their holes cannot merge into the heap's top and be trimmed
@@ -66,4 +68,30 @@ def test_a_loaded_model_keeps_no_mapping_of_its_file(tiny_gguf, tmp_path):
             mapped = path in maps.read()
     finally:
         gc.enable()
+    assert not mapped
+
+
+def test_a_failed_load_keeps_no_mapping_of_its_file(tmp_path, monkeypatch):
+    """The registry keeps a failed load's message, not its exception: the traceback holds the load's frame,
+    which holds the job, a cycle keeping the file's mapping and the weights read until a collection."""
+    from engine.config import EngineConfig
+    from engine.node import registry
+    from engine.node.config import ModelSpec
+
+    w = make_tiny_weights(seed=1, layers=2)
+    w.config = dataclasses.replace(w.config, num_layers=3)   # blk.2's tensors are missing
+    path = write_tiny_gguf(tmp_path / "missing-layer.gguf", w, make_tiny_tokenizer())
+    # pytest keeps every log record, with its exception: a production log handler formats it and lets go
+    monkeypatch.setattr(registry.log, "disabled", True)
+    reg = registry.ModelRegistry([ModelSpec(path, "bad")], 1 << 30, lambda spec, fmt: EngineConfig(
+        model=spec.path, model_id=spec.id, backend="cpu", kv_cache_bytes=1 << 22))
+    gc.disable()                                          # freed by reference counts alone
+    try:
+        with pytest.raises(registry.ModelUnavailable, match="blk.2.attn_norm.weight is missing"):
+            reg.load("bad", None, wait_s=60)
+        with open("/proc/self/maps") as maps:
+            mapped = path in maps.read()
+    finally:
+        gc.enable()
+        reg.close()
     assert not mapped

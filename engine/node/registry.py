@@ -84,7 +84,7 @@ class _LoadJob:
     reserved: int
     started: float
     done: threading.Event = field(default_factory=threading.Event)
-    error: BaseException | None = None
+    error: str | None = None
 
 
 class ModelRegistry:
@@ -301,7 +301,7 @@ class ModelRegistry:
                 self._stop(e, "evicted: the loaded model is larger than estimated")
         except BaseException as e:   # noqa: BLE001 — a load failure is reported to every waiter
             log.exception("model load failed", extra={"event": "model_load_failed", "model": spec.id})
-            job.error = e
+            job.error = str(e)   # not e: its traceback holds this frame, which holds job: a cycle keeping the load alive
             with self._lock:
                 self._loading.pop(job.key, None)
                 self.last_error[spec.id] = str(e)
