@@ -325,10 +325,12 @@ class Tokenizer:
                 raise ValueError(f"token id {i} is out of range for a vocabulary of {n}")
 
     def token_text(self, token_id: int) -> str:
-        """The text of one token as it would print on its own (special tokens included, a partial UTF-8
-        character as U+FFFD); for logprobs display."""
+        """The text of one token: its bytes as UTF-8 (a partial character as U+FFFD), or an added or special
+        token's own text; for logprobs display, where it must agree with token_bytes."""
         token_id = int(token_id)
         self._check_ids([token_id])
+        if token_id not in self._added_ids:   # decoding it alone would strip SentencePiece's leading space
+            return self.token_bytes(token_id).decode("utf-8", errors="replace")
         with self._lock:
             return self.hf.decode([token_id], skip_special_tokens=False)
 

@@ -100,3 +100,14 @@ def test_fields_without_scores_are_refused():
     fields["ggml.scores"] = None
     with pytest.raises(ValueError, match="scores"):
         Tokenizer.from_gguf(fields)
+
+
+def test_token_text_keeps_the_space_a_space_prefix_vocabulary_strips():
+    """Llama 2 / Mistral style (add_space_prefix): "▁cat" alone decodes as "cat", yet stands for " cat";
+    logprobs' `token` must agree with its `bytes`."""
+    tok = Tokenizer.from_gguf(dict(tiny_spm_fields(), **{"ggml.add_space_prefix": True}))
+    ids = tok.encode("the cat", add_special_tokens=False)
+    assert tok.hf.id_to_token(ids[-1]).startswith("\u2581")
+    assert [tok.token_text(i) for i in ids] == [tok.token_bytes(i).decode() for i in ids]
+    assert "".join(tok.token_text(i) for i in ids) == " the cat"
+    assert tok.token_text(tok.bos_token_id) == "<bos>"   # special tokens keep their text
