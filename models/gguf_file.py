@@ -5,6 +5,7 @@ package's own dequantization, so a file in any type the package reads loads and 
 """
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Mapping
 from functools import cached_property
@@ -17,7 +18,8 @@ from numba import njit
 
 from models.config import ModelConfig
 from models.quant import QuantTensor, UnsupportedFormat, format_of_ggml
-from models.weights import LayerWeights, ModelWeights
+from models.safetensors_file import check_shapes
+from models.weights import LayerWeights, ModelFileError, ModelWeights
 
 _LAYER_TENSORS = {
     "attn_norm": "attn_norm", "ffn_norm": "ffn_norm",
@@ -28,6 +30,7 @@ _GEMMA3_TENSORS = {
     "q_norm": "attn_q_norm", "k_norm": "attn_k_norm",
     "post_attn_norm": "post_attention_norm", "post_ffn_norm": "post_ffw_norm",
 }
+_MODEL_TENSORS = {"embed": "token_embd.weight", "final_norm": "output_norm.weight", "lm_head": "output.weight"}
 ARCHITECTURES = ("llama", "gemma3")
 # What llama.cpp takes as Gemma 3's defaults, absent from its GGUF files: every 6th layer is global,
 # and local layers rotate with base 1e4 (the file's rope.freq_base is the global layers').
@@ -58,10 +61,6 @@ def tensor_from_gguf(t) -> QuantTensor:
             raise UnsupportedFormat(f"tensor {t.name}: GGML type {t.tensor_type.name} cannot be read") from None
         return QuantTensor("f32", shape, np.ascontiguousarray(dense.reshape(shape), dtype=np.float32))
     return QuantTensor.from_raw(fmt, shape, t.data)
-
-
-class ModelFileError(ValueError):
-    pass
 
 
 def _field(reader: gguf.GGUFReader, key: str, default=None):
@@ -196,6 +195,18 @@ class FastGGUFReader(gguf.GGUFReader):
             offs += size
         return offs
 
+    def _build_tensors(self, start_offs: int, fields: list[ReaderField]) -> None:
+        # a partial download: say so, where numpy's views of the missing bytes would say "cannot reshape"
+        size = len(self.data)
+        for field in fields:
+            _, name, _, dims, raw_type, offset = field.parts
+            block, type_size = gguf.GGML_QUANT_SIZES.get(int(raw_type[0]), (1, 0))   # an unknown type: the parent raises
+            end = start_offs + int(offset[0]) + math.prod(int(d) for d in dims) * type_size // block
+            if end > size:
+                raise ModelFileError(f"the file is truncated: tensor {str(bytes(name), 'utf-8', 'replace')} "
+                                     f"needs {end} bytes, the file has {size}")
+        super()._build_tensors(start_offs, fields)
+
 
 def open_gguf(path: str) -> FastGGUFReader:
     """A reader over a GGUF file; ModelFileError naming the file when it is not one."""
@@ -203,6 +214,8 @@ def open_gguf(path: str) -> FastGGUFReader:
         return FastGGUFReader(path)
     except (FileNotFoundError, IsADirectoryError):
         raise
+    except ModelFileError as e:
+        raise ModelFileError(f"{path}: {e}") from None
     except Exception as e:
         raise ModelFileError(f"{path}: not a GGUF model file ({e})") from None
 
@@ -240,14 +253,22 @@ def read_gguf(path: str) -> tuple[ModelWeights, Metadata]:
     def meta(key, default=None):
         return _field(reader, f"{arch}.{key}", default)
 
-    def required(key):
-        value = meta(key)
+    def number(key, default=None, kind=int):
+        """A positive number of the metadata (its default when absent); ModelFileError naming the key
+        when it is missing or not one (a per-layer array, a count of 0)."""
+        value = meta(key, default)
         if value is None:
             raise ModelFileError(f"{path}: {arch}.{key} is missing")
-        return value
+        if value is default:
+            return value
+        if isinstance(value, list):
+            raise ModelFileError(f"{path}: {arch}.{key} holds per-layer values, which are not supported")
+        if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int) or value <= 0:
+            raise ModelFileError(f"{path}: {arch}.{key} is {value!r}, expected a positive {kind.__name__}")
+        return kind(value)
 
-    heads = int(required("attention.head_count"))
-    hidden = int(required("embedding_length"))
+    heads = number("attention.head_count")
+    hidden = number("embedding_length")
     tensors = {t.name: t for t in reader.tensors}
     # RoPE scaling (linear, YaRN, Llama 3's frequency factors in rope_freqs.weight) is not implemented:
     # served without it, such a model's outputs would be silently wrong
@@ -268,28 +289,29 @@ def read_gguf(path: str) -> tuple[ModelWeights, Metadata]:
             raise ModelFileError(f"{path}: tensor {name} is missing")
         return tensor_from_gguf(t).dequantize().reshape(-1).copy()
 
-    vocab = meta("vocab_size")
     embed = matrix("token_embd.weight")
-    kv_heads = int(meta("attention.head_count_kv", heads))
-    config = ModelConfig(
-        vocab_size=int(vocab if vocab is not None else embed.shape[0]),
+    shape = dict(
+        vocab_size=number("vocab_size", embed.shape[0]),
         hidden_size=hidden,
-        intermediate_size=int(required("feed_forward_length")),
-        num_layers=int(required("block_count")),
+        intermediate_size=number("feed_forward_length"),
+        num_layers=number("block_count"),
         num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=int(meta("attention.key_length", meta("rope.dimension_count", hidden // heads))),
-        rope_theta=float(meta("rope.freq_base", 10000.0)),
-        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position=int(meta("context_length", 2048)),
-        tie_embeddings="output.weight" not in tensors,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
-        **(dict(architecture="gemma3", sliding_window=int(meta("attention.sliding_window", 0)),
+        num_kv_heads=number("attention.head_count_kv", heads),
+        head_dim=number("attention.key_length", number("rope.dimension_count", hidden // heads)),
+        rope_theta=number("rope.freq_base", 10000.0, float),
+        rms_norm_eps=number("attention.layer_norm_rms_epsilon", 1e-5, float),
+        max_position=number("context_length", 2048),
+        **(dict(architecture="gemma3", sliding_window=number("attention.sliding_window", 0),
                 sliding_window_pattern=_swa_pattern(path, meta("attention.sliding_window_pattern")),
                 rope_local_theta=GEMMA3_LOCAL_ROPE_THETA)
            if gemma else {}),
     )
+    try:
+        config = ModelConfig(**shape, tie_embeddings="output.weight" not in tensors,
+                             bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+                             eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"))
+    except ValueError as e:   # sizes that disagree with each other (heads and kv heads, an odd head_dim)
+        raise ModelFileError(f"{path}: {e}") from None
     names = dict(_LAYER_TENSORS, **(_GEMMA3_TENSORS if gemma else {}))
     layers = []
     for i in range(config.num_layers):
@@ -298,9 +320,6 @@ def read_gguf(path: str) -> tuple[ModelWeights, Metadata]:
         for ours, theirs in names.items():
             name = p + theirs + ".weight"
             parts[ours] = vector(name) if ours.endswith("norm") else matrix(name)
-        if not gemma:   # Gemma's converter leaves q/k rows in Hugging Face's order
-            parts["q"] = unpermute_rope_rows(parts["q"], heads)
-            parts["k"] = unpermute_rope_rows(parts["k"], kv_heads)
         layers.append(LayerWeights(**parts))
     weights = ModelWeights(
         config=config,
@@ -310,4 +329,14 @@ def read_gguf(path: str) -> tuple[ModelWeights, Metadata]:
         lm_head=None if config.tie_embeddings else matrix("output.weight"),
         metadata={"name": _field(reader, "general.name", ""), "source": path, "format": "gguf"},
     )
+
+    def name_in_file(where: tuple) -> str:
+        return f"blk.{where[1]}.{names[where[2]]}.weight" if where[0] == "layer" else _MODEL_TENSORS[where[0]]
+
+    # the kernels trust the config's shapes: a file whose metadata disagrees with its tensors stops here
+    check_shapes(weights, path, name_in_file)
+    if not gemma:   # Gemma's converter leaves q/k rows in Hugging Face's order
+        for lw in layers:
+            lw.q = unpermute_rope_rows(lw.q, config.num_heads)
+            lw.k = unpermute_rope_rows(lw.k, config.num_kv_heads)
     return weights, Metadata(reader, "tokenizer.")

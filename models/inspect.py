@@ -96,14 +96,19 @@ def _gguf_counts(path: str) -> tuple[dict[tuple[str, int], int], int, int, bool]
 
 
 def _safetensors_counts(files: list[str]) -> tuple[dict[tuple[str, int], int], int, int]:
-    from models.safetensors_file import _FLOAT_DTYPES, _read_header
+    from models.safetensors_file import _FLOAT_DTYPES, _read_header, quant_specs
     matrices: dict[tuple[str, int], int] = {}
     vector_bytes, stored = 0, 0
     for f in files:
-        for name, entry in _read_header(f).items():
+        header = _read_header(f)
+        quant = quant_specs(f, header)
+        for name, entry in header.items():
             if name.startswith("__") or not isinstance(entry, dict):
                 continue   # __metadata__, and the data offset _read_header adds
-            shape, fmt = entry["shape"], _FLOAT_DTYPES.get(entry["dtype"], "f32")
+            if name in quant and entry["dtype"] == "U8":   # raw GGML blocks: format and shape in the metadata
+                shape, fmt = quant[name]["shape"], quant[name]["format"]
+            else:
+                shape, fmt = entry["shape"], _FLOAT_DTYPES.get(entry["dtype"], "f32")
             n = 1
             for s in shape:
                 n *= int(s)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 
 import gguf
@@ -21,9 +22,8 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from models.config import ModelConfig
-from models.gguf_file import ModelFileError
 from models.quant import BLOCK_FORMATS, GGML_TYPE, QuantTensor, UnsupportedFormat
-from models.weights import LayerWeights, ModelWeights
+from models.weights import LayerWeights, ModelFileError, ModelWeights
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -66,6 +66,32 @@ def hf_tensor_names(config: ModelConfig) -> dict[str, tuple]:
         for ours, theirs in layer_names.items():
             names[f"model.layers.{i}.{theirs}.weight"] = (("layer", i, ours), shapes[ours])
     return names
+
+
+def tensor_at(weights: ModelWeights, where: tuple):
+    """The tensor of `weights` at a place hf_tensor_names gives."""
+    return getattr(weights.layers[where[1]], where[2]) if where[0] == "layer" else getattr(weights, where[0])
+
+
+def check_shape(file: str, name: str, shape, want) -> None:
+    """ModelFileError naming the file and the tensor when its shape is not the one the config implies."""
+    if tuple(shape) != tuple(want):
+        raise ModelFileError(f"{file}: tensor {name} has shape {list(shape)}, expected {list(want)}")
+
+
+def check_shapes(weights: ModelWeights, file: str, name_in_file=None) -> None:
+    """check_shape for every tensor of `weights`; name_in_file(where) names a tensor as the file does
+    (default: its Hugging Face name)."""
+    for name, (where, want) in hf_tensor_names(weights.config).items():
+        check_shape(file, name_in_file(where) if name_in_file else name, tensor_at(weights, where).shape, want)
+
+
+def quant_specs(file: str, header: dict) -> dict:
+    """The block-format tensors' {"format", "shape"} by name, from the file's metadata (QUANT_METADATA_KEY)."""
+    try:
+        return json.loads((header.get("__metadata__") or {}).get(QUANT_METADATA_KEY, "{}"))
+    except json.JSONDecodeError:
+        raise ModelFileError(f"{file}: bad {QUANT_METADATA_KEY} metadata") from None
 
 
 # ---- reading -----------------------------------------------------------------------------------------
@@ -158,10 +184,7 @@ def read_safetensors_dir(directory: str | os.PathLike) -> ModelWeights:
     loaded: dict[str, object] = {}
     for file, names in by_file.items():
         header = _read_header(file)
-        try:
-            quant = json.loads((header.get("__metadata__") or {}).get(QUANT_METADATA_KEY, "{}"))
-        except json.JSONDecodeError:
-            raise ModelFileError(f"{file}: bad {QUANT_METADATA_KEY} metadata") from None
+        quant = quant_specs(file, header)
         plain = []
         for name in names:
             info = header.get(name)
@@ -193,15 +216,13 @@ def read_safetensors_dir(directory: str | os.PathLike) -> ModelWeights:
                 fmt, logical = spec.get("format"), tuple(spec.get("shape", ()))
                 if fmt not in BLOCK_FORMATS:
                     raise UnsupportedFormat(f"{file}: tensor {name} has unsupported format {fmt!r}")
-                if logical != want:
-                    raise ModelFileError(f"{file}: tensor {name} has shape {list(logical)}, expected {list(want)}")
+                check_shape(file, name, logical, want)
                 block, nbytes = gguf.GGML_QUANT_SIZES[GGML_TYPE[fmt]]
                 if shape != (want[0], want[1] // block * nbytes):
                     raise ModelFileError(f"{file}: tensor {name} holds {shape} bytes, not {fmt} {list(want)}")
                 loaded[name] = QuantTensor.from_raw(fmt, want, _raw(file, header, name))
                 continue
-            if shape != want:
-                raise ModelFileError(f"{file}: tensor {name} has shape {list(shape)}, expected {list(want)}")
+            check_shape(file, name, shape, want)
             fmt = _FLOAT_DTYPES[info["dtype"]]
             raw = arrays[name] if name in arrays else _raw(file, header, name)
             if len(want) == 1:
@@ -247,10 +268,7 @@ def _tensors_of(weights: ModelWeights) -> tuple[dict[str, tuple[str, tuple, np.n
     """HF name -> (safetensors dtype, shape, contiguous array) and the block-format metadata."""
     out, quant = {}, {}
     for name, (where, _) in hf_tensor_names(weights.config).items():
-        if where[0] == "layer":
-            obj = getattr(weights.layers[where[1]], where[2])
-        else:
-            obj = getattr(weights, where[0])
+        obj = tensor_at(weights, where)
         if isinstance(obj, QuantTensor):
             if obj.format in BLOCK_FORMATS:
                 out[name] = ("U8", obj.data.shape, np.ascontiguousarray(obj.data, dtype=np.uint8))
@@ -291,7 +309,10 @@ def write_safetensors(file: str | os.PathLike, weights: ModelWeights) -> None:
         if any(dtype == "BF16" for dtype, _, _ in tensors.values()):
             _write_own(tmp, tensors, metadata)
         else:
+            with open(tmp, "wb"):   # the mode open() gives (0666 less the umask), as config.json has
+                mode = stat.S_IMODE(os.stat(tmp).st_mode)
             save_file({name: arr for name, (_, _, arr) in tensors.items()}, tmp, metadata=metadata)
+            os.chmod(tmp, mode)   # the library writes 0600
         os.replace(tmp, file)
     finally:
         if os.path.exists(tmp):

@@ -13,6 +13,10 @@ from models.config import ModelConfig
 from models.quant import QuantTensor
 
 
+class ModelFileError(ValueError):
+    """A model file that cannot be loaded as it is (the message names the file)."""
+
+
 @dataclass
 class LayerWeights:
     attn_norm: np.ndarray  # [D] float32

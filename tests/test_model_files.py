@@ -2,10 +2,13 @@
 and loading errors."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import stat
 import subprocess
 import sys
+import types
 
 import gguf
 import numpy as np
@@ -21,7 +24,7 @@ from models.inspect import inspect_model, resolve_quantization
 from models.quant import BLOCK_FORMATS, FORMATS, GGML_TYPE, QuantTensor, UnsupportedFormat, bytes_per_weight
 from models.safetensors_file import QUANT_METADATA_KEY, read_safetensors_dir, write_safetensors_dir
 from models.weights import ModelWeights
-from tests import reference
+from tests import reference, tiny_model
 from tests.quant_blocks import random_tensor, row_length
 from tests.tiny_model import (
     TINY_VOCAB, make_tiny_tokenizer, make_tiny_weights, permute_rope_rows, tiny_tokenizer_fields, write_tiny_gguf,
@@ -226,6 +229,14 @@ def test_safetensors_layout_is_huggingface(tmp_path):
         assert f.get_tensor("model.layers.0.mlp.up_proj.weight").dtype == np.uint8
 
 
+def test_weights_file_has_the_mode_of_config_json(tmp_path):
+    """Written by the safetensors library (0600 of its own) or by us (BF16): the umask's mode either way."""
+    for fmt in ("q8_0", "bf16"):
+        write_safetensors_dir(tmp_path / fmt, make_tiny_weights(0, fmt))
+        modes = {stat.S_IMODE(os.stat(tmp_path / fmt / name).st_mode) for name in ("config.json", "model.safetensors")}
+        assert len(modes) == 1, (fmt, [oct(m) for m in modes])
+
+
 def test_sharded_huggingface_directory(tmp_path):
     """A directory as transformers saves it: shards + index, fp16 everywhere (norms too), untied head."""
     w = make_tiny_weights(4, "f16", tie_embeddings=False)
@@ -341,6 +352,17 @@ def test_convert_refuses_its_own_source(tiny_files, capsys):
     assert err.startswith("error:") and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("fmt", ["q4_1", "q4_k"])
+def test_inspect_converted_block_formats_as_the_gguf(tmp_path, fmt):
+    """A directory convert writes with block formats (raw bytes as U8, the format in the metadata) is
+    counted in its formats, as the GGUF it came from: not as float32 bytes."""
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", make_tiny_weights(0, fmt))
+    assert convert.main([path, str(tmp_path / "hf")]) == 0
+    a, b = inspect_model(path), inspect_model(str(tmp_path / "hf"))
+    assert (b.stored_format, b.matrices, b.vector_bytes, b.stored_bytes) == \
+           (a.stored_format, a.matrices, a.vector_bytes, a.stored_bytes) and a.stored_format == fmt
+
+
 # ---- errors -------------------------------------------------------------------------------------------
 
 def test_missing_path(tmp_path, capsys):
@@ -419,6 +441,53 @@ def test_unreadable_gguf_tensor_type(tmp_path):
     with pytest.raises(UnsupportedFormat) as e:
         load_model(path)
     assert "Q8_1" in str(e.value) and path in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("config, tensor, shape, expected", [
+    ({"intermediate_size": 96}, "blk.0.ffn_gate.weight", [128, 64], [96, 64]),
+    ({"num_kv_heads": 1}, "blk.0.attn_k.weight", [32, 64], [16, 64]),
+    ({"head_dim": 8}, "blk.0.attn_q.weight", [64, 64], [32, 64]),
+    ({"hidden_size": 32}, "token_embd.weight", [TINY_VOCAB, 64], [TINY_VOCAB, 32]),
+], ids=["feed_forward_length", "head_count_kv", "key_length", "embedding_length"])
+def test_gguf_metadata_disagreeing_with_its_tensors_is_refused(tmp_path, capsys, config, tensor, shape, expected):
+    """Loaded, such a file would run the kernels over the config's shapes, past the tensors' ends."""
+    w = make_tiny_weights(0)
+    w.config = dataclasses.replace(w.config, **config)   # the metadata written; the tensors stay as they are
+    path = write_tiny_gguf(tmp_path / "bad.gguf", w)
+    with pytest.raises(ModelFileError) as e:
+        load_model(path)
+    assert str(e.value) == f"{path}: tensor {tensor} has shape {shape}, expected {expected}"
+    assert convert.main([path, str(tmp_path / "out")]) == 1
+    assert capsys.readouterr().err == f"error: {e.value}\n"
+
+
+@pytest.mark.parametrize("key, value, says", [
+    ("num_kv_heads", 0, "llama.attention.head_count_kv is 0"),
+    ("num_heads", 0, "llama.attention.head_count is 0"),
+    ("intermediate_size", [128, 128], "llama.feed_forward_length holds per-layer values"),
+], ids=["head_count_kv", "head_count", "feed_forward_length"])
+def test_bad_gguf_metadata_value_names_the_key(tmp_path, monkeypatch, capsys, key, value, says):
+    def add_shape_metadata(writer, cfg):   # ModelConfig itself refuses these values
+        original(writer, types.SimpleNamespace(**{**dataclasses.asdict(cfg), key: value}))
+    original = tiny_model.add_shape_metadata
+    monkeypatch.setattr(tiny_model, "add_shape_metadata", add_shape_metadata)
+    path = write_tiny_gguf(tmp_path / "bad.gguf", make_tiny_weights(0))
+    with pytest.raises(ModelFileError) as e:
+        load_model(path)
+    assert str(e.value).startswith(f"{path}: {says}")
+    assert convert.main([path, str(tmp_path / "out")]) == 1
+    assert capsys.readouterr().err == f"error: {e.value}\n"
+
+
+def test_truncated_gguf_says_so(tmp_path):
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", make_tiny_weights(0))
+    last = max(FastGGUFReader(path).tensors, key=lambda t: t.data_offset)
+    end = last.data_offset + last.n_bytes
+    cut = tmp_path / "partial.gguf"
+    cut.write_bytes(open(path, "rb").read()[:end - 100])   # a download stopped inside the last tensor
+    with pytest.raises(ModelFileError) as e:
+        load_model(cut)
+    assert str(e.value) == f"{cut}: the file is truncated: tensor {last.name} needs {end} bytes, the file has {end - 100}"
 
 
 def test_unsupported_safetensors_dtype(tmp_path):
