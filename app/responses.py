@@ -64,7 +64,11 @@ def completion_logprobs(entries: list[dict], top_n: int, text_offset_start: int 
         token = str(e.get("token", ""))
         tokens.append(token)
         token_logprobs.append(e.get("logprob"))
-        top.append({str(t.get("token", "")): t.get("logprob") for t in (e.get("top") or [])[:top_n]})
+        alternatives: dict[str, Any] = {}
+        for t in (e.get("top") or [])[:top_n]:   # tokens of one text (partial UTF-8: "\ufffd") keep the likeliest
+            alternatives.setdefault(str(t.get("token", "")), t.get("logprob"))
+        alternatives.setdefault(token, e.get("logprob"))   # the sampled token's always: up to logprobs + 1
+        top.append(alternatives)
         offsets.append(offset)
         offset += len(token)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,

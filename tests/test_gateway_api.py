@@ -958,3 +958,12 @@ def test_a_token_chunk_is_its_full_serialisation(kind, include_usage):
             if include_usage:
                 chunk["usage"] = None
             assert writer.token({"index": index, "text": text}) == responses.sse(chunk)
+
+
+def test_completion_top_logprobs_keep_the_likeliest_of_one_text_and_the_sampled_token():
+    entries = [{"token": "T", "logprob": -7.6, "top": [{"token": "D", "logprob": -0.4}, {"token": "E", "logprob": -1.0}]},
+               {"token": "\ufffd", "logprob": -3.0, "top": [{"token": "\ufffd", "logprob": -1.0},
+                                                            {"token": "\ufffd", "logprob": -2.0}]}]
+    top = responses.completion_logprobs(entries, top_n=2)["top_logprobs"]
+    assert top[0] == {"D": -0.4, "E": -1.0, "T": -7.6}     # OpenAI: up to logprobs + 1, the sampled one always
+    assert top[1] == {"\ufffd": -1.0}                       # two byte tokens print alike: the likelier one's
