@@ -589,7 +589,8 @@ def collect_result(stream: NodeStream, client_gone: Callable[[], bool]) -> dict:
                     c["token_ids"].append(event["token_id"])
                 c["text"].append(event.get("text") or "")
                 if event.get("logprobs") is not None:
-                    c["logprobs"] = (c["logprobs"] or []) + [event["logprobs"]]
+                    c["logprobs"] = c["logprobs"] or []
+                    c["logprobs"].append(event["logprobs"])
             elif kind == "done":
                 done = event
     finally:

@@ -1,7 +1,8 @@
 """Sampling parameters (θ) of a request: SamplingParams, validated and normalized on construction.
 
 The samplers (engine/backends/cpu_sampler.py, cuda/kernels/sampling.py) apply them per row, in this order
-(vLLM/HF semantics):
+(Hugging Face's, and vLLM's before its V1 engine, which applies min-p before top-k and top-p: the two
+differ only when top_p and min_p are both set):
   1. logit_bias            w[t] += bias[t]
   2. min_tokens            w[t] = -inf for EOS and stop_token_ids while len(output) < min_tokens
      structured_output     w[t] = -inf for every token the request's grammar does not allow next
