@@ -386,7 +386,10 @@ class NodePool:
                 usable.append((view.url, view.state))
                 fetched_at[view.url] = view.fetched_at
         prefix = self.policy.prefix_of(model, inputs)
-        queued = [(url, self.policy.with_sent(url, state, fetched_at[url])) for url, state in usable]
+        # what this worker sent since a node's state queues there where m is resident (elsewhere the load
+        # records decide: requests waiting on one load must not make a second load look sooner)
+        queued = [(url, self.policy.with_sent(url, state, fetched_at[url]) if state.resident(model.key) else state)
+                  for url, state in usable]
         ranked = self._rank_claiming_loads(model, prompt_tokens, max_tokens, latency_class, views, queued, now,
                                            self.policy.cached_tokens(prefix, prompt_tokens))
         return self.policy.order(ranked, dict(usable), fetched_at, prefix, latency_class, prompt_tokens)
