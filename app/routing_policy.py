@@ -3,8 +3,8 @@
   score              the router's rule (app/router.py): argmin α·L̂ + β·U + γ·1[m ∉ M]·C_load − δ·saved prefill,
                      where the saved prefill is the prompt tokens a node likely has in its prefix cache (this
                      worker's routing history, app/prefix_index.py) over its prefill rate; every routed request
-                     is recorded against the node chosen, and L̂ counts the requests this worker sent a node
-                     since its state was polled as queued there (a burst between two polls spreads out)
+                     is recorded against the node chosen, and where the model is resident L̂ counts the
+                     requests this worker sent a node since its state as queued there (a burst spreads out)
   round_robin        the usable nodes in turn (per worker process), nothing else considered: a baseline
   least_outstanding  fewest sequences on the node (running + waiting in its last state, plus what this worker
                      sent it since that state was polled), ties in turn: the common load balancer's baseline

@@ -2,9 +2,9 @@
 
 BlockPool owns the blocks: reference counts, the free queue (least recently used first) and the
 prefix cache (digest of a full block and all before it -> block). The digest is a cryptographic hash
-(BLAKE2b): every org's requests share the cache, and a block found under a key that another prompt
-could be made to collide with would run that prompt on the first one's K/V. A block whose count drops to zero stays in the prefix
-cache until the pool hands it out again, so a later request with the same prefix reuses its K/V.
+(BLAKE2b): every org's requests share the cache, and a key another prompt could be made to collide
+with would run that prompt on the first one's K/V. A block whose count drops to zero stays in the
+prefix cache until the pool hands it out again, so a later request with the same prefix reuses its K/V.
 KVCacheManager turns a sequence's needs into block-table changes; the scheduler holds policy only.
 
 Sliding-window models (Gemma 3) keep their layers' K/V in groups of equally many layers, a pool block

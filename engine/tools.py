@@ -263,10 +263,3 @@ def _partial_tail(buf: str, tag: str) -> int:
             return k
     return 0
 
-
-def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
-    """The whole text at once: (content without the calls, the calls)."""
-    parser = ToolCallParser()
-    pieces = parser.push(text) + parser.finish()
-    content = "".join(p for kind, p in pieces if kind == "text")
-    return content, [p for kind, p in pieces if kind == "call"]

@@ -9,7 +9,7 @@ import llguidance
 import pytest
 
 from app.responses import CHAT, ChunkWriter, chat_completion
-from engine.tools import ToolCallParser, parse_tool_calls, render_tool_prompt, tool_call_grammar
+from engine.tools import ToolCall, ToolCallParser, render_tool_prompt, tool_call_grammar
 from tests.test_gateway_support import auth, client, gateway, node  # noqa: F401 (fixtures)
 
 WEATHER = {"type": "function", "function": {
@@ -106,6 +106,13 @@ def test_a_forced_call_with_references_is_accepted(client, auth, node):  # noqa:
     assert client.post("/v1/chat/completions", headers=auth, json=body).status_code == 200
     assert node.received[-1]["sampling"]["structured_output"]["value"].startswith("start: call (")
 
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
+    """The whole text through the parser at once: (content without the calls, the calls)."""
+    parser = ToolCallParser()
+    pieces = parser.push(text) + parser.finish()
+    return "".join(p for kind, p in pieces if kind == "text"), [p for kind, p in pieces if kind == "call"]
 
 class _ByteTokenizer:
     """One token per byte (and an EOS): enough for llguidance to run a grammar over text."""
