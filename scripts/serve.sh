@@ -25,6 +25,9 @@ trap 'kill $node 2>/dev/null; wait $node 2>/dev/null' EXIT INT TERM
 for _ in $(seq 1 240); do
     if curl -fs "http://127.0.0.1:$NODE_PORT/ready" >/dev/null 2>&1; then break; fi
     kill -0 $node 2>/dev/null || { echo "the engine node failed to start" >&2; exit 1; }
+    if curl -s "http://127.0.0.1:$NODE_PORT/ready" 2>/dev/null | grep -q preload_failed; then
+        echo "the engine node could not load its start-up model (its log above says why)" >&2; exit 1
+    fi
     sleep 0.5
 done
 

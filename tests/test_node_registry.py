@@ -288,8 +288,9 @@ def test_a_start_up_model_that_fails_leaves_the_others_to_load(tiny_models):
     reg = ModelRegistry([ModelSpec(tiny_models["b"], "broken"), ModelSpec(tiny_models["a"], "tiny-a")],
                         ONE_MODEL_BUDGET, engine_config)
     try:
-        reg.preload(None)
+        failed = reg.preload(None)
         assert [m.id for m in reg.resident()] == ["tiny-a"]
+        assert list(failed) == ["broken"] and "no configuration for it" in failed["broken"]
     finally:
         reg.close()
 
@@ -310,6 +311,33 @@ def test_alive_but_not_ready_until_startup_models_load(tiny_models):
         assert node.ready.wait(30)
         assert client.get("/ready").json == {"status": "ready"}
         assert client.get("/health").status_code == 200
+    finally:
+        node.close()
+
+
+def test_not_ready_while_a_start_up_model_that_failed_is_not_loaded(tiny_models, tmp_path):
+    """A start-up model whose file is broken keeps /ready at 503 (alive all the while), naming it; once
+    a later load of it succeeds, the node is ready."""
+    import shutil
+    from engine.node.app import create_app
+    broken = tmp_path / "later.gguf"
+    broken.write_bytes(b"GGUF not really")
+    app = create_app(NodeConfig(models=[ModelSpec(tiny_models["a"], "tiny-a"), ModelSpec(str(broken), "later")],
+                                backend="cpu", kv_cache_bytes=1 << 20))
+    node = app.extensions["zen_node"]
+    client = app.test_client()
+    auth = {"X-Node-Secret": node.config.secret}
+    try:
+        assert node.ready.wait(60)
+        r = client.get("/ready")
+        assert r.status_code == 503 and r.json["status"] == "preload_failed" and r.json["models"] == ["later"]
+        assert client.get("/health").status_code == 200
+        s = client.get("/state", headers=auth).json
+        assert s["ready"] is False and s["healthy"] is True
+        assert [m["id"] for m in s["models"]] == ["tiny-a"]
+        shutil.copyfile(tiny_models["b"], broken)        # the operator mends the file and loads it
+        assert client.post("/v1/models/load", headers=auth, json={"model": "later"}).status_code == 200
+        assert client.get("/ready").json == {"status": "ready"}
     finally:
         node.close()
 

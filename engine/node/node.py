@@ -33,7 +33,8 @@ class Node:
         budget = config.memory_budget_bytes or self._default_budget()
         self.registry = ModelRegistry(config.models, budget, config.engine_config,
                                       on_loaded=self._on_loaded, on_evicted=self._on_evicted)
-        self.ready = threading.Event()      # set once the start-up models are in
+        self.ready = threading.Event()      # set once the start-up loads have ended
+        self.preload_failures: dict[str, str] = {}   # start-up models that failed to load: their errors
         self.drain = Drain()
         self.closing = False
         self.started_at = time.time()
@@ -56,11 +57,17 @@ class Node:
         """Load the start-up models in the background; /ready answers 503 until they are in."""
         def run():
             try:
-                self.registry.preload(self.config.preload)
+                self.preload_failures = self.registry.preload(self.config.preload)
             finally:
                 self.ready.set()
-                log.info("node ready", extra={"event": "node_ready", "node_id": self.config.node_id,
-                                              "models": [f"{m.id}:{m.quantization}" for m in self.registry.resident()]})
+                resident = [f"{m.id}:{m.quantization}" for m in self.registry.resident()]
+                if self.preload_failures:
+                    log.error("node not ready: start-up models failed to load", extra={
+                        "event": "node_not_ready", "node_id": self.config.node_id, "models": resident,
+                        "failed": sorted(self.preload_failures)})
+                else:
+                    log.info("node ready", extra={"event": "node_ready", "node_id": self.config.node_id,
+                                                  "models": resident})
         threading.Thread(target=run, name="preload", daemon=True).start()
 
     def close(self) -> None:
@@ -87,7 +94,14 @@ class Node:
             return "draining"
         if not self.ready.is_set():
             return "loading"
+        if self.failed_startup_models():
+            return "preload_failed"
         return self.liveness()
+
+    def failed_startup_models(self) -> list[str]:
+        """Start-up models that failed to load and are not resident since (a later load may succeed)."""
+        resident = {m.id for m in self.registry.resident()}
+        return [model_id for model_id in self.preload_failures if model_id not in resident]
 
     def drain_gracefully(self) -> None:
         """Stop admitting, let the generations in flight finish within the grace period, end the rest

@@ -309,9 +309,11 @@ class ModelRegistry:
             job.done.set()
             self._share_cpu_while_loading()
 
-    def preload(self, model_ids: list[str] | None, wait_s: float = 3600.0) -> None:
+    def preload(self, model_ids: list[str] | None, wait_s: float = 3600.0) -> dict[str, str]:
         """Start-up: load the named models (all of them must fit), or by default the listed models in
-        order while each fits without evicting another."""
+        order while each fits without evicting another. Returns the ones that failed, with their errors
+        (one that does not fit beside the others is skipped, not failed)."""
+        failed: dict[str, str] = {}
         for spec in self.specs.values():
             # Built once here: building one holds the GIL, which a later cold load must not do beside streams.
             try:
@@ -332,6 +334,8 @@ class ModelRegistry:
             except Exception as e:   # noqa: BLE001 — one model's failure (any: a file the estimate cannot read) leaves the others to load
                 log.error("start-up load failed", extra={"event": "preload_failed", "model": model_id,
                                                          "error": str(e)})
+                failed[model_id] = str(e)
+        return failed
 
     def unload(self, model_id: str, quantization: str | None = None) -> list[ResidentModel]:
         """Unload the idle resident instances of a model; ModelBusy if one has requests in flight."""

@@ -36,12 +36,17 @@ NOT_READY_REASONS = {
     "draining": "the node is shutting down: it finishes what it has and takes nothing new",
     "stopping": "the node is stopping",
     "unhealthy": "an engine loop has failed",
+    "preload_failed": "start-up models failed to load (their errors: GET /v1/models); a later load that "
+                      "succeeds makes the node ready",
 }
 PROBE_RETRY_AFTER_S = "2"
 
 
 def _not_ready(status: str) -> Response:
-    resp = jsonify({"status": status, "reason": NOT_READY_REASONS[status]})
+    body = {"status": status, "reason": NOT_READY_REASONS[status]}
+    if status == "preload_failed":
+        body["models"] = the_node().failed_startup_models()
+    resp = jsonify(body)
     resp.status_code = 503
     resp.headers["Retry-After"] = PROBE_RETRY_AFTER_S
     return resp
@@ -56,7 +61,7 @@ def health():
 
 @bp.get("/ready")
 def ready():
-    """Readiness: 200 once the start-up models are in, while the node is alive and not draining."""
+    """Readiness: 200 once the start-up models are in (none failed), while the node is alive and not draining."""
     why = the_node().readiness()
     return _not_ready(why) if why else jsonify({"status": "ready"})
 
