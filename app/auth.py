@@ -22,11 +22,10 @@ from typing import Any, Callable
 
 import jwt
 from flask import Blueprint, Flask, current_app, g, request
-from jwt import PyJWK, PyJWKSet
 
 from app.config import AuthConfig, GatewayConfig, TierConfig
 from app.errors import unauthorized
-from app.jwks import RemoteKeySet
+from app.jwks import RemoteKeySet, SigningKey, signing_keys
 from app.tracing import request_span
 from engine.protocol import LatencyClass
 
@@ -78,11 +77,11 @@ class TokenVerifier:
         self._auth: AuthConfig = config.auth
         self._verified: dict[str, _Verified] = {}
         self._verified_lock = threading.Lock()
-        self._jwks: PyJWKSet | None = None
+        self._jwks: list[SigningKey] | None = None
         self._remote_jwks: RemoteKeySet | None = None
         if self._auth.jwks_file:
             with open(self._auth.jwks_file, encoding="utf-8") as fh:
-                self._jwks = PyJWKSet.from_dict(json.load(fh))
+                self._jwks = signing_keys(json.load(fh))
         elif self._auth.jwks_url:
             self._remote_jwks = RemoteKeySet(self._auth.jwks_url, self._auth.jwks_refetch_interval_s)
 
@@ -94,7 +93,7 @@ class TokenVerifier:
         if self._remote_jwks is not None:
             keys = self._remote_jwks.keys(kid)
         elif self._jwks is not None:
-            keys = list(self._jwks.keys)
+            keys = self._jwks
         else:
             keys = []
         if kid is not None:
@@ -104,14 +103,13 @@ class TokenVerifier:
             raise AuthError("token has no key id (kid) and several keys could verify it")
         if not keys:
             raise AuthError("token is signed with an unknown key")
-        jwk: PyJWK = keys[0]
-        # A key published for one algorithm is not used with another. pyjwt names an algorithm for a key
-        # that published none (RS256 for any RSA key), so the key's own `alg` is read: an RSA key without
-        # one verifies RS384, RS512 and PS256-512 tokens too; an EC key's curve fixes its algorithm.
-        published = jwk._jwk_data.get("alg") or (jwk.algorithm_name if jwk.key_type == "EC" else None)
+        key = keys[0]
+        # A key published for one algorithm is not used with another: an RSA key without one verifies
+        # RS384, RS512 and PS256-512 tokens too; an EC key's curve fixes its algorithm.
+        published = key.alg or (key.jwk.algorithm_name if key.key_type == "EC" else None)
         if published and published != alg and alg != "EdDSA":
             raise AuthError("token algorithm does not match its key")
-        return jwk.key
+        return key.jwk.key
 
     def _key_for(self, alg: str, kid: str | None) -> Any:
         if alg.startswith("HS"):

@@ -11,15 +11,48 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 from time import monotonic
+from typing import Any
 
 from jwt import PyJWK, PyJWKClient
-from jwt.exceptions import PyJWKClientError, PyJWKSetError
+from jwt.exceptions import PyJWKClientError, PyJWKSetError, PyJWTError
 
 JWKS_LIFESPAN_S = 300.0     # the cached set is refreshed at this age: a withdrawn key verifies until then
 JWKS_TIMEOUT_S = 5.0
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SigningKey:
+    """A key of a JWKS that verifies signatures, and the algorithm the set publishes for it (None: none;
+    pyjwt's PyJWK names a default one then, and keeps the published one private)."""
+    key_id: str | None
+    key_type: str
+    alg: str | None
+    jwk: PyJWK
+
+
+def signing_keys(document: Any) -> list[SigningKey]:
+    """The usable signing keys of a JWKS document (`{"keys": [...]}`): members that are not keys, keys
+    for encryption and keys pyjwt cannot use are left out. PyJWKSetError if none is left."""
+    members = document.get("keys") if isinstance(document, dict) else None
+    if not isinstance(members, list):
+        raise PyJWKSetError("a JWKS is a JSON object with a list of keys")
+    keys = []
+    for data in members:
+        if not isinstance(data, dict) or data.get("use", "sig") != "sig":
+            continue
+        try:
+            jwk = PyJWK(data)
+        except PyJWTError:
+            continue
+        alg = data.get("alg")
+        keys.append(SigningKey(jwk.key_id, jwk.key_type, alg if isinstance(alg, str) else None, jwk))
+    if not keys:
+        raise PyJWKSetError("the JWKS holds no usable signing key")
+    return keys
 
 
 class RemoteKeySet:
@@ -31,12 +64,12 @@ class RemoteKeySet:
         self._client = PyJWKClient(url, cache_jwk_set=False, timeout=timeout_s)
         self._refetch_interval_s = refetch_interval_s
         self._lifespan_s = lifespan_s
-        self._keys: list[PyJWK] = []
+        self._keys: list[SigningKey] = []
         self._fetched_at: float | None = None     # monotonic time of the last successful fetch
         self._tried_at: float | None = None       # monotonic time of the last fetch, failed or not
         self._lock = threading.Lock()
 
-    def keys(self, kid: str | None) -> list[PyJWK]:
+    def keys(self, kid: str | None) -> list[SigningKey]:
         """The cached signing keys, refetched first if they are stale or lack `kid` (when the
         refetch interval allows)."""
         keys, fetched_at = self._keys, self._fetched_at
@@ -46,7 +79,7 @@ class RemoteKeySet:
             return self._refetch(wait=not (keys and known))
         return keys
 
-    def _refetch(self, wait: bool) -> list[PyJWK]:
+    def _refetch(self, wait: bool) -> list[SigningKey]:
         """Fetch the set (one thread at a time). wait=False: the cached keys serve this caller, so it does
         not wait for another thread's fetch."""
         if not self._lock.acquire(blocking=wait):
@@ -57,14 +90,13 @@ class RemoteKeySet:
             if self._tried_at is not None and monotonic() - self._tried_at < self._refetch_interval_s:
                 return self._keys
             try:
-                jwk_set = self._client.get_jwk_set(refresh=True)
+                keys = signing_keys(self._client.fetch_data())
             except (PyJWKClientError, PyJWKSetError, OSError, ValueError) as exc:   # ValueError: not JSON
                 log.warning("JWKS fetch from %s failed: %s", self._client.uri, exc)
                 return self._keys
             finally:
                 self._tried_at = monotonic()
-            # a key without a kid serves tokens without one (the only key of its type)
-            self._keys = [k for k in jwk_set.keys if k.public_key_use in ("sig", None)]
+            self._keys = keys     # a key without a kid serves tokens without one (the only key of its type)
             self._fetched_at = self._tried_at
             return self._keys
         finally:

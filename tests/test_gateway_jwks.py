@@ -206,3 +206,26 @@ def test_concurrent_unknown_kids_cost_one_fetch(keys, jwks_server, clock):
         t.join(30)
     assert jwks_server.fetches == 1
     assert all(sorted(r) == ["ec-1", "rsa-1"] for r in results) and len(results) == 16
+
+
+def test_a_key_serves_only_the_algorithm_its_set_publishes(keys, jwks_server, clock):
+    """rsa-1 is published for RS256: an RS384 token it signed is refused. rsa-2 publishes no algorithm:
+    any RSA one verifies with it. An encryption key and members that are no keys are left out."""
+    unnamed = {k: v for k, v in _public_jwk(keys["rsa2"], "rsa-2", "RS256").items() if k != "alg"}
+    jwks_server.keys = [_public_jwk(keys["rsa"], "rsa-1", "RS256"), unnamed,
+                        dict(_public_jwk(keys["rsa"], "rsa-enc", "RS256"), use="enc"), "not a key", {"kty": "RSA"}]
+    app = create_app(make_config([], auth={"jwks_url": jwks_server.url, "algorithms": ["RS256", "RS384"],
+                                           "jwks_refetch_interval_s": INTERVAL_S}))
+    try:
+        client = app.test_client()
+        sign = lambda key, kid, alg: jwt.encode(_claims(), keys[key], algorithm=alg, headers={"kid": kid})  # noqa: E731
+        assert _get(client, sign("rsa", "rsa-1", "RS256")).status_code == 200
+        _assert_401(_get(client, sign("rsa", "rsa-1", "RS384")), "does not match its key")
+        assert _get(client, sign("rsa2", "rsa-2", "RS384")).status_code == 200
+        _assert_401(_get(client, sign("rsa", "rsa-enc", "RS256")), "unknown key")
+    finally:
+        close_app(app)
+    assert [(k.key_id, k.alg) for k in jwks.signing_keys({"keys": jwks_server.keys})] == [
+        ("rsa-1", "RS256"), ("rsa-2", None)]
+    with pytest.raises(jwt.exceptions.PyJWKSetError):
+        jwks.signing_keys({"keys": [{"kty": "RSA"}]})
