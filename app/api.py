@@ -31,7 +31,7 @@ from app.responses import (CHAT, COMPLETIONS, SSE_DONE, ChunkWriter, chat_comple
                            text_completion, usage_of)
 from app.tracing import record_status, request_span
 from engine.client_socket import ClientGone, client_gone
-from engine.protocol import NODE_SHUTDOWN, APIError, bad_value, parse_json, sse_error_event
+from engine.protocol import NODE_SHUTDOWN, APIError, bad_value, finite_number, parse_json, sse_error_event
 
 log = logging.getLogger("zen.gateway")
 bp = Blueprint("api", __name__, url_prefix="/v1")
@@ -285,18 +285,14 @@ def _answer_json(req: InferenceRequest, kind: str, node: str, result: dict, rese
     _tokens().settle(reservation, usage["total_tokens"])
     metrics = _metrics()
     metrics.usage(req.org, m.alias, usage["prompt_tokens"], usage["completion_tokens"])
-    timings = result["timings"]
+    ttft_s = result["timings"].get("ttft_s")
     metrics.latency(m.alias, req.latency_class.label,
-                    ttft_s=_float(timings.get("ttft_s")), e2e_s=time.perf_counter() - started)
+                    ttft_s=float(ttft_s) if finite_number(ttft_s) else None, e2e_s=time.perf_counter() - started)
     g.log_fields.update(prompt_tokens=usage["prompt_tokens"],
                         completion_tokens=usage["completion_tokens"])
     resp = jsonify(body)
     resp.headers["x-latency-class"] = req.latency_class.label
     return resp
-
-
-def _float(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def _answer_stream(req: InferenceRequest, kind: str, outcome: NodeStream, reservation,
