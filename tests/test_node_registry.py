@@ -276,6 +276,45 @@ def test_cpu_models_are_stepped_by_one_thread(tiny_models):
     assert not [t for t in threading.enumerate() if t.name == "engine-cpu"]
 
 
+def test_a_model_evicted_during_a_long_step_of_another_is_released_when_it_ends(tiny_models, monkeypatch):
+    """The CPU models share one step thread: unloading tiny-a while tiny-b's step holds that thread past
+    the eviction's wait still frees tiny-a's weights and KV cache once the step ends."""
+    from engine.config import EngineConfig
+    from engine.node.registry import ModelRegistry
+    from engine.protocol import LatencyClass
+    from engine.request import EngineRequest
+    from engine.sampling import SamplingParams
+
+    monkeypatch.setattr(ModelRegistry, "STOP_WAIT_S", 0.05)
+    step_held, step_free = threading.Event(), threading.Event()
+
+    def hold_the_step(*args):
+        step_held.set()
+        assert step_free.wait(30)
+
+    reg = ModelRegistry([ModelSpec(tiny_models["a"], "tiny-a"), ModelSpec(tiny_models["b"], "tiny-b")],
+                        2 * ONE_MODEL_BUDGET, lambda spec, q: EngineConfig(
+                            model=spec.path, model_id=spec.id, quantization=q, backend="cpu", kv_cache_bytes=4 << 20))
+    try:
+        a, b = reg.load("tiny-a", None, 120), reg.load("tiny-b", None, 120)
+        b.loop.step_listeners.append(hold_the_step)
+        stream = b.loop.submit(EngineRequest("long", "tiny-b", [5, 6], SamplingParams(max_tokens=8),
+                                             LatencyClass.STANDARD))
+        assert step_held.wait(30)
+        reg.unload("tiny-a")
+        assert a.engine.model is not None                      # the step thread has not let go of it yet
+        b.loop.step_listeners.remove(hold_the_step)
+        step_free.set()
+        assert len(list(stream)) > 0
+        deadline = time.monotonic() + 10
+        while a.engine.model is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert a.engine.model is None and a.engine.runner.k_cache is None
+    finally:
+        step_free.set()
+        reg.close()
+
+
 def test_a_start_up_model_that_fails_leaves_the_others_to_load(tiny_models):
     from engine.config import EngineConfig
     from engine.node.registry import ModelRegistry

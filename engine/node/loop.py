@@ -185,8 +185,9 @@ class EngineLoop:
         self._cmds.append(("abort", request_id, stream))
         self._wake.set()
 
-    def stop(self, timeout: float = 5.0) -> bool:
-        """Take the loop off its step thread; whether that is done (the step in progress finishes first)."""
+    def stop(self, timeout: float | None = 5.0) -> bool:
+        """Take the loop off its step thread; whether that is done within `timeout` (None: wait). The step
+        in progress finishes first: this loop's, or another's on a shared step thread."""
         self._stopping = True
         self._wake.set()
         return self._stopped.wait(timeout)

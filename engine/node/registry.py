@@ -360,17 +360,25 @@ class ModelRegistry:
                 return
         self._stop(m, f"engine loop failed ({m.loop.failed})")
 
+    STOP_WAIT_S = 5.0    # how long an eviction waits for the step thread to let go of the model
+
     def _stop(self, m: ResidentModel, why: str) -> None:
         log.info("model evicted", extra={"event": "model_evicted", "model": m.id, "quantization": m.quantization,
                                          "reason": why, "bytes": m.bytes})
-        stopped = m.loop.stop()
+        stopped = m.loop.stop(self.STOP_WAIT_S)
         if self.on_evicted is not None:
             self.on_evicted(m)
         # The model's objects are frozen with the rest (see _load) and its callers may still hold it:
         # the weights and the KV cache are let go of explicitly, so their memory is back now.
         m.loop.step_listeners.clear()   # the node's listeners refer back to m
         if stopped:
-            m.engine.release()
+            self._release(m)
+        else:   # a long step holds the step thread (another model's prefill): released once it ends
+            threading.Thread(target=lambda: m.loop.stop(None) and self._release(m), name="release", daemon=True).start()
+
+    @staticmethod
+    def _release(m: ResidentModel) -> None:
+        m.engine.release()
         gc.unfreeze()
         gc.collect()
         gc.freeze()
