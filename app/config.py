@@ -283,7 +283,7 @@ class RoutingConfig:
 @dataclass(frozen=True)
 class TracingConfig:
     enabled: bool = True        # false: no traces even where an endpoint is configured
-    endpoint: str = ""          # OTLP/HTTP collector (base URL or its /v1/traces URL); empty: tracing off
+    endpoint: str = ""          # OTLP/HTTP collector (no path: /v1/traces is added) or traces URL; empty: off
     sample_ratio: float = 1.0   # share of traces started here that are kept (a client's sampled flag wins)
 
     def __post_init__(self) -> None:

@@ -14,6 +14,7 @@ import os
 import threading
 import time
 from typing import Any, Mapping, MutableMapping
+from urllib.parse import urlsplit
 
 TRACEPARENT_HEADER = "traceparent"
 TRACESTATE_HEADER = "tracestate"
@@ -24,10 +25,10 @@ DISABLED_ENV = "OTEL_SDK_DISABLED"
 
 
 def traces_url(endpoint: str) -> str:
-    """The OTLP/HTTP traces URL of an endpoint given as a base URL or as the traces URL itself."""
+    """The OTLP/HTTP traces URL of a configured endpoint: a collector's address with no path gets
+    /v1/traces; a URL with a path is the traces URL as it is (a collector behind a proxy's prefix too)."""
     endpoint = endpoint.strip()
-    base = endpoint.rstrip("/")
-    return base if base.endswith(TRACES_PATH) else base + TRACES_PATH
+    return endpoint.rstrip("/") + TRACES_PATH if urlsplit(endpoint).path in ("", "/") else endpoint
 
 
 def sdk_disabled(environ: Mapping[str, str]) -> bool:
@@ -41,8 +42,8 @@ def endpoint_from_env(environ: Mapping[str, str]) -> str | None:
         return None
     if environ.get(TRACES_ENDPOINT_ENV, "").strip():
         return environ[TRACES_ENDPOINT_ENV].strip()
-    if environ.get(ENDPOINT_ENV, "").strip():
-        return traces_url(environ[ENDPOINT_ENV])
+    if environ.get(ENDPOINT_ENV, "").strip():   # a base URL, path or not: /v1/traces goes after it
+        return environ[ENDPOINT_ENV].strip().rstrip("/") + TRACES_PATH
     return None
 
 

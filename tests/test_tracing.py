@@ -285,3 +285,18 @@ def test_a_gateway_without_tracing_imports_neither_the_sdk_tracer_nor_the_tracin
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+def test_the_traces_url_of_each_way_to_name_the_collector():
+    from engine.tracing import Tracing, endpoint_from_env
+    traces = lambda env: Tracing("x", endpoint_from_env(env)).endpoint  # noqa: E731
+    # the signal's own variable is the URL as it is, whatever its path
+    assert traces({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://tempo:4318/otlp/traces"}) == \
+        "http://tempo:4318/otlp/traces"
+    # the base variable gets /v1/traces after its path
+    assert traces({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318/prefix/"}) == "http://c:4318/prefix/v1/traces"
+    assert traces({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}) == "http://c:4318/v1/traces"
+    # a configured endpoint: a bare address gets the path, a URL with one is kept
+    assert Tracing("x", "http://c:4318/").endpoint == "http://c:4318/v1/traces"
+    assert Tracing("x", "http://c:4318/v1/traces").endpoint == "http://c:4318/v1/traces"
+    assert Tracing("x", "https://c/otlp/traces").endpoint == "https://c/otlp/traces"
