@@ -21,7 +21,7 @@ from app import params, structured, tool_params
 from app.auth import login_required
 from app.catalog import Catalog
 from app.config import GatewayConfig
-from app.errors import unexpected_error
+from app.errors import CLIENT_CLOSED, unexpected_error
 from app.inference import InferenceRequest, PromptInput, sampling_params
 from app.limits import TokenLimiter, request_limit_headers, token_headers
 from app.metrics import GatewayMetrics
@@ -203,11 +203,11 @@ def _generate(body: Mapping[str, Any], kind: str) -> Response:
                 g.log_fields.update(node=outcome.node, node_attempts=outcome.attempts)
         return _answer_json(req, kind, outcome.node, result, reservation, logprobs_top, started)
     except ClientGone:
-        _tokens().settle(reservation, _cut_short_cost(req, outcome))
+        _settle_cut_short(req, outcome, reservation, started)
         g.log_fields.update(client="gone")
-        return Response(status=499)   # nobody reads it; the node's sequence is aborted
+        return Response(status=CLIENT_CLOSED)   # nobody reads it; the node's sequence is aborted
     except NodeStreamError as exc:
-        _tokens().settle(reservation, _cut_short_cost(req, outcome))
+        _settle_cut_short(req, outcome, reservation, started)
         if exc.code == NODE_SHUTDOWN:   # the node stopped, not failed: the client may retry at once
             raise APIError(503, f"The engine node shut down during generation: {exc}", type="server_error",
                            code=NODE_SHUTDOWN, headers={"Retry-After": "1"}) from None
@@ -221,11 +221,27 @@ def _generate(body: Mapping[str, Any], kind: str) -> Response:
         raise
 
 
-def _cut_short_cost(req: InferenceRequest, outcome: NodeStream | None) -> int:
-    """Tokens a request cut short has used: none before its first token, else the prompt's estimate and
-    the tokens read (as a stream cut short is charged)."""
+def _cut_short_usage(req: InferenceRequest, completion_tokens: int) -> dict:
+    """What a request cut short (client gone, node failed) has used: nothing before its first token, like
+    a request refused before it started; after, the prompt's estimate and the tokens it got."""
+    prompt = req.inputs.estimated_tokens if completion_tokens else 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
+            "total_tokens": prompt + completion_tokens}
+
+
+def _settle_usage(tokens: TokenLimiter, metrics: GatewayMetrics, req: InferenceRequest, reservation,
+                  usage: dict, e2e_s: float) -> None:
+    """Charge the org's bucket what the request used, and count it (a JSON answer's or a stream's)."""
+    tokens.settle(reservation, usage["total_tokens"])
+    if usage["total_tokens"]:
+        metrics.usage(req.org, req.model.alias, usage["prompt_tokens"], usage["completion_tokens"])
+        metrics.latency(req.model.alias, req.latency_class.label, e2e_s=e2e_s)
+
+
+def _settle_cut_short(req: InferenceRequest, outcome: NodeStream | None, reservation, started: float) -> None:
     read = outcome.tokens_read if outcome is not None else 0
-    return req.inputs.estimated_tokens + read if read else 0
+    _settle_usage(_tokens(), _metrics(), req, reservation, _cut_short_usage(req, read),
+                  time.perf_counter() - started)
 
 
 def _name_prompt_param(exc: APIError, kind: str, max_tokens_param: str | None) -> None:
@@ -282,12 +298,11 @@ def _answer_json(req: InferenceRequest, kind: str, node: str, result: dict, rese
     m = req.model
     body = build(req.request_id, m.alias, m.model, m.quantization, result, logprobs_top, req.tool_calls)
     usage = body["usage"]
-    _tokens().settle(reservation, usage["total_tokens"])
     metrics = _metrics()
-    metrics.usage(req.org, m.alias, usage["prompt_tokens"], usage["completion_tokens"])
+    _settle_usage(_tokens(), metrics, req, reservation, usage, time.perf_counter() - started)
     ttft_s = result["timings"].get("ttft_s")
-    metrics.latency(m.alias, req.latency_class.label,
-                    ttft_s=float(ttft_s) if finite_number(ttft_s) else None, e2e_s=time.perf_counter() - started)
+    if finite_number(ttft_s):
+        metrics.latency(m.alias, req.latency_class.label, ttft_s=float(ttft_s))
     g.log_fields.update(prompt_tokens=usage["prompt_tokens"],
                         completion_tokens=usage["completion_tokens"])
     resp = jsonify(body)
@@ -339,7 +354,7 @@ def _answer_stream(req: InferenceRequest, kind: str, outcome: NodeStream, reserv
                     result["usage"] = usage_of(event.get("usage"))
                     yield opening + "".join(writer.done(event))
                 elif event is PING and gone():   # the node's heartbeat: a moment to look at the client
-                    result["status"] = "disconnect"
+                    result["status"] = CLIENT_CLOSED
                     return
             yield SSE_DONE
         except NodeStreamError as exc:
@@ -362,7 +377,7 @@ def _answer_stream(req: InferenceRequest, kind: str, outcome: NodeStream, reserv
             yield sse_error_event(exc.message, type=exc.type, code=exc.code)
             yield SSE_DONE
         except GeneratorExit:
-            result["status"] = "disconnect"
+            result["status"] = CLIENT_CLOSED
             outcome.close()   # at once: the node aborts the sequence
             raise
 
@@ -372,19 +387,8 @@ def _answer_stream(req: InferenceRequest, kind: str, outcome: NodeStream, reserv
         # do not hold back the end of the client's stream.
         ended = time.perf_counter()
         outcome.close()
-        usage = result["usage"]
-        if usage is None and result["completion_tokens"] == 0:
-            # No token came (no node took the request over, or the client left first): like a
-            # request refused before its stream, it costs the org nothing.
-            usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
-        elif usage is None:   # cut short after tokens: the prompt's estimate and what was streamed
-            usage = {"prompt_tokens": req.inputs.estimated_tokens,
-                     "completion_tokens": result["completion_tokens"]}
-            usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-        tokens.settle(reservation, usage["total_tokens"])
-        if usage["total_tokens"]:
-            metrics.usage(req.org, m.alias, usage["prompt_tokens"], usage["completion_tokens"])
-            metrics.latency(m.alias, req.latency_class.label, e2e_s=ended - started)
+        usage = result["usage"] or _cut_short_usage(req, result["completion_tokens"])
+        _settle_usage(tokens, metrics, req, reservation, usage, ended - started)
         metrics.request_done(req.org, endpoint, result["status"])
         log.info("request", extra={
             **log_fields, "node": outcome.node, "node_attempts": outcome.attempts,

@@ -16,6 +16,8 @@ from engine.protocol import HTTP_ERROR_CODES, APIError
 
 log = logging.getLogger("zen.gateway")
 
+CLIENT_CLOSED = 499   # the status of a request whose client left first (nginx's): not an error of the service
+
 
 def unauthorized(message: str) -> APIError:
     return APIError(401, message, code="invalid_api_key",

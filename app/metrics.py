@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_flask_exporter import PrometheusMetrics
 
 from app.config import GatewayConfig
+from app.errors import CLIENT_CLOSED
 from engine.protocol import APIError
 
 PREFIX = "zen_gateway"
@@ -62,7 +63,8 @@ class GatewayMetrics:
         # the node URLs the router's discovery knows now (dns+ names resolved to pods): set by create_app
         self.known_nodes: Callable[[], Iterable[str]] = tuple
         by_org = ["org"]
-        self.requests = Counter(f"{PREFIX}_org_requests", "Requests by org, endpoint and status.",
+        self.requests = Counter(f"{PREFIX}_org_requests", "Requests by org, endpoint and status (499: the client "
+                                "left first).",
                                 by_org + ["endpoint", "status"], registry=registry)
         self.prompt_tokens = Counter(f"{PREFIX}_org_prompt_tokens", "Prompt tokens by org and model.",
                                      by_org + ["model"], registry=registry)
@@ -70,7 +72,7 @@ class GatewayMetrics:
                                          "Completion tokens by org and model.",
                                          by_org + ["model"], registry=registry)
         self.errors = Counter(f"{PREFIX}_org_errors", "Errors by org and status (stream errors "
-                              "after the first token count as status `stream`).",
+                              "after the first token count as status `stream`; a client that left is none).",
                               by_org + ["status"], registry=registry)
         self.rate_limited = Counter(f"{PREFIX}_org_rate_limited",
                                     "Requests refused by a rate limit, by org and limit.",
@@ -107,7 +109,7 @@ class GatewayMetrics:
     def request_done(self, org: str | None, endpoint: str, status: int | str) -> None:
         org_l = self.org_label(org)
         self.requests.labels(org_l, endpoint, str(status)).inc()
-        if status == "stream" or (isinstance(status, int) and status >= 400):
+        if status == "stream" or (isinstance(status, int) and status >= 400 and status != CLIENT_CLOSED):
             self.errors.labels(org_l, str(status)).inc()
 
     def limited(self, org: str | None, limit: str) -> None:

@@ -271,8 +271,9 @@ def test_client_disconnect_closes_the_node_stream(client, auth, node):
     # its bookkeeping ran once (the response's close, not once more by each iterator around it)
     metrics = client.get("/metrics", headers=METRICS_HEADERS).get_data(as_text=True)
     counts = [line.rsplit(" ", 1)[1] for line in metrics.splitlines()
-              if line.startswith("zen_gateway_org_requests_total{") and 'status="disconnect"' in line]
+              if line.startswith("zen_gateway_org_requests_total{") and 'status="499"' in line]
     assert counts == ["1.0"]
+    assert "zen_gateway_org_errors_total{" not in metrics      # the client left: not an error of ours
 
 
 def test_a_stream_starts_when_the_node_takes_the_request_not_at_its_first_token(client, auth, node):
@@ -566,6 +567,23 @@ def test_failure_after_the_first_token_is_an_error_event(client, auth, node, kno
     text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-2])
     assert text == "Hello, world"                  # the 3 tokens before the failure
     assert len(node.received) == 1                 # no failover after the first token
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_answer_cut_short_counts_the_tokens_the_org_is_charged(client, auth, node, stream):
+    """The node fails after 3 tokens: the org's bucket is charged the prompt's estimate and those 3, and
+    its token counters say as much, for a JSON answer (a 502) as for a stream."""
+    node.fail_after_tokens = 3
+    r = client.post(CHAT, headers=auth, json=chat_body(stream=stream, max_tokens=10))
+    r.get_data()
+    r.close()
+    assert r.status_code == (200 if stream else 502)
+    metrics = client.get("/metrics", headers=METRICS_HEADERS).get_data(as_text=True)
+    def counter(name):
+        return [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                if line.startswith(f"zen_gateway_org_{name}_total{{") and 'org="acme"' in line]
+    assert counter("completion_tokens") == [3.0]
+    assert len(counter("prompt_tokens")) == 1 and counter("prompt_tokens")[0] > 0
 
 
 def test_a_node_shutdown_after_the_first_token_keeps_its_code(client, auth, node):
