@@ -29,7 +29,7 @@ from app.node_client import PING, NodeClient, NodeStream, NodeStreamError, colle
 from app.priority import LATENCY_CLASS_HEADER, latency_class_for
 from app.responses import (CHAT, COMPLETIONS, SSE_DONE, ChunkWriter, chat_completion,
                            text_completion, usage_of)
-from app.tracing import record_status, request_span
+from app.tracing import record_status, record_stream_end, request_span
 from engine.client_socket import ClientGone, client_gone
 from engine.protocol import NODE_SHUTDOWN, APIError, bad_value, finite_number, parse_json, sse_error_event
 
@@ -390,6 +390,8 @@ def _answer_stream(req: InferenceRequest, kind: str, outcome: NodeStream, reserv
         usage = result["usage"] or _cut_short_usage(req, result["completion_tokens"])
         _settle_usage(tokens, metrics, req, reservation, usage, ended - started)
         metrics.request_done(req.org, endpoint, result["status"])
+        if trace is not None:
+            record_stream_end(trace, outcome.node, result["status"] == "stream")
         log.info("request", extra={
             **log_fields, "node": outcome.node, "node_attempts": outcome.attempts,
             "status": result["status"], "duration_ms": round((ended - started) * 1e3, 3),

@@ -185,8 +185,9 @@ class NodeStream:
                             self._client.observe(self.node, event[STATE_FIELD])
                     yield event
                 return
-            except NodeStreamError:
+            except NodeStreamError as exc:
                 if self.started:
+                    self.end_span(exc)
                     raise
                 self._client.release(self.node, self._conn, self.response, reuse=False)
                 self.response = self._conn = None

@@ -106,6 +106,16 @@ def record_status(trace: RequestTrace, status: int) -> None:
         trace.span.set_status(Status(StatusCode.ERROR))
 
 
+def record_stream_end(trace: RequestTrace, node: str | None, broken: bool) -> None:
+    """A stream's server span, before it ends: the node that served it, and an error where the stream
+    broke after its first token (its status stays the 200 it started with)."""
+    if node:
+        trace.span.set_attribute("zen.node", node)
+    if broken:
+        from opentelemetry.trace import Status, StatusCode
+        trace.span.set_status(Status(StatusCode.ERROR, "the stream broke after its first token"))
+
+
 def end_request_span(trace: RequestTrace, exc: BaseException | None) -> None:
     from opentelemetry import context
     context.detach(trace.token)

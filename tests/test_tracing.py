@@ -171,6 +171,26 @@ def test_a_stream_no_node_accepts_is_an_error_on_the_server_span():
     assert root.attributes["http.response.status_code"] == 503 and root.status.status_code == StatusCode.ERROR
 
 
+def test_a_stream_broken_after_its_first_token_is_an_error_on_both_gateway_spans():
+    """Its status stays 200 (the stream had started): the spans say it failed, and which node served it."""
+    broken = StandInNode(node_id="broken").start()
+    broken.fail_after_tokens = 2
+    app, config, spans = traced_gateway([broken.url])
+    try:
+        r = app.test_client().post("/v1/completions", headers=bearer(config),
+                                   json={"model": "zen-small", "prompt": "hi", "max_tokens": 5, "stream": True})
+        assert r.status_code == 200 and "engine_error" in r.get_data(as_text=True)
+        r.close()
+        got = wait_for_spans(spans, {"POST /v1/completions", "node_request"})
+    finally:
+        close_app(app)
+        broken.stop()
+    from opentelemetry.trace import StatusCode
+    root, node_request = got["POST /v1/completions"], got["node_request"]
+    assert root.status.status_code == StatusCode.ERROR and root.attributes["zen.node"] == broken.url
+    assert node_request.status.status_code == StatusCode.ERROR and node_request.attributes["zen.node"] == broken.url
+
+
 def test_without_an_endpoint_nothing_is_set_up(node, tiny_models):  # noqa: F811
     config = make_config([node.url])
     assert config.tracing.endpoint == ""
