@@ -181,7 +181,7 @@ class TokenVerifier:
         org = claims.get("owner")
         if not isinstance(org, str) or not org:
             raise AuthError("token is missing the `owner` claim")
-        if not _ORG_RE.match(org):
+        if not _ORG_RE.fullmatch(org):
             raise AuthError("token `owner` claim is not a valid organization id")
         sub = claims.get("sub") if isinstance(claims.get("sub"), str) else None
         org_cfg = self._config.orgs.get(org)

@@ -50,7 +50,7 @@ def init_request_logging(app: Flask) -> None:
     @app.before_request
     def _assign_request_id():
         incoming = request.headers.get(REQUEST_ID_HEADER, "")
-        g.request_id = incoming if _REQUEST_ID_RE.match(incoming) else new_request_id()
+        g.request_id = incoming if _REQUEST_ID_RE.fullmatch(incoming) else new_request_id()
         g.started = time.perf_counter()
         g.log_fields = {}
 

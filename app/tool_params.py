@@ -34,7 +34,7 @@ def _function(tool: Any, i: int) -> dict:
                         "tools", "invalid_type")
     f = tool["function"]
     name = f.get("name")
-    if not isinstance(name, str) or not _NAME.match(name):
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise bad_value(f"`{where}.function.name` must be 1 to 64 letters, digits, _ or -", "tools")
     if f.get("description") is not None and not isinstance(f["description"], str):
         raise bad_value(f"`{where}.function.description` must be a string", "tools", "invalid_type")

@@ -670,6 +670,7 @@ BAD_CHAT = [
     (chat_body(ignore_eos="no"), "ignore_eos"),
     (chat_body(user=7), "user"),
     (chat_body(tools=[{"type": "function", "function": {"name": "no spaces"}}]), "tools"),
+    (chat_body(tools=[{"type": "function", "function": {"name": "trailing_newline\n"}}]), "tools"),
     (chat_body(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "bad"}}}]), "tools"),
     (chat_body(tools=[{"type": "function", "function": {"name": "f"}}] * 2), "tools"),
     (chat_body(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="sometimes"), "tool_choice"),

@@ -130,6 +130,7 @@ def test_hs256_refused_outright_when_only_public_key_algorithms_are_allowed(keys
     (dict(owner=""), "missing the `owner` claim"),
     (dict(owner=42), "missing the `owner` claim"),
     (dict(owner="../../etc"), "not a valid organization id"),
+    (dict(owner="acme\n"), "not a valid organization id"),     # it would go into the node's X-Request-Id
 ])
 def test_claim_failures(client, claims, words):
     _assert_401(_get(client, jwt.encode(_claims(**claims), JWT_SECRET, algorithm="HS256")), words)
