@@ -73,9 +73,9 @@ class Scheduler:
 
     # ---- policy
     def priority(self, seq: Sequence, now: float) -> tuple:
-        # the lift counts time in the queue: while a sequence runs it keeps the class it was admitted with
-        since = now if seq.status is SequenceStatus.WAITING else (seq.admitted_at or now)
-        waited = since - seq.request.arrival_time
+        # the lift counts time in the queue only: while a sequence runs it keeps the class it was admitted
+        # with, and a preempted one does not count the time it ran
+        waited = seq.queued_s + (now - seq.queued_at if seq.status is SequenceStatus.WAITING else 0.0)
         lift = int(waited // self.config.starvation_s) if self.config.starvation_s > 0 else 0
         cls = max(int(LatencyClass.REALTIME), int(seq.latency_class) - lift)
         return (cls, seq.request.arrival_time, seq.seq_id)
@@ -103,7 +103,7 @@ class Scheduler:
                 victim = self._victim(seq, now, out, lower_class_only=False)
                 if self.running.index(victim) < i:   # scheduled before seq: the list shifts under i
                     i -= 1
-                budget += self._preempt(victim, out)
+                budget += self._preempt(victim, out, now)
                 if victim is seq:
                     break
             else:
@@ -121,9 +121,8 @@ class Scheduler:
             for seq in list(self.waiting):
                 if budget <= 0:
                     break
-                leader = seq.prefill_leader
-                if leader is not None and not leader.is_finished and not leader.is_prefilled:
-                    continue  # n > 1: share the leader's prompt blocks once they are computed
+                if self._held_for_leader(seq):
+                    continue
                 if len(self.running) >= self.config.max_num_seqs:
                     freed = self._make_room(seq, now, out)
                     if freed is None:
@@ -138,14 +137,15 @@ class Scheduler:
                     admitted = self.kv.allocate_slots(seq, n, cached)
                 if not admitted:
                     break
-                self.kv.pool.record_prefix_query(seq.num_tokens, num_cached)   # once, as it is admitted
                 seq.num_computed_tokens = num_cached
                 self.waiting.remove(seq)
                 self.running.append(seq)
                 seq.status = SequenceStatus.RUNNING
                 seq.admitted_at = now
-                if seq.times.first_scheduled is None:
+                seq.queued_s += now - seq.queued_at
+                if seq.times.first_scheduled is None:   # a preempted one's own freed blocks are no prefix hit
                     seq.times.first_scheduled = now
+                    self.kv.pool.record_prefix_query(seq.num_tokens, num_cached)
                 out.scheduled.append((seq, n))
                 budget -= n
 
@@ -164,12 +164,14 @@ class Scheduler:
         if not prompts:
             return False
         best = min(prompts)
-        for seq in self.waiting:
-            leader = seq.prefill_leader
-            held = leader is not None and not leader.is_finished and not leader.is_prefilled
-            if not held and self.priority(seq, now)[0] <= best:
-                return True
-        return False
+        return any(not self._held_for_leader(seq) and self.priority(seq, now)[0] <= best for seq in self.waiting)
+
+    def _held_for_leader(self, seq: Sequence) -> bool:
+        """n > 1: a sibling waits until the first sequence's prompt is computed, to share its blocks
+        through the prefix cache; without the cache there is nothing to share, so it does not wait."""
+        leader = seq.prefill_leader
+        return (leader is not None and self.kv.enable_prefix_caching and not leader.is_finished
+                and not leader.is_prefilled)
 
     def _expire_waiting(self, now: float, out: SchedulerOutput) -> None:
         for seq in list(self.waiting):
@@ -198,7 +200,7 @@ class Scheduler:
             return None
         return victim
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> int:
+    def _preempt(self, seq: Sequence, out: SchedulerOutput, now: float) -> int:
         """Back to the queue, its blocks to the pool; the tokens it was scheduled for this step (0 if none),
         which come back to the step's budget."""
         scheduled = [n for s, n in out.scheduled if s is seq]
@@ -208,6 +210,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
+        seq.queued_at = now
         self.waiting.append(seq)
         out.preempted.append(seq)
         return sum(scheduled)
@@ -216,4 +219,4 @@ class Scheduler:
         """Preempt one running sequence of a strictly lower class than seq: the tokens it gives back to the
         step's budget, or None when there is none."""
         victim = self._victim(seq, now, out, lower_class_only=True)
-        return None if victim is None else self._preempt(victim, out)
+        return None if victim is None else self._preempt(victim, out, now)

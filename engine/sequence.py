@@ -55,6 +55,10 @@ class Sequence:
         self.times = SequenceTimes(arrival=request.arrival_time)
         self.num_preemptions = 0
         self.admitted_at: float | None = None   # last admission to the running set (preemption order)
+        # time in the queue, which ages a request (its running time does not): before the last admission,
+        # and the start of the present wait (arrival, or the last preemption)
+        self.queued_s = 0.0
+        self.queued_at = request.arrival_time
         self.prefill_leader: "Sequence | None" = None  # n > 1: wait until this one has prefilled
         self.grammar = None                     # engine.grammar.Grammar of a constrained sequence
 

@@ -195,12 +195,12 @@ def test_a_short_prompt_starts_before_a_long_prefill_ends(tiny_gguf):
     eng.pool.check_invariants([])
 
 
-def _prefill_chunks(requests, steps=4, budget=256):
+def _prefill_chunks(requests, steps=4, budget=256, prefix_caching=True):
     """The scheduler alone (no model): the tokens each sequence gets at each step."""
     from engine.kv_cache import BlockPool, KVCacheManager
     from engine.scheduler import Scheduler
     from engine.sequence import Sequence
-    kv = KVCacheManager(BlockPool(1000), 16, "m")
+    kv = KVCacheManager(BlockPool(1000), 16, "m", enable_prefix_caching=prefix_caching)
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget), kv)
     arrivals = {}   # step -> the sequences that arrive then
     for r, start_step in requests:
@@ -239,6 +239,49 @@ def test_prompts_keep_the_whole_budget_when_nothing_else_could_start():
     other = EngineRequest("o", "m", list(range(2001, 2030)), SamplingParams(), LatencyClass.REALTIME)
     steps = _prefill_chunks([(rt(), 0), (other, 1)], steps=2)
     assert steps[1] == {"rt/0": 128, "o/0": 29}, steps          # an equal-priority one starts at once
+
+
+def test_n_siblings_wait_for_their_leaders_prompt_only_where_a_prefix_cache_would_share_it():
+    n2 = EngineRequest("n2", "m", list(range(1, 1001)), SamplingParams(n=2), LatencyClass.STANDARD)
+    steps = _prefill_chunks([(n2, 0)], steps=2, prefix_caching=False)
+    assert steps[1] == {"n2/0": 128, "n2/1": 128}, steps      # with the cache: n2/0 alone (above)
+
+
+def test_a_preempted_stream_ages_by_its_time_in_the_queue_not_the_time_it_ran():
+    """A batch stream decodes for 20 s, a realtime request preempts it, it comes back after 0.5 s in the
+    queue: it is still batch, so the next realtime request preempts it again (counted as queue time, its
+    20 s of running would have lifted it to realtime). Its re-admission is no second prefix-cache query."""
+    from engine.kv_cache import BlockPool, KVCacheManager
+    from engine.scheduler import Scheduler
+    from engine.sequence import Sequence
+    kv = KVCacheManager(BlockPool(100), 16, "m")
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1, starvation_s=5.0), kv)
+
+    def arrive(rid, cls, at):
+        seq = Sequence(len(rid) + int(at * 10), EngineRequest(rid, "m", list(range(1, 9)),
+                                                              SamplingParams(max_tokens=100), cls, arrival_time=at), 0, 0)
+        sched.add(seq)
+        return seq
+
+    def step(now):
+        out = sched.schedule(now=now)
+        for seq, n in out.scheduled:
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens >= seq.num_tokens:
+                seq.append_token(5)
+        return out
+
+    batch = arrive("batch", LatencyClass.BATCH, 0.0)
+    for t in range(21):
+        step(float(t))
+    first = arrive("rt1", LatencyClass.REALTIME, 20.5)
+    assert step(20.5).preempted == [batch]
+    sched.finish(first, "stop")
+    step(21.0)
+    assert sched.running == [batch]
+    arrive("rt2", LatencyClass.REALTIME, 21.5)
+    assert step(21.5).preempted == [batch]
+    assert kv.pool.prefix_query_tokens == 3 * 8
 
 
 def test_batch_work_is_not_starved(tiny_gguf):
