@@ -146,3 +146,17 @@ def test_gateway_ready_follows_its_nodes_readiness_and_its_own_drain():
     finally:
         close_app(app)
         node.stop()
+
+
+def test_an_unexpected_error_at_submission_gives_back_the_queue_place(node_app, monkeypatch):
+    node = node_app.extensions["zen_node"]
+    [m] = node.registry.resident()
+
+    def broken_submit(request):
+        raise ValueError("a defect below the node")
+
+    monkeypatch.setattr(m.loop, "submit", broken_submit)
+    r = node_app.test_client().post("/v1/generate", headers={SECRET_HEADER: node.config.secret},
+                                    json={"model": "tiny-a", "prompt": "hi", "sampling": {"max_tokens": 2}})
+    assert r.status_code == 500
+    assert node.admission.waiting == 0 and node.drain.in_flight == 0

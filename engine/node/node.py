@@ -148,6 +148,9 @@ class Node:
             except RuntimeError as e:   # the model's loop has failed
                 ticket.close()
                 raise unavailable(str(e), "engine_failure", 5) from None
+            except BaseException:       # anything else (a 500): the queue's place is not kept for good
+                ticket.close()
+                raise
             gen = Generation(self, m, call, req, stream, ticket, sock)
             handed_over = True   # the Generation releases the model when it closes
             return gen
