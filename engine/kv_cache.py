@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 from engine.sequence import Sequence
 
@@ -167,19 +167,31 @@ class KVCacheManager:
             blocks.append(b)
         return blocks, len(blocks) * self.block_size
 
+    def free_blocks_needed(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()) -> int:
+        """The free blocks allocate_slots(seq, num_new_tokens, cached_blocks) takes."""
+        num_cached_free = sum(1 for b in cached_blocks if self.pool.ref_cnt[b] == 0)
+        end = self.blocks_needed(seq.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens)
+        need = end - len(seq.block_table) - len(cached_blocks)
+        local_end = len(seq.window_tables[0]) if seq.window_tables else 0
+        # every local group takes the same blocks: from where its table ends, or the window starts
+        need_local = max(0, end - max(local_end, self.first_window_block(seq.num_computed_tokens)))
+        return max(need, 0) + self.window_groups * need_local + num_cached_free
+
+    def blocks_freed_by(self, seqs: list[Sequence]) -> int:
+        """The blocks that freeing all of seqs would give back to the pool (those no other sequence holds)."""
+        held = Counter(b for seq in seqs for table in self.live_tables(seq) for b in table)
+        return sum(1 for b, n in held.items() if self.pool.ref_cnt[b] == n)
+
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
         """Make room for num_new_tokens more computed tokens; False (and no change) if the pool can't."""
-        num_cached_free = sum(1 for b in cached_blocks if self.pool.ref_cnt[b] == 0)
+        if self.free_blocks_needed(seq, num_new_tokens, cached_blocks) > self.pool.num_free_blocks:
+            return False
         have = len(seq.block_table) + len(cached_blocks)
         end = self.blocks_needed(seq.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens)
         need = end - have
         if len(seq.window_tables) != self.window_groups:
             seq.window_tables = [[] for _ in range(self.window_groups)]
         first = self.first_window_block(seq.num_computed_tokens)
-        # every local group takes the same blocks: from where its table ends, or the window starts
-        need_local = max(0, end - max(len(seq.window_tables[0]), first)) if self.window_groups else 0
-        if max(need, 0) + self.window_groups * need_local + num_cached_free > self.pool.num_free_blocks:
-            return False
         if cached_blocks:
             self.pool.touch(list(cached_blocks))
             seq.block_table.extend(cached_blocks)

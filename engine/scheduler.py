@@ -131,6 +131,8 @@ class Scheduler:
                 cached, num_cached = self.kv.find_cached_prefix(seq)
                 n = min(seq.num_tokens - num_cached, budget)
                 admitted = self.kv.allocate_slots(seq, n, cached)
+                if not admitted and not self._room_possible(seq, n, cached, now):
+                    break   # preempting every lower class would not free enough: preempt none for nothing
                 while not admitted and (freed := self._make_room(seq, now, out)) is not None:
                     budget += freed
                     n = min(seq.num_tokens - num_cached, budget)
@@ -214,6 +216,14 @@ class Scheduler:
         self.waiting.append(seq)
         out.preempted.append(seq)
         return sum(scheduled)
+
+    def _room_possible(self, seq: Sequence, n: int, cached: list[int], now: float) -> bool:
+        """Whether preempting every running sequence of a strictly lower class than seq (what _make_room
+        may take) would free the blocks seq needs for n tokens."""
+        cls = self.priority(seq, now)[0]
+        victims = [s for s in self.running if self.priority(s, now)[0] > cls]
+        return (self.kv.free_blocks_needed(seq, n, cached)
+                <= self.kv.pool.num_free_blocks + self.kv.blocks_freed_by(victims))
 
     def _make_room(self, seq: Sequence, now: float, out: SchedulerOutput) -> int | None:
         """Preempt one running sequence of a strictly lower class than seq: the tokens it gives back to the

@@ -284,6 +284,39 @@ def test_a_preempted_stream_ages_by_its_time_in_the_queue_not_the_time_it_ran():
     assert kv.pool.prefix_query_tokens == 3 * 8
 
 
+def test_no_stream_is_preempted_for_a_request_that_would_still_not_fit():
+    """A realtime prompt needs 11 blocks; 6 are free and the batch stream holds 4 (the realtime one
+    holds the rest): preempting the batch stream would not admit it, so the stream keeps running."""
+    from engine.kv_cache import BlockPool, KVCacheManager
+    from engine.scheduler import Scheduler
+    from engine.sequence import Sequence
+    kv = KVCacheManager(BlockPool(20), 4, "m")
+    sched = Scheduler(SchedulerConfig(), kv)
+    seqs = {}
+    for i, (rid, cls, n) in enumerate([("rt", LatencyClass.REALTIME, 36), ("batch", LatencyClass.BATCH, 14),
+                                       ("late", LatencyClass.REALTIME, 44)]):
+        seqs[rid] = Sequence(i, EngineRequest(rid, "m", list(range(100 * i, 100 * i + n)), SamplingParams(),
+                                              cls, arrival_time=0.0), 0, 0)
+    for step, arriving in enumerate([["rt", "batch"], ["late"]]):
+        for rid in arriving:
+            sched.add(seqs[rid])
+        out = sched.schedule(now=0.0)
+        for seq, n in out.scheduled:
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens >= seq.num_tokens:
+                seq.append_token(5)
+    assert out.preempted == [] and sched.running == [seqs["rt"], seqs["batch"]] and sched.waiting == [seqs["late"]]
+    assert kv.pool.num_free_blocks == 6 and kv.blocks_freed_by([seqs["batch"]]) == 4
+    # a block two sequences share goes back only when both are freed
+    a, b = (Sequence(10 + i, EngineRequest(f"s{i}", "m", list(range(8)), SamplingParams()), 0, 0) for i in range(2))
+    assert kv.allocate_slots(a, 8)
+    a.num_computed_tokens = 8
+    kv.cache_computed_blocks(a)
+    cached, _ = kv.find_cached_prefix(b)
+    assert len(cached) == 1 and kv.allocate_slots(b, 4, cached)
+    assert kv.blocks_freed_by([a]) == 1 and kv.blocks_freed_by([b]) == 1 and kv.blocks_freed_by([a, b]) == 3
+
+
 def test_batch_work_is_not_starved(tiny_gguf):
     eng = make_engine(tiny_gguf, max_num_seqs=1, max_batched=16, starvation_s=0.05)
     eng.add_request(req("batch", prompt(30, 8), LatencyClass.BATCH, max_tokens=2))
