@@ -50,8 +50,9 @@ class NumberField:
 
 SAMPLING_FIELDS: tuple[NumberField, ...] = (
     NumberField("temperature", False, 1.0, 0.0, 2.0, description="Sampling temperature; 0 is greedy."),
-    NumberField("top_p", False, 1.0, 0.0, 1.0, exclusive_minimum=True,
-                description="Nucleus sampling: smallest set of tokens whose probability reaches top_p."),
+    NumberField("top_p", False, 1.0, 0.0, 1.0,
+                description="Nucleus sampling: smallest set of tokens whose probability reaches top_p (0: the "
+                            "most likely token)."),
     NumberField("top_k", True, -1, -1, 1_000_000, description="Keep the k most likely tokens; -1 or 0 keeps all (vLLM extension)."),
     NumberField("min_p", False, 0.0, 0.0, 1.0, description="Drop tokens below min_p times the top probability (vLLM extension)."),
     NumberField("presence_penalty", False, 0.0, -2.0, 2.0, description="Penalty on tokens already present."),

@@ -123,7 +123,7 @@ class SamplingParams:
     n: int = 1
     best_of: int | None = None                 # accepted for compatibility, ignored
     temperature: float = 1.0                   # 0 = greedy
-    top_p: float = 1.0                         # (0, 1]
+    top_p: float = 1.0                         # [0, 1]; 0 keeps the most likely token alone (top_k 1)
     top_k: int = 0                             # 0 or -1 = off
     min_p: float = 0.0                         # [0, 1]
     presence_penalty: float = 0.0              # [-2, 2], on generated tokens
@@ -146,11 +146,11 @@ class SamplingParams:
         self.best_of = _int("best_of", self.best_of, 1, optional=True)
         self.temperature = _real("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
         self.top_p = _real("top_p", self.top_p, 0.0, 1.0)
-        if self.top_p == 0.0:
-            raise SamplingParamError("top_p", "top_p must be in (0, 1], got 0")
         self.top_k = _int("top_k", self.top_k)
         if self.top_k < -1:
             raise SamplingParamError("top_k", f"top_k must be -1 or 0 (off) or >= 1, got {self.top_k}")
+        if self.top_p == 0.0:   # OpenAI's range includes 0: the smallest nucleus, the most likely token
+            self.top_p, self.top_k = 1.0, 1
         self.min_p = _real("min_p", self.min_p, 0.0, 1.0)
         self.presence_penalty = _real("presence_penalty", self.presence_penalty, -2.0, 2.0)
         self.frequency_penalty = _real("frequency_penalty", self.frequency_penalty, -2.0, 2.0)

@@ -83,6 +83,13 @@ def test_tokens_identical_alone_or_in_any_batch(tiny_gguf, sp):
     assert alone == in_batch
 
 
+def test_top_p_zero_is_the_greedy_choice(tiny_gguf):
+    greedy = run(make_engine(tiny_gguf), [req("g", prompt(7, 13), max_tokens=12, temperature=0.0)])["g"][0][0]
+    nucleus = run(make_engine(tiny_gguf), [req("z", prompt(7, 13), max_tokens=12, temperature=1.5, top_p=0,
+                                               seed=5)])["z"][0][0]
+    assert nucleus == greedy
+
+
 def test_prefix_cache_hit_gives_the_same_logprobs_as_a_miss(tiny_gguf):
     eng = make_engine(tiny_gguf)
     shared = prompt(3, 21)

@@ -205,7 +205,7 @@ def test_secret_required(node):
     ({"model": "tiny-a", "messages": "hello"}, 400, None, "messages"),
     ({"model": "tiny-a", "messages": [{"content": "no role"}]}, 400, None, "messages"),
     ({"model": "tiny-a", "prompt": "x", "sampling": {"temperature": "hot"}}, 400, None, "temperature"),
-    ({"model": "tiny-a", "prompt": "x", "sampling": {"top_p": 0}}, 400, None, "top_p"),
+    ({"model": "tiny-a", "prompt": "x", "sampling": {"top_p": 1.01}}, 400, None, "top_p"),
     ({"model": "tiny-a", "prompt": "x", "sampling": {"max_tokens": -1}}, 400, None, "max_tokens"),
     ({"model": "tiny-a", "prompt": "x", "sampling": {"logit_bias": {"abc": 1}}}, 400, None, "logit_bias"),
     ({"model": "tiny-a", "prompt": "x", "sampling": {"warp_speed": 9}}, 400, "unknown_parameter", "warp_speed"),

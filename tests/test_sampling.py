@@ -499,7 +499,7 @@ def test_degenerate_rows_still_give_a_valid_token():
     (dict(n=0), "n"), (dict(n=1000), "n"), (dict(n=True), "n"), (dict(n=2.0), "n"),
     (dict(temperature=-1), "temperature"), (dict(temperature=float("nan")), "temperature"),
     (dict(temperature=float("inf")), "temperature"), (dict(temperature="1"), "temperature"),
-    (dict(top_p=0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_p=-0.1), "top_p"),
+    (dict(top_p=1.5), "top_p"), (dict(top_p=-0.1), "top_p"),
     (dict(top_k=-2), "top_k"), (dict(top_k=3.0), "top_k"), (dict(top_k=True), "top_k"),
     (dict(min_p=1.1), "min_p"), (dict(min_p=-0.1), "min_p"),
     (dict(presence_penalty=2.5), "presence_penalty"), (dict(presence_penalty=float("-inf")), "presence_penalty"),
@@ -536,6 +536,8 @@ def test_parameters_normalize():
     q = SamplingParams()
     assert q.stop == [] and q.stop_token_ids == [] and q.max_tokens == 16 and q.logit_bias is None
     assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
+    z = SamplingParams(top_p=0, temperature=1.0)
+    assert (z.top_p, z.top_k) == (1.0, 1) and SamplingParams(**{**z.__dict__}).top_k == 1
 
 
 @pytest.mark.parametrize("kwargs, lens, param", [
