@@ -21,7 +21,7 @@ from app import params, structured, tool_params
 from app.auth import login_required
 from app.catalog import Catalog
 from app.config import GatewayConfig
-from app.errors import CLIENT_CLOSED, unexpected_error
+from app.errors import CLIENT_CLOSED, model_not_found, unexpected_error
 from app.inference import InferenceRequest, PromptInput, sampling_params
 from app.limits import TokenLimiter, request_limit_headers, token_headers
 from app.metrics import GatewayMetrics
@@ -85,7 +85,12 @@ def list_models():
 @bp.get("/models/<path:model>")
 @login_required
 def retrieve_model(model: str):
-    return jsonify(Catalog.model_object(_catalog().resolve(model, g.caller.tier)))
+    """What the list shows: a model of the tier's catalog that no node can serve is not found either."""
+    resolved = _catalog().resolve(model, g.caller.tier)
+    servable = _nodes().pool.servable_models()
+    if servable is not None and not servable(resolved.model):
+        raise model_not_found(model)
+    return jsonify(Catalog.model_object(resolved))
 
 
 # -- generation ----------------------------------------------------------------------------------

@@ -168,6 +168,7 @@ def test_models_endpoints(client, auth):
     data = client.get("/v1/models", headers=auth).get_json()
     assert data["object"] == "list" and data["data"][0]["id"] == "zen-small"
     assert client.get("/v1/models/zen-small-q8", headers=auth).get_json()["quantization"] == "q8_0"
+    assert client.get("/v1/models/zen-small", headers=auth).get_json()["chat"] is True
     assert_error(client.get("/v1/models/gpt-4", headers=auth), 404, "model", "model_not_found")
 
 
@@ -176,7 +177,7 @@ def test_models_lists_what_the_nodes_can_serve(client, auth, node):
     listed = [m["id"] for m in client.get("/v1/models", headers=auth).get_json()["data"]]
     # the stand-in node serves SmolLM2 only: zen-gemma (in the pro tier's catalog) is not listed
     assert listed == ["zen-small", "zen-small-q8", "zen-small-f16"]
-    assert client.get("/v1/models/zen-gemma", headers=auth).get_json()["chat"] is False
+    assert_error(client.get("/v1/models/zen-gemma", headers=auth), 404, "model", "model_not_found")
 
 
 def test_chat_to_a_model_without_a_template_is_a_400(client, auth, node):
