@@ -52,6 +52,7 @@ class SequenceDelta:
     finish_message: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0   # prompt tokens found in the prefix cache
     times: object = None   # SequenceTimes of the sequence
 
     @property
@@ -326,4 +327,5 @@ class Engine:
         return SequenceDelta(
             request_id=seq.request.request_id, index=seq.index, token_ids=tokens, text=text, logprobs=lp,
             finish_reason=seq.finish_reason, finish_message=seq.finish_message,
-            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens, times=seq.times)
+            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_prompt_tokens, times=seq.times)

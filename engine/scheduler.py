@@ -147,6 +147,7 @@ class Scheduler:
                 seq.queued_s += now - seq.queued_at
                 if seq.times.first_scheduled is None:   # a preempted one's own freed blocks are no prefix hit
                     seq.times.first_scheduled = now
+                    seq.num_cached_prompt_tokens = num_cached
                     self.kv.pool.record_prefix_query(seq.num_tokens, num_cached)
                 out.scheduled.append((seq, n))
                 budget -= n

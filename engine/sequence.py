@@ -44,6 +44,7 @@ class Sequence:
         self.token_ids: list[int] = list(request.prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.num_computed_tokens = 0
+        self.num_cached_prompt_tokens = 0       # prompt tokens the first admission found in the prefix cache
         self.block_table: list[int] = []        # block ids, in order
         # sliding-window models: one table per group of local layers, -1 where a block left the window
         self.window_tables: list[list[int]] = []

@@ -76,7 +76,13 @@ def test_greedy_is_deterministic_and_n_sums_usage(node):
     assert a["choices"][0]["token_ids"] == b["choices"][0]["token_ids"]
     many = post(node, {**body, "sampling": {"max_tokens": 4, "n": 3, "seed": 7, "ignore_eos": True}}).json()
     assert [c["index"] for c in many["choices"]] == [0, 1, 2]
-    assert many["usage"] == {"prompt_tokens": 4, "completion_tokens": 12, "total_tokens": 16}
+    assert many["usage"] == {"prompt_tokens": 4, "completion_tokens": 12, "total_tokens": 16, "cached_tokens": 0}
+
+
+def test_usage_counts_the_prompt_tokens_found_in_the_prefix_cache(node):
+    body = {"model": "tiny-b", "prompt_token_ids": list(range(60, 100)), "sampling": {"max_tokens": 2}}
+    first, again = post(node, body).json()["usage"], post(node, body).json()["usage"]
+    assert first["cached_tokens"] == 0 and 0 < again["cached_tokens"] < 40 and again["prompt_tokens"] == 40
 
 
 def test_generate_stream(node):

@@ -96,6 +96,7 @@ class Choice:
     logprobs: list | None = None
     finish_reason: str | None = None
     times: Any = None
+    cached_tokens: int = 0
     started: bool = False
 
 
@@ -148,6 +149,7 @@ class Generation:
             if c.logprobs is not None:
                 c.logprobs.extend(d.logprobs)
             c.times = d.times
+            c.cached_tokens = d.num_cached_tokens
             if d.finish_reason is not None:
                 c.finish_reason = d.finish_reason
             yield d
@@ -166,7 +168,9 @@ class Generation:
     def usage(self) -> dict:
         prompt = len(self.req.prompt_token_ids)
         completion = sum(len(c.token_ids) for c in self.choices)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        # the prompt's, once: the first choice's (n > 1 siblings share its blocks rather than the cache's)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "cached_tokens": self.choices[0].cached_tokens}
 
     def phase_times(self, now: float | None = None) -> tuple[float | None, float | None, float]:
         """(first scheduled, first token, end) over the choices, monotonic seconds; None where no choice
