@@ -179,8 +179,10 @@ class ChunkWriter:
         """Opening chunks: the assistant role of every chat choice."""
         if self.kind != CHAT:
             return []
-        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                              "logprobs": None, "finish_reason": None}]) for i in range(self.n)]
+        # an answer parsed for tool calls may be calls only: its content null, as in the whole answer
+        role = {"role": "assistant", "content": None if self.tools is not None else ""}
+        return [self._chunk([{"index": i, "delta": role, "logprobs": None, "finish_reason": None}])
+                for i in range(self.n)]
 
     def token(self, event: dict) -> str:
         index = int(event.get("index", 0))

@@ -8,10 +8,12 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from app import structured
+from engine.grammar import GrammarError, check_constraint
 from engine.protocol import bad_value
 from engine.tools import tool_call_grammar
 
 MAX_TOOLS = 128
+_GRAMMAR_PLACE = re.compile(r"^.*? at \d+\(\d+\): ")   # "the grammar constraint is invalid: at 3(7): "
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
@@ -39,10 +41,12 @@ def _function(tool: Any, i: int) -> dict:
     if f.get("description") is not None and not isinstance(f["description"], str):
         raise bad_value(f"`{where}.function.description` must be a string", "tools", "invalid_type")
     params = f.get("parameters")
-    if params is not None:
-        if not isinstance(params, dict):
-            raise bad_value(f"`{where}.function.parameters` must be a JSON schema object", "tools", "invalid_type")
-        structured.check({"type": "json", "value": params}, "tools")
+    # the arguments of a call are a JSON object; whether llguidance can enforce the schema matters only when
+    # a call is forced (_enforceable): the model reads it otherwise, as OpenAI's does
+    if params is not None and (not isinstance(params, dict) or params.get("type", "object") != "object"
+                               or not isinstance(params.get("properties", {}), dict)):
+        raise bad_value(f"`{where}.function.parameters` must be a JSON schema of an object (`type` \"object\" "
+                        "or none, `properties` an object)", "tools", "invalid_type")
     out = {"name": name, "parameters": params or {"type": "object", "properties": {}}}
     if f.get("description"):
         out["description"] = f["description"]
@@ -97,5 +101,28 @@ def tool_plan(body: Mapping[str, Any], has_constraint: bool) -> ToolPlan:
         raise bad_value("`tool_choice` that forces a call cannot be combined with `response_format` or "
                         "another structured output", "tool_choice")
     forced = functions if mode == "required" else [f for f in functions if f["name"] == choice["function"]["name"]]
-    constraint = structured.check({"type": "grammar", "value": tool_call_grammar(forced, parallel)}, "tools")
-    return ToolPlan(rendered, constraint, parse)
+    for f in forced:
+        _enforceable(f, names.index(f["name"]))
+    return ToolPlan(rendered, _forced_call(forced, parallel), parse)
+
+
+def _enforceable(function: dict, i: int) -> None:
+    """400 naming the function whose parameters llguidance cannot compile (their own pointers in the
+    message, not those of the call's grammar); keywords and formats it does not implement are no fault."""
+    try:
+        check_constraint({"type": "json", "value": function["parameters"]})
+    except GrammarError as e:
+        reason = str(e).split(": ", 1)[-1]   # after "the json constraint is invalid"
+        raise bad_value(f"`tools[{i}].function.parameters` cannot be enforced: {reason}", "tools") from None
+
+
+def _forced_call(functions: list[dict], parallel: bool) -> dict:
+    """The grammar constraint of a forced call; a 400 that does not show the grammar (the server's, not
+    the client's) if it does not compile."""
+    spec = {"type": "grammar", "value": tool_call_grammar(functions, parallel)}
+    try:
+        check_constraint(spec)
+    except GrammarError as e:
+        reason = _GRAMMAR_PLACE.sub("", str(e).splitlines()[0])   # the grammar's lines follow
+        raise bad_value(f"`tools` cannot be enforced: {reason}", "tools") from None
+    return structured.check(spec, "tools")

@@ -1,6 +1,6 @@
 """Tool calls in OpenAI's answers: the node's text parsed into `message.tool_calls` (finish_reason
-"tool_calls"), or, streaming, into tool-call deltas as each call completes (the format and the parser
-are engine/tools.py's)."""
+"tool_calls"), or, streaming, into tool-call deltas as each call completes, and a call the token limit
+cut short as far as it came (the format and the parser are engine/tools.py's)."""
 from __future__ import annotations
 
 import uuid
@@ -47,15 +47,20 @@ class ToolCallDeltas:
         self.parser = ToolCallParser()
         self.calls = 0
         self._space = ""   # whitespace held back: content if text follows, a separator if a call does
+        self._text = False  # some content was sent (the role chunk has none: the answer may be calls only)
 
     def push(self, text: str) -> list[dict]:
         return self._deltas(self.parser.push(text))
 
     def finish(self, reason: str | None) -> tuple[list[dict], str | None]:
-        """The deltas of what was held back, and the finish reason."""
-        out = self._deltas(self.parser.finish())
+        """The deltas of what was held back, and the finish reason. A call the token limit cut short is
+        sent as far as it came (engine/tools.py's ToolCallParser.finish)."""
+        out = self._deltas(self.parser.finish(cut=reason == "length"))
         if self._space and not self.calls:     # an answer without calls is its text, whole
             out.append({"content": self._space})
+            self._text = True
+        if not self._text and not self.calls:  # no text and no call: content "", as the whole answer's
+            out.append({"content": ""})
         return out, _finish(reason, self.calls)
 
     def _deltas(self, pieces: list[tuple[str, Any]]) -> list[dict]:
@@ -66,6 +71,7 @@ class ToolCallDeltas:
                 text = held.rstrip()
                 if text:
                     out.append({"content": text})
+                    self._text = True
                 self._space = held[len(text):]
             else:
                 self._space = ""

@@ -24,9 +24,11 @@ from llguidance.numpy import fill_next_token_bitmask_par
 from engine.sampling import SamplingParamError
 
 DEFAULT_CACHE_SIZE = 256          # compiled grammars kept per model
-# Compact JSON by default: with free whitespace a model can loop on newlines until max_tokens (a schema's
-# own "x-guidance" options still win).
-JSON_DEFAULTS = {"whitespace_flexible": False}
+# Compact JSON by default: with free whitespace a model can loop on newlines until max_tokens; lenient:
+# keywords and formats llguidance does not implement (uniqueItems, not, format "password", ...) are left
+# unenforced rather than refused, as pydantic and OpenAPI schemas carry them (a schema's own "x-guidance"
+# options still win).
+JSON_DEFAULTS = {"whitespace_flexible": False, "lenient": True}
 PARAM = "structured_output"        # the parameter the node's errors name (the gateway names its own)
 
 

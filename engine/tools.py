@@ -22,8 +22,9 @@ from engine.protocol import json_value
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
 ANY_OBJECT = {"type": "object"}
-# compact JSON inside calls, as for response_format (engine/grammar.py's reason)
-_COMPACT = {"whitespace_flexible": False}
+# compact JSON inside calls, and keywords or formats llguidance does not implement left unenforced, as for
+# response_format (engine/grammar.py's reasons)
+_CALL_OPTIONS = {"whitespace_flexible": False, "lenient": True}
 
 DEFAULT_TOOL_PROMPT = """# Tools
 
@@ -66,12 +67,23 @@ def _rebased(schema: Any, prefix: str, names: bool = False) -> Any:
     return out
 
 
+def _arguments_schema(parameters: dict | None) -> dict:
+    """The parameters as the schema of a call's arguments, always an object. With an `$id` of their own
+    they are a schema resource, whose references resolve inside it: nested as they are; without, their
+    local references are rebased to where they now sit."""
+    schema = parameters or ANY_OBJECT
+    own_id = schema.get("$id")
+    if not (isinstance(own_id, str) and own_id and not own_id.startswith("#")):   # "#name": an anchor
+        schema = _rebased(schema, _ARGUMENTS)
+    return {**schema, "type": "object"}
+
+
 def _call_schema(function: dict) -> dict:
     """The JSON schema of one call of `function`: its name, and arguments matching its parameters."""
     return {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
             "properties": {"name": {"const": function["name"]},
-                           "arguments": _rebased(function.get("parameters") or ANY_OBJECT, _ARGUMENTS)},
-            "x-guidance": _COMPACT}
+                           "arguments": _arguments_schema(function.get("parameters"))},
+            "x-guidance": _CALL_OPTIONS}
 
 
 def tool_call_grammar(functions: list[dict], parallel: bool) -> str:
@@ -174,21 +186,57 @@ class ToolCall:
     arguments: str   # JSON text, as OpenAI's function.arguments
 
 
+def _strict_json(value: Any) -> str | None:
+    """value as JSON text a client can read: None when it holds NaN or an infinity (Python's json reads
+    `NaN` and `1e999`) or a lone surrogate (an escape such as "\\ud800", which UTF-8 cannot encode)."""
+    try:
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+        text.encode("utf-8")
+    except ValueError:   # UnicodeEncodeError is one
+        return None
+    return text
+
+
 def _parse_call(body: str) -> ToolCall | None:
     try:
         obj = json_value(body)
     except ValueError:
         return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or _strict_json(obj["name"]) is None:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):   # a model that wrote the arguments as JSON text: an object's, or no call
         try:
-            return ToolCall(obj["name"], args) if isinstance(json_value(args), dict) else None
+            args = json_value(args)
         except ValueError:
             return None
-    # OpenAI's arguments are a JSON object (clients json.loads them and expect one)
-    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False)) if isinstance(args, dict) else None
+    # OpenAI's arguments are a JSON object (clients json.loads them and expect one), in strict JSON
+    text = _strict_json(args) if isinstance(args, dict) else None
+    return ToolCall(obj["name"], text) if text is not None else None
+
+
+# the beginning of a call cut short: its name (whole), then the arguments so far
+_OPEN_CALL = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")(?:\s*,\s*"(?:arguments|parameters)"\s*:\s*(.*))?',
+                        re.DOTALL)
+
+
+def _cut_call(body: str) -> list[tuple[str, Any]]:
+    """The pieces of a block that the token limit cut short (body: its JSON text so far, without a close
+    tag): whole JSON is read as a closed block is; else, once the name is whole, a call with the
+    arguments' text so far (not JSON yet); else nothing (half a name calls nothing, and markup is no answer)."""
+    try:
+        json_value(body)
+    except ValueError:
+        match = _OPEN_CALL.match(body)
+        try:
+            name = json_value(match.group(1)) if match else None
+        except ValueError:
+            name = None
+        if name is None or _strict_json(name) is None:
+            return []
+        return [("call", ToolCall(name, match.group(2) or ""))]
+    call = _parse_call(body)
+    return [("call", call)] if call else [("text", CALL_OPEN + body)]
 
 
 # inside a call: what changes whether the JSON text is in a string, and the close tag
@@ -249,11 +297,18 @@ class ToolCallParser:
         self._scanned = max(pos, len(buf) - len(CALL_CLOSE) + 1)
         return -1
 
-    def finish(self) -> list[tuple[str, Any]]:
-        """The end of the text: what was held back is content (an unclosed call too)."""
-        rest = (CALL_OPEN if self._in_call else "") + self._buf
+    def finish(self, cut: bool = False) -> list[tuple[str, Any]]:
+        """The end of the text: what was held back is content, an unclosed call too; unless `cut` (by the
+        token limit), where an unclosed call is read by `_cut_call`."""
+        body, in_call, in_string = self._buf, self._in_call, self._in_string
         self._buf, self._in_call, self._scanned, self._in_string = "", False, 0, False
-        return [("text", rest)] if rest else []
+        if not in_call:
+            return [("text", body)] if body else []
+        if not cut:
+            return [("text", CALL_OPEN + body)]
+        if not in_string:   # a close tag cut short is markup, not the arguments' text
+            body = body[:len(body) - _partial_tail(body, CALL_CLOSE)]
+        return _cut_call(body)
 
 
 def _partial_tail(buf: str, tag: str) -> int:
