@@ -12,9 +12,10 @@ import copy
 import dataclasses
 import os
 import tomllib
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Mapping, NamedTuple, Union, get_args, get_origin, get_type_hints
 from urllib.parse import urlparse
 
 from engine.protocol import DEV_NODE_SECRET, MAX_CHAT_TEMPLATE_CHARS, LatencyClass, is_loopback_host
@@ -27,6 +28,7 @@ JWT_ALGORITHMS = ("HS256", "HS384", "HS512", "RS256", "RS384", "RS512",
                   "ES256", "ES384", "ES512", "PS256", "PS384", "PS512", "EdDSA")
 FAILURE_POLICIES = ("open", "closed")
 RATE_LIMIT_STRATEGIES = ("fixed-window", "moving-window", "sliding-window-counter")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 class ConfigError(ValueError):
@@ -68,6 +70,8 @@ class ServerConfig:
         _require(self.max_body_bytes >= 1024, "server.max_body_bytes must be >= 1024")
         _require(1 <= self.max_n <= 128, "server.max_n must be in [1, 128]")
         _require(self.workers >= 1 and self.threads >= 1, "server.workers/threads must be >= 1")
+        _require(self.log_level.upper() in LOG_LEVELS,
+                 f"server.log_level must be one of {', '.join(LOG_LEVELS)}, not {self.log_level!r}")
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,13 @@ class AuthConfig:
         _require(isinstance(self.allow_unconfigured_orgs, bool), "auth.allow_unconfigured_orgs must be true or false")
         _require(self.leeway_s >= 0, "auth.leeway_s must be >= 0")
         _require(self.max_token_bytes >= 256, "auth.max_token_bytes must be >= 256")
+        _require(self.dev_token_ttl_s > 0, "auth.dev_token_ttl_s must be > 0")
+        if self.jwks_file:   # read at auth set-up in every worker: a missing file fails here, once
+            try:
+                with open(self.jwks_file, "rb"):
+                    pass
+            except OSError as exc:
+                raise ConfigError(f"auth.jwks_file: cannot read {self.jwks_file}: {exc.strerror}") from None
         if self.jwks_url:
             url = urlparse(self.jwks_url)
             # Over plain http anyone on the path could swap in their own signing keys.
@@ -242,9 +253,8 @@ class NodesConfig:
         urls = tuple(u.strip().rstrip("/") for u in self.urls if u.strip())
         object.__setattr__(self, "urls", urls)
         for url in urls:
-            parsed = urlparse(url)
-            _require(parsed.scheme in ("http", "https", "dns+http", "dns+https") and bool(parsed.netloc),
-                     f"nodes.urls: not an http(s) or dns+http(s) URL: {url!r}")
+            _require(_is_node_url(url), f"nodes.urls: not an http(s) or dns+http(s) URL with a host and a "
+                                        f"port in 1..65535: {url!r}")
         _require(len(set(urls)) == len(urls), "nodes.urls has duplicates")
         _require(self.poll_interval_s > 0, "nodes.poll_interval_s must be > 0")
         _require(self.state_ttl_s >= self.poll_interval_s,
@@ -253,6 +263,17 @@ class NodesConfig:
                  "nodes.connect_timeout_s/read_timeout_s must be > 0")
         _require(self.max_attempts >= 1, "nodes.max_attempts must be >= 1")
         _require(self.dns_refresh_s > 0, "nodes.dns_refresh_s must be > 0")
+
+
+def _is_node_url(url: str) -> bool:
+    """Whether `url` names a host (and a valid port, if any) under a scheme the gateway reaches nodes by."""
+    parsed = urlparse(url)
+    try:
+        port = parsed.port   # raises ValueError for "80O1" or 99999
+    except ValueError:
+        return False
+    return (parsed.scheme in ("http", "https", "dns+http", "dns+https") and bool(parsed.hostname)
+            and not any(c.isspace() for c in url) and (port is None or port >= 1))
 
 
 ROUTING_POLICIES = ("score", "round_robin", "least_outstanding")   # app/routing_policy.py says what each does
@@ -357,15 +378,66 @@ def _latency(value: Any, where: str) -> LatencyClass:
         raise ConfigError(f"{where}: {exc}") from None
 
 
-def _section(cls: type, data: Mapping[str, Any], where: str) -> Any:
+_TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string", type(None): "nothing"}
+# what a TOML value is, for the message (never the value itself: it may be a secret)
+_VALUE_NAMES = {bool: "a boolean", int: "an integer", float: "a float", str: "a string", list: "an array",
+                dict: "a table"}
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether `value` has the type a dataclass field is annotated with (true/false is no number)."""
+    origin = get_origin(hint)
+    if origin in (Union, types.UnionType):
+        return any(_fits(value, h) for h in get_args(hint))
+    if origin is tuple:
+        return isinstance(value, (list, tuple)) and all(_fits(v, get_args(hint)[0]) for v in value)
+    if hint in (int, float) and isinstance(value, bool):
+        return False
+    if hint is float:
+        return isinstance(value, (int, float))
+    if hint in _TYPE_NAMES:
+        return isinstance(value, hint)
+    return True   # LatencyClass and the like: parsed by their own check, which names the key
+
+
+def _type_name(hint: Any) -> str:
+    if get_origin(hint) in (Union, types.UnionType):
+        return " or ".join(_type_name(h) for h in get_args(hint) if h is not type(None))
+    if get_origin(hint) is tuple:
+        return f"an array, each {_type_name(get_args(hint)[0])}"
+    return _TYPE_NAMES.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+def _value_name(value: Any) -> str:
+    if isinstance(value, list) and value:
+        return "an array holding " + " and ".join(sorted({_value_name(v) for v in value}))
+    return _VALUE_NAMES.get(type(value), type(value).__name__)
+
+
+def _table(value: Any, where: str) -> Mapping[str, Any]:
+    _require(isinstance(value, Mapping), f"{where} must be a table, got {_value_name(value)}")
+    return value
+
+
+def _check_types(cls: type, data: Mapping[str, Any], where: str) -> None:
+    """Refuse a value whose type is not its field's, naming the key: before the checks that compare it."""
+    hints = get_type_hints(cls)
+    for key, value in data.items():
+        if key in hints and not _fits(value, hints[key]):
+            raise ConfigError(f"{where}.{key} must be {_type_name(hints[key])}, got {_value_name(value)}")
+
+
+def _section(cls: type, data: Any, where: str) -> Any:
+    data = _table(data, where)
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = set(data) - known
     _require(not unknown, f"[{where}] unknown keys: {sorted(unknown)}")
+    _check_types(cls, data, where)
     return cls(**data)
 
 
-def _model(alias: str, m: Mapping[str, Any], base: Path) -> ModelConfig:
-    m = dict(m)
+def _model(alias: str, m: Any, base: Path) -> ModelConfig:
+    m = dict(_table(m, f"models.{alias}"))
     _require("chat_template_source" not in m, f"[models.{alias}] unknown keys: ['chat_template_source']")
     if isinstance(m.get("chat_template"), str) and m["chat_template"]:
         m["chat_template"] = str(base / m["chat_template"])   # an absolute path stays as it is
@@ -379,8 +451,9 @@ def _build(data: Mapping[str, Any], base: Path) -> GatewayConfig:
     limits = _section(LimitsConfig, data.get("limits", {}), "limits")
 
     tiers = {}
-    for name, t in data.get("tiers", {}).items():
-        t = dict(t)
+    for name, t in _table(data.get("tiers", {}), "tiers").items():
+        t = dict(_table(t, f"tiers.{name}"))
+        _check_types(TierConfig, t, f"tiers.{name}")
         rate = float(t.pop("tokens_per_second", 0))
         burst = int(t.pop("burst_tokens", round(rate * limits.burst_seconds)))
         tiers[name] = TierConfig(
@@ -397,8 +470,9 @@ def _build(data: Mapping[str, Any], base: Path) -> GatewayConfig:
         _require(not t, f"[tiers.{name}] unknown keys: {sorted(t)}")
 
     orgs = {}
-    for org_id, o in data.get("orgs", {}).items():
-        o = dict(o)
+    for org_id, o in _table(data.get("orgs", {}), "orgs").items():
+        o = dict(_table(o, f"orgs.{org_id}"))
+        _check_types(OrgConfig, o, f"orgs.{org_id}")
         tier_name = o.pop("tier", None)
         _require(tier_name in tiers, f"orgs.{org_id}.tier: unknown tier {tier_name!r}")
         tier = tiers[tier_name]
@@ -409,7 +483,7 @@ def _build(data: Mapping[str, Any], base: Path) -> GatewayConfig:
         _require(not o, f"[orgs.{org_id}] unknown keys: {sorted(o)}")
         orgs[org_id] = OrgConfig(org_id, tier_name, max_cls, default_cls)
 
-    models = {alias: _model(alias, m, base) for alias, m in data.get("models", {}).items()}
+    models = {alias: _model(alias, m, base) for alias, m in _table(data.get("models", {}), "models").items()}
 
     return GatewayConfig(
         server=_section(ServerConfig, data.get("server", {}), "server"),

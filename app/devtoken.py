@@ -1,9 +1,9 @@
 """Print a development JWT: `python -m app.devtoken --org acme --tier pro`.
 
-The token is signed with HS256 and the configured development secret (JWT_SECRET or
-[auth] hs256_secret), with the configured issuer and audience, so the gateway built from
-the same configuration accepts it. For development only: production tokens come from the
-operator's identity provider.
+The token is signed with the first HS* algorithm the configuration allows (HS256 in the shipped
+one) and the configured development secret (JWT_SECRET or [auth] hs256_secret), with the
+configured issuer and audience, so the gateway built from the same configuration accepts it.
+For development only: production tokens come from the operator's identity provider.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from app.config import ConfigError, GatewayConfig, load_config
 
 def mint_token(config: GatewayConfig, org: str, tier: str | None = None, *,
                ttl_s: int | None = None, subject: str = "dev", **claims) -> str:
-    """An HS256 token for `org`, accepted by a gateway running `config`."""
+    """An HS* token for `org`, accepted by a gateway running `config`."""
     now = int(time.time())
     if ttl_s is None:   # the configured lifetime, within what the gateway accepts
         ttl_s = config.auth.dev_token_ttl_s
@@ -40,7 +40,9 @@ def mint_token(config: GatewayConfig, org: str, tier: str | None = None, *,
     if config.auth.audience:
         payload["aud"] = config.auth.audience
     payload.update(claims)
-    return jwt.encode(payload, config.auth.hs256_secret, algorithm="HS256")
+    # the gateway refuses an HS* algorithm its allow-list lacks; none allowed: main() refuses before this
+    algorithm = next((a for a in config.auth.algorithms if a.startswith("HS")), "HS256")
+    return jwt.encode(payload, config.auth.hs256_secret, algorithm=algorithm)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if not any(a.startswith("HS") for a in config.auth.algorithms):
+    if not config.auth.allows_hmac:
         print("error: the configuration allows no HS* algorithm; dev tokens cannot be used",
               file=sys.stderr)
         return 2

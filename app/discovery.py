@@ -100,7 +100,12 @@ class NodeDiscovery:
             if self.dynamic and (self._resolved_at is None or now - self._resolved_at >= self.refresh_s):
                 self._resolved_at = now
                 for entry in self._answers:
-                    self._answers[entry] = self._resolve(entry)
+                    try:
+                        self._answers[entry] = self._resolve(entry)
+                    except ValueError as exc:   # a malformed entry (a bad port) stands for no node; the others go on
+                        self._answers[entry] = ()
+                        log.warning("node name not resolvable", extra={"event": "node_dns_bad_entry", "node": entry,
+                                                                        "reason": str(exc)})
             return self.known()
 
     def _resolve(self, entry: str) -> tuple[str, ...]:

@@ -124,9 +124,9 @@ def score_node(url: str, state: NodeState, model: ResolvedModel, prompt_tokens: 
                  prefix_saved_s=saved)
 
 
-def skip_reason(state: NodeState | None, fresh: bool, down: bool, model: ResolvedModel,
+def skip_reason(state: NodeState | None, fresh: bool, down: bool, model: ResolvedModel | None,
                 max_temperature_c: float) -> str | None:
-    """Why a node cannot take the request now (None: it can)."""
+    """Why a node cannot take the request now (None: it can); model None: a request for any model."""
     if down:
         return "down"
     if state is None or not fresh:
@@ -139,7 +139,7 @@ def skip_reason(state: NodeState | None, fresh: bool, down: bool, model: Resolve
         return "not ready"
     if state.temperature_c is not None and state.temperature_c > max_temperature_c:
         return "too hot"
-    if not state.can_load(model.model):
+    if model is not None and not state.can_load(model.model):
         return "cannot load model"
     return None
 
@@ -340,8 +340,9 @@ class NodePool:
         else:
             self.start()
         now = self._clock()
+        # the rule routing skips nodes by (a node too hot takes no request), for any model
         return sum(1 for v in self.snapshot()
-                   if not v.down and self._fresh(v, now) and v.state is not None and v.state.takes_traffic)
+                   if skip_reason(v.state, self._fresh(v, now), v.down, None, self.config.max_temperature_c) is None)
 
     def servable_models(self) -> Callable[[str], bool] | None:
         """Whether some node up now can serve a model id (resident, or listed to load on demand); None

@@ -579,10 +579,6 @@ class NodeState:
     accelerator: AcceleratorState = field(default_factory=AcceleratorState)
     uptime_s: float = 0.0
 
-    @property
-    def takes_traffic(self) -> bool:
-        return self.healthy and self.ready and not self.draining
-
     def resident(self, key: tuple[str, str]) -> ModelState | None:
         return next((m for m in self.models if m.key == key), None)
 

@@ -117,15 +117,17 @@ def test_development_secrets_are_refused_off_loopback(host):
         assert secret.value not in str(err.value)
 
 
-def test_off_loopback_only_the_secrets_in_use_count():
+def test_off_loopback_only_the_secrets_in_use_count(tmp_path):
     own = {"NODE_SECRET": "node-secret-of-my-own", "METRICS_TOKEN": "metrics-token-of-my-own"}
+    keys = tmp_path / "keys.json"
+    keys.write_text('{"keys": []}')
     with pytest.raises(ConfigError) as err:
         load_config(env=own, overrides={"server": {"host": "0.0.0.0"}})
     assert "auth.hs256_secret (set JWT_SECRET)" in str(err.value)
     assert "NODE_SECRET" not in str(err.value) and "METRICS_TOKEN" not in str(err.value)
     # the HS256 secret verifies nothing when no HS* algorithm is allowed
     cfg = load_config(env=own, overrides={"server": {"host": "0.0.0.0"},
-                                          "auth": {"algorithms": ["RS256"], "jwks_file": "keys.json"}})
+                                          "auth": {"algorithms": ["RS256"], "jwks_file": str(keys)}})
     assert cfg.development_secrets_in_use() == []
 
 
@@ -143,6 +145,135 @@ def test_create_app_refuses_development_secrets_off_loopback():
 def test_bad_port_env_is_a_config_error():
     with pytest.raises(ConfigError, match="PORT"):
         load_config(env={"PORT": "eighty"})
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"server": {"port": "8000"}}, "server.port must be an integer, got a string"),
+    ({"server": {"port": True}}, "server.port must be an integer, got a boolean"),
+    ({"models": {"zen-small": {"max_context": "8192"}}}, "models.zen-small.max_context must be an integer"),
+    ({"tiers": {"free": {"requests_per_minute": "twenty"}}}, "tiers.free.requests_per_minute must be an integer"),
+    ({"tiers": {"free": {"tokens_per_second": "fast"}}}, "tiers.free.tokens_per_second must be a number"),
+    ({"tiers": {"free": {"models": "zen-small"}}}, "tiers.free.models must be an array, each a string"),
+    ({"tiers": {"free": "x"}}, "tiers.free must be a table, got a string"),
+    ({"orgs": {"acme": {"tier": ["pro"]}}}, "orgs.acme.tier must be a string, got an array"),
+    ({"models": {"zen-small": 1}}, "models.zen-small must be a table"),
+    ({"server": 8000}, "server must be a table"),
+    ({"auth": {"hs256_secret": 10 ** 40}}, "auth.hs256_secret must be a string, got an integer"),
+    ({"nodes": {"urls": [8001]}}, "nodes.urls must be an array, each a string, got an array holding an integer"),
+    ({"limits": {"storage_url": 6379}}, "limits.storage_url must be a string"),
+    ({"nodes": {"max_attempts": 2.5}}, "nodes.max_attempts must be an integer, got a float"),
+    ({"nodes": {"poll_interval_s": False}}, "nodes.poll_interval_s must be a number, got a boolean"),
+])
+def test_a_value_of_the_wrong_type_is_refused_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(env={}, overrides=overrides)
+    assert message in str(err.value)
+    assert str(10 ** 40) not in str(err.value)    # a value is never echoed: it may be a secret
+
+
+def test_a_float_key_takes_an_integer():
+    cfg = load_config(env={}, overrides={"auth": {"leeway_s": 5}, "tiers": {"free": {"tokens_per_second": 100}}})
+    assert cfg.auth.leeway_s == 5 and cfg.tiers["free"].tokens_per_second == 100.0
+
+
+@pytest.mark.parametrize("name, line, new_line, words", [
+    ("rpm", "requests_per_minute = 20\n", 'requests_per_minute = "twenty"\n', "tiers.free.requests_per_minute"),
+    ("tier", "[tiers.free]\n", '[tiers]\nfree = "x"\n[tiers.free-old]\n', "tiers.free must be a table"),
+])
+def test_serve_reports_a_wrong_type_without_a_traceback(tmp_path, name, line, new_line, words):
+    """`python -m app serve` prints its one `error:` line and exits 2, before gunicorn starts."""
+    import os
+    import subprocess
+    import sys
+    text = DEFAULT_CONFIG_PATH.read_text()
+    assert line in text
+    path = tmp_path / f"{name}.toml"
+    path.write_text(text.replace(line, new_line, 1))
+    env = {k: v for k, v in os.environ.items() if k not in ("PORT", "ZEN_NODES", "JWT_SECRET")}
+    out = subprocess.run([sys.executable, "-m", "app", "serve"], env={**env, "ZEN_CONFIG": str(path)},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert f"error: {path}" not in out.stderr and words in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:99999", "dns+http://localhost:80O1", "http://:8001",
+                                 "http://10.0.0.1:0", "http://a:8001 http://b:8001"])
+def test_a_node_url_needs_a_host_and_a_valid_port(url):
+    with pytest.raises(ConfigError, match="nodes.urls") as err:
+        load_config(env={}, overrides={"nodes": {"urls": [url]}})
+    assert repr(url) in str(err.value)
+
+
+def test_zen_nodes_separated_by_spaces_is_refused():
+    with pytest.raises(ConfigError, match="nodes.urls"):
+        load_config(env={"ZEN_NODES": "http://a:8001 http://b:8001"})
+    cfg = load_config(env={"ZEN_NODES": "http://[::1]:8001,dns+https://zen-node.svc:8443,http://node"})
+    assert cfg.nodes.urls == ("http://[::1]:8001", "dns+https://zen-node.svc:8443", "http://node")
+
+
+@pytest.mark.parametrize("overrides, words", [
+    ({"server": {"log_level": "verbose"}}, "server.log_level must be one of DEBUG, INFO"),
+    ({"nodes": {"max_attempts": 0}}, "nodes.max_attempts must be >= 1"),
+    ({"auth": {"dev_token_ttl_s": -3600}}, "auth.dev_token_ttl_s must be > 0"),
+    ({"auth": {"dev_token_ttl_s": 0}}, "auth.dev_token_ttl_s must be > 0"),
+    ({"auth": {"jwks_file": "/nonexistent/jwks.json"}}, "auth.jwks_file: cannot read /nonexistent/jwks.json"),
+])
+def test_keys_used_later_are_checked_at_load(overrides, words):
+    with pytest.raises(ConfigError, match=words):
+        load_config(env={}, overrides=overrides)
+
+
+def test_jwks_file_must_be_a_readable_file(tmp_path):
+    with pytest.raises(ConfigError, match="auth.jwks_file: cannot read"):
+        load_config(env={}, overrides={"auth": {"jwks_file": str(tmp_path)}})    # a directory
+    keys = tmp_path / "jwks.json"
+    keys.write_text('{"keys": []}')
+    assert load_config(env={}, overrides={"auth": {"jwks_file": str(keys)}}).auth.jwks_file == str(keys)
+    assert load_config(env={}, overrides={"server": {"log_level": "debug"}}).server.log_level == "debug"
+
+
+def _gunicorn_settings(tmp_path, **env_vars):
+    """`gunicorn -c config/gunicorn.conf.py --print-config` with these environment variables."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GATEWAY_", "PORT", "ZEN_CONFIG"))}
+    env.update({"ZEN_NODES": "http://127.0.0.1:9", "ZEN_LIMITS_DIR": str(tmp_path / "limits"),
+                "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "metrics"), **env_vars})
+    for folder in ("limits", "metrics"):
+        (tmp_path / folder).mkdir(exist_ok=True)
+    root = DEFAULT_CONFIG_PATH.parent.parent
+    return subprocess.run([sys.executable, "-m", "gunicorn", "-c", str(root / "config" / "gunicorn.conf.py"),
+                           "--print-config", "wsgi:app"], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("name, value", [("GATEWAY_WORKERS", "abc"), ("GATEWAY_WORKERS", "0"),
+                                         ("GATEWAY_THREADS", "-1"), ("GATEWAY_THREADS", "2.5")])
+def test_gateway_workers_and_threads_must_be_counts(tmp_path, name, value):
+    out = _gunicorn_settings(tmp_path, **{name: value})
+    assert out.returncode != 0
+    assert f"error: {name} must be an integer >= 1, got {value!r}" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_gateway_workers_and_threads_from_the_environment(tmp_path):
+    out = _gunicorn_settings(tmp_path, GATEWAY_WORKERS="3", GATEWAY_THREADS="5")
+    assert out.returncode == 0, out.stderr[-2000:]
+    settings = dict(map(str.strip, line.split("=", 1)) for line in out.stdout.splitlines() if " = " in line)
+    assert settings["workers"] == "3" and settings["threads"] == "5"
+
+
+@pytest.mark.parametrize("algorithms, expected", [(["HS512"], "HS512"), (["RS256", "HS384", "HS256"], "HS384"),
+                                                  (["HS256", "HS512"], "HS256")])
+def test_dev_token_is_signed_with_an_allowed_hs_algorithm(algorithms, expected):
+    import jwt
+    from app.auth import TokenVerifier
+    from app.devtoken import mint_token
+    cfg = load_config(env={"JWT_SECRET": "s" * 64}, overrides={"auth": {"algorithms": algorithms}})
+    token = mint_token(cfg, "acme")
+    assert jwt.get_unverified_header(token)["alg"] == expected
+    assert TokenVerifier(cfg).authenticate("Bearer " + token).org == "acme"
 
 
 # -- latency classes ---------------------------------------------------------------------------

@@ -82,6 +82,18 @@ def test_a_name_that_is_gone_stands_for_no_node_and_a_dns_failure_keeps_the_last
     assert found.urls() == []
 
 
+def test_a_malformed_entry_stands_for_no_node_and_the_others_are_still_resolved():
+    """A dns+ entry with a bad port (in a NodeDiscovery built without the config's check) is logged and
+    skipped, each time the names are resolved; it does not stop the names after it."""
+    clock, resolver = FakeClock(), ChangingResolver(["10.0.0.4"])
+    found = NodeDiscovery(["dns+http://localhost:80O1", "dns+http://nodes:99999", "dns+http://nodes:8001"],
+                          1.0, resolver, clock)
+    assert found.urls() == ["http://10.0.0.4:8001"]
+    assert resolver.asked == [("nodes", 8001)]
+    resolver.answer, clock.now = ["10.0.0.4", "10.0.0.5"], clock.now + 1
+    assert found.urls() == ["http://10.0.0.4:8001", "http://10.0.0.5:8001"]
+
+
 def test_node_pool_adds_and_drops_nodes_as_the_answers_change():
     port = free_port()     # nothing listens there: every poll is refused at once
     clock, resolver = FakeClock(), ChangingResolver(["127.0.0.2", "127.0.0.3"])

@@ -160,3 +160,28 @@ def test_an_unexpected_error_at_submission_gives_back_the_queue_place(node_app, 
                                     json={"model": "tiny-a", "prompt": "hi", "sampling": {"max_tokens": 2}})
     assert r.status_code == 500
     assert node.admission.waiting == 0 and node.drain.in_flight == 0
+
+
+def test_gateway_is_not_ready_while_its_only_node_is_too_hot_to_route_to():
+    """/ready counts nodes by the rule routing skips them by: a node above [nodes] max_temperature_c takes
+    no request, so with only that node the gateway is not ready."""
+    node = StandInNode().start()
+    app = create_app(make_config([node.url]))
+    try:
+        client = app.test_client()
+        assert client.get("/ready").status_code == 200
+        node.state = {"temperature_c": 95.0}         # above the shipped 85 °C
+        deadline = time.monotonic() + 10
+        while client.get("/ready").status_code != 503:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        r = client.get("/ready")
+        assert r.json["status"] == "no_ready_node" and r.json["nodes_up"] == 0 and r.json["nodes"] == 1
+        node.state = {"temperature_c": 60.0}
+        while client.get("/ready").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert client.get("/ready").json["nodes_up"] == 1
+    finally:
+        close_app(app)
+        node.stop()

@@ -43,7 +43,7 @@ def test_a_json_answer_carries_the_state(node_app):
         "model": "tiny-a", "prompt": "hello", "sampling": {"max_tokens": 3}})
     assert r.status_code == 200
     state = _brief(r, polled)
-    assert state.resident(("tiny-a", "f32")) is not None and state.takes_traffic
+    assert state.resident(("tiny-a", "f32")) is not None and state.healthy and state.ready and not state.draining
     assert state.queue.max_running == 16 and state.queue.admitted == 0
     assert state.available_models == ("tiny-a", "tiny-b")      # from the polled state it is read over
 

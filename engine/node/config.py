@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import socket
@@ -94,12 +95,18 @@ class NodeConfig:
         for name in ("kv_cache_bytes", "max_waiting", "max_num_seqs", "max_num_batched_tokens", "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        if not self.drain_grace_s >= 0:
-            raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        for name in ("load_wait_s", "drain_grace_s"):   # both become timeouts: inf or nan would fail there
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
         if self.memory_budget_bytes is not None and self.memory_budget_bytes < 1:
             raise ValueError("memory_budget_bytes must be positive")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
+        # "[::1]" as in a URL: the bare address, which serve() brackets for gunicorn's bind
+        if self.host.startswith("[") and self.host.endswith("]"):
+            self.host = self.host[1:-1]
         if not self.secret:
             raise ValueError("the node secret must not be empty")
         if self.secret == DEV_NODE_SECRET and not is_loopback_host(self.host):
@@ -109,6 +116,8 @@ class NodeConfig:
         if not self.node_id:
             host = socket.gethostname() if self.host in ("0.0.0.0", "::", "") else self.host
             self.node_id = f"{host}:{self.port}"
+        # the engine's own checks (block_size a power of two), now rather than at the first model load
+        self.engine_config(self.models[0], None)
 
     def engine_config(self, spec: ModelSpec, convert_to: str | None) -> EngineConfig:
         """The engine of one resident model: `spec`'s weights, converted to `convert_to` (None keeps them)."""

@@ -64,15 +64,20 @@ def _post_worker_init(worker) -> None:
     signal.signal(signal.SIGTERM, on_term)
 
 
+def bind_address(config: NodeConfig) -> str:
+    """gunicorn's bind for the node: HOST:PORT, an IPv6 address in brackets."""
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    return f"{host}:{config.port}"
+
+
 def serve(config: NodeConfig) -> None:
     """Run the node under gunicorn: one worker (it owns the device), gthread for concurrent streams."""
     from gunicorn.app.base import BaseApplication
 
     class NodeApplication(BaseApplication):
         def load_config(self):
-            host = f"[{config.host}]" if ":" in config.host else config.host
             settings = {
-                "bind": f"{host}:{config.port}", "workers": 1, "worker_class": "gthread",
+                "bind": bind_address(config), "workers": 1, "worker_class": "gthread",
                 "threads": config.threads, "timeout": 120, "keepalive": 5,
                 "graceful_timeout": math.ceil(config.drain_grace_s) + DRAIN_MARGIN_S, "post_worker_init": _post_worker_init,
                 "accesslog": None, "errorlog": "-", "loglevel": config.log_level, "preload_app": False,
