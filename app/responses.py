@@ -76,11 +76,13 @@ def completion_logprobs(entries: list[dict], top_n: int, text_offset_start: int 
 
 
 def usage_of(node_usage: Any) -> dict:
+    """OpenAI's usage from the node's: the counts, and the prompt tokens its prefix cache held."""
     u = node_usage if isinstance(node_usage, dict) else {}
     prompt = int(u.get("prompt_tokens") or 0)
     completion = int(u.get("completion_tokens") or 0)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": int(u.get("total_tokens") or prompt + completion)}
+            "total_tokens": int(u.get("total_tokens") or prompt + completion),
+            "prompt_tokens_details": {"cached_tokens": int(u.get("cached_tokens") or 0)}}
 
 
 def _fingerprint(model_id: str, quantization: str) -> str:
@@ -194,8 +196,8 @@ class ChunkWriter:
             return self._deltas(index, self.tools[index].push(text))
         with_logprobs = self.logprobs_top is not None and isinstance(entry, dict)
         offset = self.text_offsets[index] if index < self.n else 0
-        if index < self.n:
-            self.text_offsets[index] += len(text)
+        if with_logprobs and index < self.n:   # each token's own text, as the whole answer counts them
+            self.text_offsets[index] += len(str(entry.get("token", "")))
         if not with_logprobs:
             # The same chunk every time but for its text: serialised once per choice, then only the
             # text is encoded (once per token per stream, this is the gateway's hottest line).

@@ -70,6 +70,7 @@ class StandInNode:
         self.response_delay_s = 0.0
         self.trailer_delay_s = 0.0   # between the done event and the end of the body
         self.close_after_stream = False
+        self.cached_tokens = 0       # the prompt tokens it reports found in a prefix cache
         self._brief: str | None = None
         self.state: dict[str, Any] = {}
         self.received: list[dict] = []
@@ -270,7 +271,7 @@ class StandInNode:
                 prompt = node.prompt_tokens(payload)
                 completion = sum(len(toks) for toks, _ in choices)
                 usage = {"prompt_tokens": prompt, "completion_tokens": completion,
-                         "total_tokens": prompt + completion}
+                         "total_tokens": prompt + completion, "cached_tokens": min(node.cached_tokens, prompt)}
                 timings = {"queue_s": 0.001, "prefill_s": 0.002, "ttft_s": 0.003,
                            "mean_itl_s": 0.004, "total_s": 0.01}
                 if not payload.get("stream"):

@@ -188,6 +188,31 @@ def test_chat_to_a_model_without_a_template_is_a_400(client, auth, node):
     assert len(node.received) == sent   # refused at the gateway, never forwarded
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_usage_names_the_prompt_tokens_the_prefix_cache_held(client, auth, node, stream):
+    node.cached_tokens = 2
+    r = client.post(CHAT, headers=auth, json=chat_body(stream=stream, max_tokens=3,
+                                                       **({"stream_options": {"include_usage": True}} if stream else {})))
+    usage = sse_events(r.get_data(as_text=True))[-2]["usage"] if stream else r.get_json()["usage"]
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 2} and usage["prompt_tokens"] > 2
+
+
+def test_a_completion_streams_the_text_offsets_its_whole_answer_has():
+    """Tokens whose text the node holds back (a possible stop string) and sends with a later one: each
+    offset counts the tokens' own text before it, streamed as in the whole answer."""
+    from app.responses import COMPLETIONS, ChunkWriter, text_completion
+    released = [("a", "a"), (" S", ""), ("T", ""), ("x", " STx")]    # (token, text the node sends with it)
+    entries = [{"token_id": i, "token": t, "bytes": list(t.encode()), "logprob": -1.0, "top": []}
+               for i, (t, _) in enumerate(released)]
+    writer = ChunkWriter(COMPLETIONS, "r", "m", "m", "q", 1, False, 0)
+    streamed = [json.loads(writer.token({"index": 0, "text": text, "logprobs": e})[6:])
+                for e, (_, text) in zip(entries, released)]
+    offsets = [o for chunk in streamed for o in chunk["choices"][0]["logprobs"]["text_offset"]]
+    whole = text_completion("r", "m", "m", "q", {"choices": [{"index": 0, "text": "a STx", "logprobs": entries,
+                                                               "finish_reason": "length"}]}, 0)
+    assert offsets == whole["choices"][0]["logprobs"]["text_offset"] == [0, 1, 3, 4]
+
+
 # -- streaming -----------------------------------------------------------------------------------
 
 def test_chat_streaming_with_usage(client, auth, node):
