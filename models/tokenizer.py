@@ -3,7 +3,9 @@ from a GGUF file's vocabulary or a Hugging Face tokenizer.json, with the model's
 Jinja2 (models/chat_template.py).
 
 Also IncrementalDetokenizer, which turns a stream of sampled token ids into text deltas that never end
-in half a UTF-8 character and that add up to exactly the decoding of the whole sequence.
+in half a UTF-8 character and that add up to the decoding of the whole sequence (where the bytes are
+invalid UTF-8, each delta replaces its own invalid bytes, which may differ from the whole decoding's
+replacement characters).
 """
 from __future__ import annotations
 
