@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 from urllib.parse import urlsplit
 
 from app.catalog import ResolvedModel
+from app.errors import model_not_found
 from app.inference import InferenceRequest
 from app.router import TRANSPORT_ERRORS, NodePool
 from app.tracing import end_node_span, start_node_span, traced_rank
@@ -511,6 +512,8 @@ class NodeClient:
         else:
             ranked = traced_rank(self.tracing, self.pool, req)
         if not ranked:
+            if self.pool.lists_nowhere(req.model.model):
+                raise model_not_found(req.model.alias)
             raise APIError(503, "No engine node is available to serve this request; retry shortly.",
                            code="no_node_available", headers={"Retry-After": "1"})
         stream = NodeStream(self, req, [score.url for score in ranked],
@@ -529,6 +532,8 @@ def call_node(client: NodeClient, model: ResolvedModel, path: str, payload: dict
     The node loads the model for it, so a load the ranking claimed is settled by the answer as a
     generation's is."""
     ranked = client.pool.rank(model, 1, 1)
+    if not ranked and client.pool.lists_nowhere(model.model):
+        raise model_not_found(model.alias)
     body = json.dumps(payload).encode()
     headers = {SECRET_HEADER: client.config.secret, REQUEST_ID_HEADER: request_id,
                "Content-Type": "application/json"}

@@ -344,6 +344,14 @@ class NodePool:
         return sum(1 for v in self.snapshot()
                    if skip_reason(v.state, self._fresh(v, now), v.down, None, self.config.max_temperature_c) is None)
 
+    def lists_nowhere(self, model_id: str) -> bool:
+        """Whether every node is up with a fresh state and none serves the model (resident or loadable):
+        a request for it is for a model not found here, not one to retry (a node down might serve it)."""
+        now = self._clock()
+        views = self.snapshot()
+        return bool(views) and all(not v.down and v.state is not None and self._fresh(v, now)
+                                   and not v.state.can_load(model_id) for v in views)
+
     def servable_models(self) -> Callable[[str], bool] | None:
         """Whether some node up now can serve a model id (resident, or listed to load on demand); None
         while no node's state is known (nothing to judge by: the catalog is shown whole). It reads the

@@ -180,6 +180,18 @@ def test_models_lists_what_the_nodes_can_serve(client, auth, node):
     assert_error(client.get("/v1/models/zen-gemma", headers=auth), 404, "model", "model_not_found")
 
 
+def test_a_model_no_live_node_serves_is_not_found_not_unavailable(client, auth, node):
+    """The SDK retries a 503: for a model of the catalog that every node, all up, says it cannot serve, the
+    answer is a 404 it does not retry."""
+    client.post(COMPLETIONS, headers=auth, json={"model": "zen-small", "prompt": "hi"})   # the node is known now
+    assert_error(client.post(COMPLETIONS, headers=auth, json={"model": "zen-gemma", "prompt": "hi"}), 404,
+                 "model", "model_not_found")
+    node.stop()          # down now (a request for zen-small finds it so): it might serve zen-gemma when back
+    assert client.post(COMPLETIONS, headers=auth, json={"model": "zen-small", "prompt": "hi"}).status_code == 503
+    r = client.post(COMPLETIONS, headers=auth, json={"model": "zen-gemma", "prompt": "hi"})
+    assert r.status_code == 503 and r.get_json()["error"]["code"] == "no_node_available"
+
+
 def test_chat_to_a_model_without_a_template_is_a_400(client, auth, node):
     sent = len(node.received)
     err = assert_error(client.post(CHAT, headers=auth, json=chat_body(model="zen-gemma")), 400, "messages",
