@@ -223,7 +223,6 @@ class ModelConfig:
     def __post_init__(self) -> None:
         _require(bool(self.model), f"models.{self.alias}.model must not be empty")
         _require(isinstance(self.chat, bool), f"models.{self.alias}.chat must be true or false")
-        _require(isinstance(self.chat_template, str), f"models.{self.alias}.chat_template must be a file path")
         if self.chat_template:
             _require(self.chat, f"models.{self.alias}: chat = false and a chat_template contradict each other "
                                 "(a named template makes the alias serve chat)")

@@ -42,7 +42,7 @@ def test_a_named_template_is_read_relative_to_the_config_file(tmp_path):
     ("", {}, "models.zen-small.chat_template: .* must hold 1 to"),
     ("x" * (MAX_CHAT_TEMPLATE_CHARS + 1), {}, "models.zen-small.chat_template: .* must hold 1 to"),
     (PLAIN, {"chat": False}, "models.zen-small: chat = false and a chat_template contradict"),
-    (None, {"chat_template": 3}, "models.zen-small.chat_template must be a file path"),
+    (None, {"chat_template": 3}, "models.zen-small.chat_template must be a string, got an integer"),
     (None, {"chat_template_source": PLAIN}, r"\[models.zen-small\] unknown keys"),
 ])
 def test_a_bad_template_is_a_config_error_naming_the_key(tmp_path, write, model, words):
