@@ -325,5 +325,5 @@ class EmbeddedTokenBuckets(TokenBuckets):
             tokens, last = row if row else (float(capacity), now)
             result = apply_to_bucket(tokens, last, now, amount, capacity, rate, reserve)
             conn.execute("INSERT OR REPLACE INTO buckets (key, tokens, updated, expires_at) VALUES (?, ?, ?, ?)",
-                         (key, result.tokens, now, now + bucket_ttl_s(capacity, rate)))
+                         (key, result.tokens, now, now + bucket_ttl_s(result.tokens, capacity, rate)))
             return result

@@ -58,9 +58,10 @@ def apply_to_bucket(tokens: float, last: float, now: float, amount: float, capac
     return BucketResult(admitted, tokens, capacity, rate, wait)
 
 
-def bucket_ttl_s(capacity: int, rate: float) -> float:
-    """How long an untouched bucket is kept: past the time it takes to fill, it is full anyway."""
-    return capacity / rate + 60.0
+def bucket_ttl_s(tokens: float, capacity: int, rate: float) -> float:
+    """How long an untouched bucket holding `tokens` is kept: past the time it takes to fill, it is full
+    anyway (from below 0 too: forgotten sooner, its debt would be)."""
+    return (capacity - tokens) / rate + 60.0
 
 
 class TokenBuckets:
@@ -129,7 +130,7 @@ else
   tokens = math.min(capacity, tokens + amount)
 end
 redis.call('HSET', KEYS[1], 'tokens', string.format('%.6f', tokens), 'ts', string.format('%.6f', now))
-redis.call('PEXPIRE', KEYS[1], math.ceil((capacity / rate) * 1000) + 60000)
+redis.call('PEXPIRE', KEYS[1], math.ceil(((capacity - tokens) / rate) * 1000) + 60000)
 return {admitted, string.format('%.6f', tokens), string.format('%.6f', wait)}
 """
 

@@ -293,6 +293,13 @@ def test_redis_bucket_matches_the_arithmetic(redis_url):  # noqa: F811
     assert not r.admitted and math.isinf(r.retry_after_s)
 
 
+def test_a_redis_bucket_in_debt_is_kept_until_it_has_refilled(redis_url):  # noqa: F811
+    b = RedisTokenBuckets(redis_url, timeout_s=1.0, prefix="zen:test-debt:")
+    assert b.reserve("acme", 1000, 1000, 10.0).admitted
+    b.settle("acme", -2000, 1000, 10.0)                 # 3000 below full: 300 s to refill, kept 60 s more
+    assert 355_000 <= b._redis.pttl("zen:test-debt:acme") <= 360_000
+
+
 def test_redis_storage_for_both_limits(redis_url):  # noqa: F811
     cfg = make_config([], limits={"storage_url": redis_url},
                       tiers={"free": {"requests_per_minute": 2}})

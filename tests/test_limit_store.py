@@ -164,6 +164,20 @@ def test_embedded_bucket_matches_memory_bucket_on_one_sequence(tmp_path):
         assert b.retry_after_s == pytest.approx(a.retry_after_s, abs=1e-6)
 
 
+def test_a_bucket_in_debt_is_kept_until_it_has_refilled(tmp_path):
+    """An org that used 2000 tokens more than it reserved takes 300 s to refill a 1000-token bucket: the
+    row outlives the 160 s a full bucket's would, so its debt is not forgotten by the sweep."""
+    clock = FakeClock()
+    memory, embedded = MemoryTokenBuckets(clock), EmbeddedTokenBuckets(LimitStore(str(tmp_path), clock))
+    for buckets in (memory, embedded):
+        assert buckets.reserve("acme", 1000, 1000, 10.0).admitted
+        buckets.settle("acme", -2000, 1000, 10.0)
+    clock.now += 200
+    embedded.reserve("globex", 1, 1000, 10.0)          # a write past the sweep interval sweeps
+    a, b = memory.reserve("acme", 500, 1000, 10.0), embedded.reserve("acme", 500, 1000, 10.0)
+    assert not a.admitted and not b.admitted and b.tokens == pytest.approx(a.tokens, abs=1e-6)
+
+
 # -- where the file lives ---------------------------------------------------------------------------
 
 def test_a_private_store_removes_its_directory_when_closed():
