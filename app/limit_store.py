@@ -97,12 +97,12 @@ class LimitStore:
         self._finalizer = weakref.finalize(self, _remove_dir, self.directory if owned else None, os.getpid())
         _STORES.add(self)
 
-    def _connection(self) -> sqlite3.Connection:
+    def _connection(self, deadline: float) -> sqlite3.Connection:
         if self._conn is None:
             # timeout=0: lock waits are retried here at a finer grain than SQLite's busy handler (1 ms first).
             conn = sqlite3.connect(self.path, timeout=0, isolation_level=None, check_same_thread=False)
-            self._retry(lambda: conn.executescript(_SCHEMA))
-            self._retry(lambda: conn.execute("PRAGMA journal_mode=WAL"))
+            self._retry(lambda: conn.executescript(_SCHEMA), deadline)
+            self._retry(lambda: conn.execute("PRAGMA journal_mode=WAL"), deadline)
             conn.execute("PRAGMA synchronous=OFF")      # a process crash loses nothing; a power loss, limits
             self._conn = conn
         return self._conn
@@ -113,10 +113,23 @@ class LimitStore:
         self._conn = None
         self._lock = threading.Lock()          # another thread of the parent may have held it at the fork
 
+    @contextmanager
+    def _locked(self) -> Iterator[float]:
+        """This process's turn on the connection, and the deadline of the call: LOCK_WAIT_S in all, the wait
+        for other threads included (a store locked by another process fails each caller within it, not
+        each after the callers queued before it)."""
+        deadline = time.monotonic() + LOCK_WAIT_S
+        if not self._lock.acquire(timeout=LOCK_WAIT_S):
+            raise sqlite3.OperationalError("database is locked (this process's other callers held it)")
+        try:
+            yield deadline
+        finally:
+            self._lock.release()
+
     @staticmethod
-    def _retry(op):
-        """`op` until it gets past another process's lock, for LOCK_WAIT_S at most."""
-        deadline, pause = time.monotonic() + LOCK_WAIT_S, 50e-6
+    def _retry(op, deadline: float):
+        """`op` until it gets past another process's lock, until `deadline` at most."""
+        pause = 50e-6
         while True:
             try:
                 return op()
@@ -130,9 +143,9 @@ class LimitStore:
     def transaction(self) -> Iterator[tuple[sqlite3.Connection, float]]:
         """(connection, now) inside `BEGIN IMMEDIATE ... COMMIT`: no other writer until it ends. `now` is
         read once the lock is held, so times go up in the order the transactions commit."""
-        with self._lock:
-            conn = self._connection()
-            self._retry(lambda: conn.execute("BEGIN IMMEDIATE"))
+        with self._locked() as deadline:
+            conn = self._connection(deadline)
+            self._retry(lambda: conn.execute("BEGIN IMMEDIATE"), deadline)
             try:
                 now = self.clock()
                 yield conn, now
@@ -146,9 +159,9 @@ class LimitStore:
 
     def read(self, sql: str, args: tuple) -> tuple:
         """One row of one query (its own snapshot: WAL readers do not wait for the writer)."""
-        with self._lock:
-            conn = self._connection()
-            return self._retry(lambda: conn.execute(sql, args).fetchone())
+        with self._locked() as deadline:
+            conn = self._connection(deadline)
+            return self._retry(lambda: conn.execute(sql, args).fetchone(), deadline)
 
     def _sweep(self, conn: sqlite3.Connection, now: float) -> None:
         """Delete what expired; a hit deletes its own key's old window entries, so here only those of keys

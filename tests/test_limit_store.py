@@ -208,3 +208,35 @@ def test_a_store_that_fails_follows_the_failure_policy(tmp_path, policy):
         with pytest.raises(APIError) as err:
             limiter.reserve("acme", tier, 10)
         assert err.value.status == 503
+
+
+def test_a_store_another_process_locks_fails_each_waiting_thread_within_the_wait(tmp_path, monkeypatch):
+    """8 threads of one worker meet a store that another process holds locked: each call fails within
+    LOCK_WAIT_S of its start, not after the calls queued before it each waited that long."""
+    import sqlite3
+    import threading
+    import time
+
+    from app import limit_store
+    monkeypatch.setattr(limit_store, "LOCK_WAIT_S", 0.25)
+    store = LimitStore(str(tmp_path))
+    buckets = EmbeddedTokenBuckets(store)
+    buckets.reserve("acme", 1, 100, 1.0)                  # the file exists, this process's connection open
+    other = sqlite3.connect(store.path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+    took = []
+
+    def call():
+        t0 = time.monotonic()
+        with pytest.raises(sqlite3.OperationalError, match="locked"):
+            buckets.reserve("acme", 1, 100, 1.0)
+        took.append(time.monotonic() - t0)
+
+    threads = [threading.Thread(target=call) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    other.execute("ROLLBACK")
+    assert len(took) == 8 and max(took) < 0.25 * 3      # queued one behind another: up to 8 x 0.25 s
+    assert buckets.reserve("acme", 1, 100, 1.0).admitted
