@@ -218,7 +218,7 @@ def token_limit_error(org: str, tier: TierConfig, cost: int, result: BucketResul
     if math.isinf(result.retry_after_s):
         headers["x-should-retry"] = "false"
         message = (f"Request too large for organization {org} on tokens: it needs {cost} tokens "
-                   f"(prompt + max_tokens), more than the tier's burst of {tier.burst_tokens}. "
+                   f"(prompt + n × max_tokens), more than the tier's burst of {tier.burst_tokens}. "
                    f"Lower max_tokens or shorten the prompt.")
     else:
         headers.update(retry_headers(result.retry_after_s))
