@@ -17,7 +17,7 @@ from flask import Blueprint, Response, current_app, g, jsonify, request
 from werkzeug.exceptions import RequestEntityTooLarge
 from werkzeug.wsgi import ClosingIterator
 
-from app import params, structured, tool_params
+from app import params, prompt_batch, structured, tool_params
 from app.auth import login_required
 from app.catalog import Catalog
 from app.config import GatewayConfig
@@ -27,6 +27,7 @@ from app.limits import TokenLimiter, request_limit_headers, token_headers
 from app.metrics import GatewayMetrics
 from app.node_client import PING, NodeClient, NodeStream, NodeStreamError, collect_result
 from app.priority import LATENCY_CLASS_HEADER, latency_class_for
+from app.prompt_batch import PromptBatch
 from app.responses import (CHAT, COMPLETIONS, SSE_DONE, ChunkWriter, chat_completion,
                            text_completion, usage_of)
 from app.tracing import record_status, record_stream_end, request_span
@@ -118,14 +119,17 @@ def build_request(body: Mapping[str, Any], kind: str) -> tuple[InferenceRequest,
     if kind == CHAT:
         tools = tool_params.tool_plan(body, constraint is not None)
         constraint = tools.constraint or constraint
-        inputs = PromptInput(messages=params.messages(body), tools=tools.tools)
+        batch = [PromptInput(messages=params.messages(body), tools=tools.tools)]
         logprobs = params.chat_logprobs(body)
     else:
-        text, ids = params.prompt(body)
-        inputs = PromptInput(prompt=text) if ids is None else PromptInput(prompt_token_ids=ids)
+        batch = [PromptInput(prompt=text) if ids is None else PromptInput(prompt_token_ids=ids)
+                 for text, ids in params.prompts(body)]
         logprobs = params.completion_logprobs(body)
     stream, include_usage = params.stream_flags(body)
     n = params.number(body, "n", maximum=config.server.max_n)
+    if len(batch) > config.server.max_prompts:
+        raise bad_value(f"`prompt` holds {len(batch)} prompts, more than this server's "
+                        f"{config.server.max_prompts} per request", "prompt")
     if kind == COMPLETIONS and body.get("best_of") is not None and body.get("best_of") != n:
         raise bad_value("`best_of` other than `n` is not supported", "best_of",
                         "unsupported_parameter")
@@ -144,13 +148,13 @@ def build_request(body: Mapping[str, Any], kind: str) -> tuple[InferenceRequest,
     max_tokens, max_param = params.max_tokens(body, model.max_context, model.default_max_tokens)
     g.max_tokens_param = max_param
     min_tokens = params.number(body, "min_tokens", maximum=max_tokens)
-    if inputs.prompt_token_ids is not None and max_param is None:   # a default fits what the prompt leaves
-        max_tokens = max(1, min_tokens, min(max_tokens, model.max_context - len(inputs.prompt_token_ids)))
-    if inputs.prompt_token_ids is not None and \
-            len(inputs.prompt_token_ids) + max_tokens > model.max_context:
+    known = [len(x.prompt_token_ids) for x in batch if x.prompt_token_ids is not None]
+    if known and max_param is None:   # a default fits what the longest prompt leaves
+        max_tokens = max(1, min_tokens, min(max_tokens, model.max_context - max(known)))
+    if known and max(known) + max_tokens > model.max_context:
         raise APIError(400, f"This model's maximum context length is {model.max_context} tokens. "
-                            f"However, you requested {len(inputs.prompt_token_ids) + max_tokens} "
-                            f"tokens ({len(inputs.prompt_token_ids)} in the prompt, {max_tokens} "
+                            f"However, you requested {max(known) + max_tokens} "
+                            f"tokens ({max(known)} in the prompt, {max_tokens} "
                             f"in the completion).", param="prompt", code="context_length_exceeded")
     try:
         latency_class = latency_class_for(request.headers.get(LATENCY_CLASS_HEADER),
@@ -160,8 +164,9 @@ def build_request(body: Mapping[str, Any], kind: str) -> tuple[InferenceRequest,
     theta = sampling_params(max_tokens=max_tokens, max_tokens_default=max_param is None, min_tokens=min_tokens, stop=stop,
                             stop_token_ids=stop_ids, logit_bias=bias, ignore_eos=ignore_eos,
                             n=n, logprobs=logprobs, structured_output=constraint, **sampling)
-    req = InferenceRequest(model=model, inputs=inputs, params=theta, latency_class=latency_class,
-                           org=caller.org, request_id=g.request_id, stream=stream, tool_calls=tools.parse)
+    req = InferenceRequest(model=model, inputs=batch[0], params=theta, latency_class=latency_class,
+                           org=caller.org, request_id=g.request_id, stream=stream, tool_calls=tools.parse,
+                           batch=tuple(batch) if len(batch) > 1 else ())
     return req, include_usage, logprobs
 
 
@@ -188,7 +193,7 @@ def _generate(body: Mapping[str, Any], kind: str) -> Response:
 
     outcome = None
     try:
-        outcome = _nodes().send(req)
+        outcome = prompt_batch.send(_nodes(), req)
         try:
             # While the node reads the request the gateway's core is idle: a Redis store's round trip
             # for the limit headers waits here (a local store's were read above), and a stream's answer
@@ -229,7 +234,7 @@ def _generate(body: Mapping[str, Any], kind: str) -> Response:
 def _cut_short_usage(req: InferenceRequest, completion_tokens: int) -> dict:
     """What a request cut short (client gone, node failed) has used: nothing before its first token, like
     a request refused before it started; after, the prompt's estimate and the tokens it got."""
-    prompt = req.inputs.estimated_tokens if completion_tokens else 0
+    prompt = req.estimated_tokens if completion_tokens else 0
     return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
             "total_tokens": prompt + completion_tokens}
 
@@ -243,7 +248,8 @@ def _settle_usage(tokens: TokenLimiter, metrics: GatewayMetrics, req: InferenceR
         metrics.latency(req.model.alias, req.latency_class.label, e2e_s=e2e_s)
 
 
-def _settle_cut_short(req: InferenceRequest, outcome: NodeStream | None, reservation, started: float) -> None:
+def _settle_cut_short(req: InferenceRequest, outcome: NodeStream | PromptBatch | None, reservation,
+                      started: float) -> None:
     read = outcome.tokens_read if outcome is not None else 0
     _settle_usage(_tokens(), _metrics(), req, reservation, _cut_short_usage(req, read),
                   time.perf_counter() - started)
@@ -315,11 +321,11 @@ def _answer_json(req: InferenceRequest, kind: str, node: str, result: dict, rese
     return resp
 
 
-def _answer_stream(req: InferenceRequest, kind: str, outcome: NodeStream, reservation,
+def _answer_stream(req: InferenceRequest, kind: str, outcome: NodeStream | PromptBatch, reservation,
                    include_usage: bool, logprobs_top: int | None, started: float,
                    gone: Callable[[], bool]) -> Response:
     m = req.model
-    writer = ChunkWriter(kind, req.request_id, m.alias, m.model, m.quantization, req.params.n,
+    writer = ChunkWriter(kind, req.request_id, m.alias, m.model, m.quantization, req.num_choices,
                          include_usage, logprobs_top, req.tool_calls)
     tokens, metrics = _tokens(), _metrics()
     endpoint = request.endpoint

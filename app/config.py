@@ -60,6 +60,7 @@ class ServerConfig:
     port: int = 8000
     max_body_bytes: int = 1_048_576
     max_n: int = 8
+    max_prompts: int = 32      # prompts in one completions request (a list of them)
     log_level: str = "INFO"
     workers: int = 2
     threads: int = 16
@@ -69,6 +70,7 @@ class ServerConfig:
         _require(0 < self.port < 65536, f"server.port out of range: {self.port}")
         _require(self.max_body_bytes >= 1024, "server.max_body_bytes must be >= 1024")
         _require(1 <= self.max_n <= 128, "server.max_n must be in [1, 128]")
+        _require(1 <= self.max_prompts <= 1024, "server.max_prompts must be in [1, 1024]")
         _require(self.workers >= 1 and self.threads >= 1, "server.workers/threads must be >= 1")
         _require(self.log_level.upper() in LOG_LEVELS,
                  f"server.log_level must be one of {', '.join(LOG_LEVELS)}, not {self.log_level!r}")

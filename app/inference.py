@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
@@ -87,10 +87,29 @@ class InferenceRequest:
     request_id: str
     stream: bool = False
     tool_calls: str | None = None   # the answer is parsed for tool calls: "single" or "parallel" (app/tool_params)
+    # completions given a list of prompts: all of them (`inputs` is the first), each answered by n choices
+    batch: tuple[PromptInput, ...] = ()
+
+    @property
+    def parts(self) -> list[InferenceRequest]:
+        """What the nodes are sent: one request per prompt, prompt i's id ending in -i (itself alone)."""
+        if len(self.batch) < 2:
+            return [self]
+        return [replace(self, inputs=x, batch=(), request_id=f"{self.request_id}-{i}") for i, x in enumerate(self.batch)]
+
+    @property
+    def num_choices(self) -> int:
+        """Choices of the answer: n per prompt, prompt i's numbered from i × n."""
+        return max(1, len(self.batch)) * self.params.n
+
+    @property
+    def estimated_tokens(self) -> int:
+        """The prompts' tokens, estimated (app/inference's PromptInput.estimated_tokens)."""
+        return sum(x.estimated_tokens for x in self.batch or (self.inputs,))
 
     def token_cost(self) -> int:
-        """Tokens reserved in the org's bucket: prompt + n × max_tokens."""
-        return self.inputs.estimated_tokens + self.params.n * self.params.max_tokens
+        """Tokens reserved in the org's bucket: the prompts + their choices × max_tokens."""
+        return self.estimated_tokens + self.num_choices * self.params.max_tokens
 
     @property
     def node_request_id(self) -> str:

@@ -290,25 +290,22 @@ def _token_ids(value: list, name: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def prompt(body: Mapping[str, Any]) -> tuple[str | None, tuple[int, ...] | None]:
-    """(text, token ids): exactly one is set."""
+def prompts(body: Mapping[str, Any]) -> list[tuple[str | None, tuple[int, ...] | None]]:
+    """The completion's prompts, each (text, token ids) with exactly one set: a string or an array of
+    token ids is one prompt; an array of strings or of token arrays, one each."""
     value = body.get("prompt")
     if value is None:
         raise bad_value("`prompt` is required", "prompt", "missing_required_parameter")
     if isinstance(value, str):
-        return value, None
+        return [(value, None)]
     if isinstance(value, list) and value:
         if all(isinstance(p, str) for p in value):
-            if len(value) != 1:
-                raise bad_value("`prompt`: only one prompt per request is supported", "prompt")
-            return value[0], None
+            return [(p, None) for p in value]
         if all(isinstance(p, list) for p in value):
-            if len(value) != 1:
-                raise bad_value("`prompt`: only one prompt per request is supported", "prompt")
-            return None, _token_ids(value[0], "prompt")
-        return None, _token_ids(value, "prompt")
-    raise bad_value("`prompt` must be a string, an array of token ids, or an array with one "
-                    "of those", "prompt", "invalid_type")
+            return [(None, _token_ids(p, "prompt")) for p in value]
+        return [(None, _token_ids(value, "prompt"))]
+    raise bad_value("`prompt` must be a string, an array of token ids, or an array of either", "prompt",
+                    "invalid_type")
 
 
 def max_tokens(body: Mapping[str, Any], max_context: int, default: int) -> tuple[int, str | None]:

@@ -751,7 +751,8 @@ BAD_COMPLETIONS = [
     ({"model": "zen-small"}, "prompt"),
     ({"model": "zen-small", "prompt": 5}, "prompt"),
     ({"model": "zen-small", "prompt": [1, "a"]}, "prompt"),
-    ({"model": "zen-small", "prompt": ["a", "b"]}, "prompt"),
+    ({"model": "zen-small", "prompt": ["a"] * 33}, "prompt"),          # more than server.max_prompts
+    ({"model": "zen-small", "prompt": [[1, 2], "b"]}, "prompt"),
     ({"model": "zen-small", "prompt": [-1]}, "prompt"),
     ({"model": "zen-small", "prompt": []}, "prompt"),
     ({"model": "zen-small", "prompt": "x", "logprobs": 50}, "logprobs"),
@@ -760,6 +761,46 @@ BAD_COMPLETIONS = [
     ({"model": "zen-small", "prompt": "x", "best_of": 3}, "best_of"),
     ({"model": "zen-small", "prompt": "x", "suffix": "y"}, "suffix"),
 ]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_list_of_prompts_is_answered_n_choices_a_prompt(client, auth, node, stream):
+    """Each prompt goes to the node as a request of its own (its id ending in its place); the answer
+    numbers the choices prompt by prompt (prompt i's j-th is i × n + j) and sums the usage."""
+    body = {"model": "zen-small", "prompt": ["Once upon", "a time", "there was"], "n": 2, "max_tokens": 3,
+            "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {})}
+    r = client.post(COMPLETIONS, headers={**auth, "X-Request-Id": "batch-1"}, json=body)
+    assert r.status_code == 200
+    sent = sorted(node.received[-3:], key=lambda x: x["request_id"])   # sent in order, received in any
+    assert [x["prompt"] for x in sent] == body["prompt"] and all(x["sampling"]["n"] == 2 for x in sent)
+    assert [x["request_id"] for x in sent] == [f"acme/batch-1-{i}" for i in range(3)]
+    if stream:
+        events = sse_events(r.get_data(as_text=True))[:-1]
+        text: dict[int, str] = {}
+        finish: dict[int, str] = {}
+        for e in events:
+            for c in e["choices"]:
+                text[c["index"]] = text.get(c["index"], "") + c["text"]
+                if c["finish_reason"]:
+                    finish[c["index"]] = c["finish_reason"]
+        usage = events[-1]["usage"]
+    else:
+        answer = r.get_json()
+        text = {c["index"]: c["text"] for c in answer["choices"]}
+        finish = {c["index"]: c["finish_reason"] for c in answer["choices"]}
+        usage = answer["usage"]
+    assert sorted(text) == sorted(finish) == list(range(6)) and all(text.values())
+    assert usage["completion_tokens"] == 6 * 3 and usage["prompt_tokens"] == sum(
+        node.prompt_tokens(x) for x in sent)
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+def test_token_id_prompts_go_each_as_a_request_of_its_own(client, auth, node):
+    r = client.post(COMPLETIONS, headers=auth, json={"model": "zen-small", "prompt": [[1, 2, 3], [4, 5]],
+                                                     "max_tokens": 2})
+    assert r.status_code == 200 and [c["index"] for c in r.get_json()["choices"]] == [0, 1]
+    sent = sorted(node.received[-2:], key=lambda x: x["request_id"])
+    assert [x["prompt_token_ids"] for x in sent] == [[1, 2, 3], [4, 5]]
 
 
 @pytest.mark.parametrize("body, param", BAD_COMPLETIONS)
