@@ -77,7 +77,7 @@ DETOKENIZE = _tokenizer_path(
     {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}})
 
 
-def _request_schema(kind: str, max_n: int) -> dict:
+def _request_schema(kind: str, max_n: int, max_prompts: int = 1) -> dict:
     props: dict[str, Any] = {"model": {"type": "string", "minLength": 1,
                                        "description": "A model alias from GET /v1/models."}}
     for f in params.SAMPLING_FIELDS:
@@ -131,10 +131,10 @@ def _request_schema(kind: str, max_n: int) -> dict:
     else:
         props["prompt"] = {"oneOf": [
             {"type": "string"},
-            {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string"}},
+            {"type": "array", "minItems": 1, "maxItems": max_prompts, "items": {"type": "string"}},
             {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0,
                                                        "maximum": 2 ** 31 - 1}},
-            {"type": "array", "minItems": 1, "maxItems": 1,
+            {"type": "array", "minItems": 1, "maxItems": max_prompts,
              "items": {"type": "array", "minItems": 1,
                        "items": {"type": "integer", "minimum": 0, "maximum": 2 ** 31 - 1}}}]}
         props["logprobs"] = {"type": "integer", "nullable": True, "minimum": 0,
@@ -153,7 +153,7 @@ _SSE_EVENT = {"type": "object", "required": ["data"],
                              "id": {"type": "string"}, "retry": {"type": "integer"}}}
 
 
-def build_openapi(max_n: int) -> dict:
+def build_openapi(max_n: int, max_prompts: int = 1) -> dict:
     latency_header = {
         "name": LATENCY_CLASS_HEADER, "in": "header", "required": False,
         "description": "Requested latency class; capped by the org's SLA.",
@@ -238,11 +238,14 @@ def build_openapi(max_n: int) -> dict:
                                            "text": {"type": "string"}}}}]},
                     "name": {"type": "string"}}},
                 "ChatCompletionRequest": _request_schema(params.CHAT, max_n),
-                "CompletionRequest": _request_schema(params.COMPLETIONS, max_n),
+                "CompletionRequest": _request_schema(params.COMPLETIONS, max_n, max_prompts),
                 "Usage": {"type": "object",
                           "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
-                          "properties": {k: {"type": "integer"} for k in
-                                         ("prompt_tokens", "completion_tokens", "total_tokens")}},
+                          "properties": {**{k: {"type": "integer"} for k in
+                                            ("prompt_tokens", "completion_tokens", "total_tokens")},
+                                         "prompt_tokens_details": {
+                                             "type": "object",
+                                             "properties": {"cached_tokens": {"type": "integer"}}}}},
                 "Completion": {"type": "object", "required": ["id", "object", "created", "model",
                                                               "choices", "usage"],
                                "properties": {
@@ -271,4 +274,5 @@ def build_openapi(max_n: int) -> dict:
 
 @bp.get("/openapi.json")
 def openapi_json():
-    return jsonify(build_openapi(current_app.extensions["zen.config"].server.max_n))
+    server = current_app.extensions["zen.config"].server
+    return jsonify(build_openapi(server.max_n, server.max_prompts))

@@ -73,7 +73,7 @@ def auth_headers(fuzz_gateway):
 
 
 # The operations, from the same builder the gateway serves /openapi.json with (no app needed here).
-OPERATIONS = [(method.upper(), path) for path, ops in build_openapi(8)["paths"].items() for method in ops]
+OPERATIONS = [(method.upper(), path) for path, ops in build_openapi(8, 32)["paths"].items() for method in ops]
 
 
 def _auth_negated(case) -> bool:
@@ -81,12 +81,12 @@ def _auth_negated(case) -> bool:
 
 
 def _has_inputs(path: str, method: str) -> bool:
-    op = build_openapi(8)["paths"][path][method.lower()]
+    op = build_openapi(8, 32)["paths"][path][method.lower()]
     return bool(op.get("parameters") or op.get("requestBody"))
 
 
 def _has_body(path: str, method: str) -> bool:
-    return "requestBody" in build_openapi(8)["paths"][path][method.lower()]
+    return "requestBody" in build_openapi(8, 32)["paths"][path][method.lower()]
 
 
 # Valid examples for every operation; invalid ones where there is a body to get wrong (the other
