@@ -24,6 +24,11 @@ from llguidance.numpy import fill_next_token_bitmask_par
 from engine.sampling import SamplingParamError
 
 DEFAULT_CACHE_SIZE = 256          # compiled grammars kept per model
+# A compiled matcher's lexer grows with its source (a 256 KB regex: ~120 MB once masks are computed, and its
+# first mask holds up the step ~0.4 s): a constraint is at most MAX_CONSTRAINT_CHARS (OpenAI's own bound on a
+# schema's strings is 120k), and the matchers kept per model hold at most CACHE_CHARS of sources together.
+MAX_CONSTRAINT_CHARS = 131_072
+CACHE_CHARS = 1 << 20
 # Compact JSON by default: with free whitespace a model can loop on newlines until max_tokens; lenient:
 # keywords and formats llguidance does not implement (uniqueItems, not, format "password", ...) are left
 # unenforced rather than refused, as pydantic and OpenAPI schemas carry them (a schema's own "x-guidance"
@@ -61,6 +66,9 @@ def _grammar_source(spec: dict) -> str:
 @lru_cache(maxsize=DEFAULT_CACHE_SIZE)
 def _checked_source(key: str) -> str:
     spec = json.loads(key)
+    if len(key) > MAX_CONSTRAINT_CHARS:
+        raise GrammarError(f"the {spec['type']} constraint is {len(key)} characters long (as JSON), more than "
+                           f"the {MAX_CONSTRAINT_CHARS} this server compiles")
     source = _grammar_source(spec)
     error = llguidance.LLMatcher.validate_grammar(source)
     if error:
@@ -124,6 +132,7 @@ class GrammarCompiler:
         self.executor = llguidance.LLExecutor()
         self.cache_size = cache_size
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._compiled_chars = 0          # the keys' lengths: what the cache's memory grows with
         self._lock = threading.Lock()
         self.num_compiles = 0
 
@@ -142,9 +151,12 @@ class GrammarCompiler:
             raise GrammarError(f"the {spec['type']} constraint is invalid: {matcher.get_error().strip()}")
         with self._lock:
             self.num_compiles += 1
+            if key not in self._compiled:
+                self._compiled_chars += len(key)
             self._compiled[key] = matcher
-            while len(self._compiled) > self.cache_size:
-                self._compiled.popitem(last=False)
+            while len(self._compiled) > 1 and (len(self._compiled) > self.cache_size
+                                               or self._compiled_chars > CACHE_CHARS):
+                self._compiled_chars -= len(self._compiled.popitem(last=False)[0])
         return matcher
 
     @staticmethod

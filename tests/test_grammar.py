@@ -41,6 +41,24 @@ def test_the_llguidance_tokenizer_is_built_once_per_tokenizer_and_width(compiler
     assert own.vocab_size == tok.vocab_size and c.tokenizer.vocab_size == tok.vocab_size + 5
 
 
+def test_the_cache_is_bounded_by_the_sources_it_holds_and_a_source_by_its_size(monkeypatch):
+    """A compiled matcher's memory grows with its source: a constraint past MAX_CONSTRAINT_CHARS is refused
+    (at the gateway's check too), and the matchers kept hold CACHE_CHARS of sources at most."""
+    from engine import grammar
+    tok = make_tiny_tokenizer()
+    monkeypatch.setattr(grammar, "CACHE_CHARS", 2000)
+    c = GrammarCompiler(tok, tok.vocab_size)
+    specs = [{"type": "regex", "value": f"{i}" + "a" * 600} for i in range(5)]
+    for spec in specs:
+        c.compile(spec)
+    kept = [key for key in c._compiled]
+    assert kept == [constraint_key(s) for s in specs[-3:]] and c._compiled_chars == sum(map(len, kept)) <= 2000
+    huge = {"type": "regex", "value": "b" * grammar.MAX_CONSTRAINT_CHARS}
+    for compile_it in (c.compile, check_constraint):
+        with pytest.raises(GrammarError, match="characters long"):
+            compile_it(huge)
+
+
 @pytest.mark.parametrize("spec, message", [
     ({"type": "json", "value": {"type": "nope"}}, "json constraint is invalid"),
     ({"type": "regex", "value": "a{2"}, "regex constraint is invalid"),
