@@ -64,6 +64,29 @@ def test_real_ids_match_huggingface(real_tok):
         assert real_tok.decode(ids) == text
 
 
+def test_encoding_a_long_text_lets_other_threads_run(real_tok):
+    """A node tokenizes in its request threads beside the step thread: an encode that held the GIL would
+    stall every stream for as long as it takes (1 MB of text: ~2 s)."""
+    import threading
+    import time
+    ticks, done = [0], threading.Event()
+
+    def count():
+        while not done.is_set():
+            ticks[0] += 1
+            time.sleep(0.001)
+
+    counter = threading.Thread(target=count)
+    counter.start()
+    t0 = time.monotonic()
+    ids = real_tok.encode("1234567890 " * 30_000)
+    took = time.monotonic() - t0
+    done.set()
+    counter.join()
+    assert len(ids) > 300_000
+    assert ticks[0] > took * 1000 / 10      # held throughout, it would be 1 or 2
+
+
 def test_real_properties(real_tok):
     assert real_tok.vocab_size == 49152
     assert real_tok.bos_token_id == 1 and real_tok.eos_token_id == 2
