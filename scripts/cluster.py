@@ -154,6 +154,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads-per-node", type=int, default=None, help="NUMBA_NUM_THREADS of each node "
                         "(default: the cores split among the nodes)")
     args = parser.parse_args(argv)
+    node_ports = [args.node_port + i for i in range(args.nodes)]
+    gateway_ports = [args.port + 10 * i for i in range(args.gateways)]
+    taken = node_ports + gateway_ports + [args.redis_port]
+    if len(set(taken)) < len(taken):   # 10 nodes from 8001 reach 8010, the second gateway's port
+        print(f"error: the ports overlap: nodes {node_ports}, gateways {gateway_ports}, Redis {args.redis_port}; "
+              f"move --node-port or --port", file=sys.stderr)
+        return 2
     if not Path(args.model.split("=")[0]).exists():
         print(f"error: {args.model} is missing: run `make model` first", file=sys.stderr)
         return 2
@@ -169,8 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     cluster = None
     try:
         cluster = start_cluster(directory, args.model,
-                                node_ports=[args.node_port + i for i in range(args.nodes)],
-                                gateway_ports=[args.port + 10 * i for i in range(args.gateways)],
+                                node_ports=node_ports, gateway_ports=gateway_ports,
                                 redis_port=args.redis_port, threads_per_node=args.threads_per_node)
         print(usage_message(cluster, token), flush=True)
         while (gone := cluster.exited()) is None:

@@ -138,3 +138,9 @@ def test_killed_node_is_skipped(cluster):
                                for _ in range(4)), 30, f"{url} to see {NODES - 1} nodes up")
     events = cluster.gateway_events()
     assert "node_down" in events or "failover" in events
+
+
+def test_ports_that_overlap_are_refused_before_anything_starts(capsys):
+    from scripts.cluster import main
+    assert main(["--nodes", "10"]) == 2                 # node 10 on 8010, the second gateway's port
+    assert "ports overlap" in capsys.readouterr().err
