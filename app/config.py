@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import os
 import tomllib
 import types
@@ -113,13 +114,20 @@ class AuthConfig:
         _require(isinstance(self.allow_unconfigured_orgs, bool), "auth.allow_unconfigured_orgs must be true or false")
         _require(self.leeway_s >= 0, "auth.leeway_s must be >= 0")
         _require(self.max_token_bytes >= 256, "auth.max_token_bytes must be >= 256")
+        _require(not (self.jwks_file and self.jwks_url),
+                 "auth: give jwks_file or jwks_url, not both (which keys would verify is not clear)")
         _require(self.dev_token_ttl_s > 0, "auth.dev_token_ttl_s must be > 0")
-        if self.jwks_file:   # read at auth set-up in every worker: a missing file fails here, once
+        if self.jwks_file:   # read at auth set-up in every worker: a file that cannot serve fails here, once
+            from jwt.exceptions import PyJWTError
+
+            from app.jwks import signing_keys
             try:
-                with open(self.jwks_file, "rb"):
-                    pass
+                with open(self.jwks_file, "rb") as fh:
+                    signing_keys(json.load(fh))
             except OSError as exc:
                 raise ConfigError(f"auth.jwks_file: cannot read {self.jwks_file}: {exc.strerror}") from None
+            except (ValueError, PyJWTError) as exc:   # not JSON, or no usable signing key
+                raise ConfigError(f"auth.jwks_file: {self.jwks_file}: {exc}") from None
         if self.jwks_url:
             url = urlparse(self.jwks_url)
             # Over plain http anyone on the path could swap in their own signing keys.

@@ -117,10 +117,20 @@ def test_development_secrets_are_refused_off_loopback(host):
         assert secret.value not in str(err.value)
 
 
+def _jwks_file(path):
+    """A JWKS file with one EC public key."""
+    import json
+
+    import jwt
+    from cryptography.hazmat.primitives.asymmetric import ec
+    path.write_text(json.dumps({"keys": [json.loads(jwt.algorithms.ECAlgorithm.to_jwk(
+        ec.generate_private_key(ec.SECP256R1()).public_key()))]}))
+    return path
+
+
 def test_off_loopback_only_the_secrets_in_use_count(tmp_path):
     own = {"NODE_SECRET": "node-secret-of-my-own", "METRICS_TOKEN": "metrics-token-of-my-own"}
-    keys = tmp_path / "keys.json"
-    keys.write_text('{"keys": []}')
+    keys = _jwks_file(tmp_path / "keys.json")
     with pytest.raises(ConfigError) as err:
         load_config(env=own, overrides={"server": {"host": "0.0.0.0"}})
     assert "auth.hs256_secret (set JWT_SECRET)" in str(err.value)
@@ -227,8 +237,14 @@ def test_jwks_file_must_be_a_readable_file(tmp_path):
     with pytest.raises(ConfigError, match="auth.jwks_file: cannot read"):
         load_config(env={}, overrides={"auth": {"jwks_file": str(tmp_path)}})    # a directory
     keys = tmp_path / "jwks.json"
-    keys.write_text('{"keys": []}')
+    for text in ('{"keys": []}', '{"keys": [{"kty": "RSA"}]}', "not json"):
+        keys.write_text(text)
+        with pytest.raises(ConfigError, match="auth.jwks_file"):
+            load_config(env={}, overrides={"auth": {"jwks_file": str(keys)}})
+    _jwks_file(keys)
     assert load_config(env={}, overrides={"auth": {"jwks_file": str(keys)}}).auth.jwks_file == str(keys)
+    with pytest.raises(ConfigError, match="not both"):
+        load_config(env={}, overrides={"auth": {"jwks_file": str(keys), "jwks_url": "https://idp.example/jwks"}})
     assert load_config(env={}, overrides={"server": {"log_level": "debug"}}).server.log_level == "debug"
 
 
