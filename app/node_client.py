@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 from app.catalog import ResolvedModel
 from app.errors import model_not_found
 from app.inference import InferenceRequest
+from app.node_faults import NodeFaults
 from app.router import TRANSPORT_ERRORS, NodePool
 from app.tracing import end_node_span, start_node_span, traced_rank
 from engine.client_socket import ClientGone
@@ -71,6 +72,7 @@ class NodeStream:
         self.started = False     # a token (or the done event) was read: no failover from here on
         self.tokens_read = 0     # token events read: what a request cut short has cost
         self.finished = False    # the node's "done" event was read
+        self._faulted: list[str] = []   # nodes that failed it (a 5xx, broken before its first token)
         self._pending: tuple[str, http.client.HTTPConnection, bool] | None = None   # sent, answer not read
 
     def open_next(self) -> None:
@@ -147,6 +149,8 @@ class NodeStream:
             self._failover(url, "busy")
         elif status == 404 or status >= 500:
             self._last = f"{status} {err.get('message')}"
+            if status >= 500:
+                self._faulted.append(url)
             self._failover(url, f"http_{status}")
         elif status == 401:
             log.error("engine node refused the node secret", extra={
@@ -179,6 +183,8 @@ class NodeStream:
             try:
                 for event in _read_events(self._lines, self.node):
                     if event is not PING and event.get("type") in ("token", "done"):
+                        if not self.started:
+                            self._client.faults.served(self.node, self._faulted)
                         self.started = True
                         self.tokens_read += event["type"] == "token"
                         self.finished = event["type"] == "done"
@@ -193,6 +199,7 @@ class NodeStream:
                 self._client.release(self.node, self._conn, self.response, reuse=False)
                 self.response = self._conn = None
                 self._last = "a stream broke before its first token"
+                self._faulted.append(self.node)
                 self._failover(self.node, "broken_before_first_token")
                 self.open_next()
 
@@ -382,6 +389,7 @@ class NodeClient:
         self._connections_lock = threading.Lock()
         pool.on_dropped.append(self._forget)
         self.on_failover: Callable[[str, str], None] | None = None   # (node, reason): the gateway's metric
+        self.faults = NodeFaults()
         self.tracing: Tracing | None = None   # set by create_app when tracing is on
 
     def post_generate(self, url: str, body: bytes, headers: dict,
@@ -516,7 +524,7 @@ class NodeClient:
                 raise model_not_found(req.model.alias)
             raise APIError(503, "No engine node is available to serve this request; retry shortly.",
                            code="no_node_available", headers={"Retry-After": "1"})
-        stream = NodeStream(self, req, [score.url for score in ranked],
+        stream = NodeStream(self, req, self.faults.usable([score.url for score in ranked]),
                             frozenset(score.url for score in ranked if score.needs_load))
         try:
             stream.send()

@@ -571,6 +571,36 @@ def test_stream_that_breaks_before_the_first_token_fails_over(two_nodes):
     assert text == "Hello, world" and len(second.received) == 1
 
 
+def test_a_node_that_fails_what_another_serves_is_passed_over_for_a_while(two_nodes, monkeypatch):
+    """Node a (idle, so ranked first) breaks every stream before its first token, and b serves it: after
+    three such failures a is passed over; once the pause is over it is tried again."""
+    import app.node_faults as faults
+    now = [1000.0]
+    monkeypatch.setattr(faults, "monotonic", lambda: now[0])
+    app, cfg, a, b = two_nodes
+    a.state, b.state = {"utilization": 0.0}, {"utilization": 0.9}
+    a.fail_after_tokens = 0
+    client = app.test_client()
+    for _ in range(5):
+        assert client.post(COMPLETIONS, headers=bearer(cfg), json={"model": "zen-small", "prompt": "hi",
+                                                                   "max_tokens": 2}).status_code == 200
+    assert len(a.received) == 3 and len(b.received) == 5
+    now[0] += faults.BASE_S + 1
+    client.post(COMPLETIONS, headers=bearer(cfg), json={"model": "zen-small", "prompt": "hi", "max_tokens": 2})
+    assert len(a.received) == 4
+
+
+def test_requests_that_fail_on_every_node_pass_no_node_over(two_nodes):
+    app, cfg, a, b = two_nodes
+    a.state, b.state = {"utilization": 0.0}, {"utilization": 0.9}
+    a.fail_after_tokens = b.fail_after_tokens = 0
+    client = app.test_client()
+    for _ in range(5):
+        assert client.post(COMPLETIONS, headers=bearer(cfg), json={"model": "zen-small", "prompt": "hi",
+                                                                   "max_tokens": 2}).status_code == 503
+    assert len(a.received) == len(b.received) == 5
+
+
 @pytest.mark.parametrize("knob", ["fail_after_tokens", "error_after_tokens"])
 def test_a_stream_every_node_fails_before_its_first_token_ends_with_an_error_event(two_nodes, knob):
     """The headers went out when the first node took the request, so when no node is left the
