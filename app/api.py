@@ -86,10 +86,10 @@ def list_models():
 @bp.get("/models/<path:model>")
 @login_required
 def retrieve_model(model: str):
-    """What the list shows: a model of the tier's catalog that no node can serve is not found either."""
+    """A model of the tier's catalog that every node, all up, says it cannot serve is not found, as a
+    request for it is (a node down might serve it: the list, of what can be served now, leaves it out)."""
     resolved = _catalog().resolve(model, g.caller.tier)
-    servable = _nodes().pool.servable_models()
-    if servable is not None and not servable(resolved.model):
+    if _nodes().pool.lists_nowhere(resolved.model):
         raise model_not_found(model)
     return jsonify(Catalog.model_object(resolved))
 
@@ -402,7 +402,7 @@ def _answer_stream(req: InferenceRequest, kind: str, outcome: NodeStream | Promp
         _settle_usage(tokens, metrics, req, reservation, usage, ended - started)
         metrics.request_done(req.org, endpoint, result["status"])
         if trace is not None:
-            record_stream_end(trace, outcome.node, result["status"] == "stream")
+            record_stream_end(trace, outcome.node, result["status"])
         log.info("request", extra={
             **log_fields, "node": outcome.node, "node_attempts": outcome.attempts,
             "status": result["status"], "duration_ms": round((ended - started) * 1e3, 3),

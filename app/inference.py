@@ -92,10 +92,11 @@ class InferenceRequest:
 
     @property
     def parts(self) -> list[InferenceRequest]:
-        """What the nodes are sent: one request per prompt, prompt i's id ending in -i (itself alone)."""
+        """What the nodes are sent: one request per prompt, prompt i's id ending in /i, which no client's
+        id does (itself alone)."""
         if len(self.batch) < 2:
             return [self]
-        return [replace(self, inputs=x, batch=(), request_id=f"{self.request_id}-{i}") for i, x in enumerate(self.batch)]
+        return [replace(self, inputs=x, batch=(), request_id=f"{self.request_id}/{i}") for i, x in enumerate(self.batch)]
 
     @property
     def num_choices(self) -> int:

@@ -201,7 +201,11 @@ class NodeStream:
                 self._last = "a stream broke before its first token"
                 self._faulted.append(self.node)
                 self._failover(self.node, "broken_before_first_token")
-                self.open_next()
+                try:
+                    self.open_next()
+                except BaseException as exc:   # no node left to take it: the span says so
+                    self.end_span(exc)
+                    raise
 
     def close(self) -> None:
         """Close the upstream stream. A finished one is read to its end first (a few bytes: the

@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Iterator
 
 from app.inference import InferenceRequest
-from app.node_client import PING, NodeClient, NodeStream
+from app.node_client import PING, NodeClient, NodeStream, NodeStreamError
+from engine.protocol import APIError
 
 
 def send(client: NodeClient, req: InferenceRequest) -> NodeStream | PromptBatch:
@@ -59,22 +60,36 @@ class PromptBatch:
             raise
 
     def events(self) -> Iterator[dict]:
-        choices, usage, timings = [], {}, None
+        """The prompts' events in turn, then one done event. A prompt that no node serves after tokens of an
+        earlier one came fails the answer as a stream that broke after its first token does."""
+        dones: list[dict] = []
         for i, stream in enumerate(self.streams):
-            first = i * self.n
-            for event in stream.events():
-                kind = None if event is PING else event.get("type")
-                if kind == "token":
-                    yield {**event, "index": first + int(event.get("index", 0))}
-                elif kind == "done":
-                    choices += [{**c, "index": first + int(c.get("index", 0))} for c in event.get("choices", [])]
-                    for key, value in (event.get("usage") or {}).items():
-                        usage[key] = usage.get(key, 0) + (value if isinstance(value, int) else 0)
-                    timings = timings or event.get("timings")   # the first prompt's: its time to first token
-                else:
-                    yield event
-        yield {"type": "done", "choices": choices, "usage": usage, "timings": timings or {}}
+            try:
+                yield from _numbered(stream.events(), i * self.n, dones)
+            except APIError as exc:
+                if self.tokens_read == 0:
+                    raise
+                raise NodeStreamError(exc.message, exc.code) from None
+        usage: dict[str, int] = {}
+        for done in dones:
+            for key, value in (done.get("usage") or {}).items():
+                usage[key] = usage.get(key, 0) + (value if isinstance(value, int) else 0)
+        yield {"type": "done", "choices": [c for done in dones for c in done.get("choices", [])], "usage": usage,
+               "timings": dones[0].get("timings") or {}}   # the first prompt's: its time to first token
 
     def close(self) -> None:
         for stream in self.streams:
             stream.close()
+
+
+def _numbered(events: Iterator[dict], first: int, dones: list[dict]) -> Iterator[dict]:
+    """One prompt's events with its choices numbered from `first`; its done event goes to `dones`."""
+    for event in events:
+        kind = None if event is PING else event.get("type")
+        if kind == "token":
+            yield {**event, "index": first + int(event.get("index", 0))}
+        elif kind == "done":
+            dones.append({**event, "choices": [{**c, "index": first + int(c.get("index", 0))}
+                                               for c in event.get("choices", [])]})
+        else:
+            yield event

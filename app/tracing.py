@@ -106,14 +106,15 @@ def record_status(trace: RequestTrace, status: int) -> None:
         trace.span.set_status(Status(StatusCode.ERROR))
 
 
-def record_stream_end(trace: RequestTrace, node: str | None, broken: bool) -> None:
+def record_stream_end(trace: RequestTrace, node: str | None, status: int | str) -> None:
     """A stream's server span, before it ends: the node that served it, and an error where the stream
-    broke after its first token (its status stays the 200 it started with)."""
+    ended in an error event, after its first token (status "stream") or with no node left to take it
+    over (5xx): its HTTP status stays the 200 it started with."""
     if node:
         trace.span.set_attribute("zen.node", node)
-    if broken:
+    if status == "stream" or (isinstance(status, int) and status >= 500):
         from opentelemetry.trace import Status, StatusCode
-        trace.span.set_status(Status(StatusCode.ERROR, "the stream broke after its first token"))
+        trace.span.set_status(Status(StatusCode.ERROR, f"the stream ended in an error event ({status})"))
 
 
 def end_request_span(trace: RequestTrace, exc: BaseException | None) -> None:

@@ -14,6 +14,7 @@ import pytest
 from werkzeug.test import EnvironBuilder, run_wsgi_app
 
 from app import close_app, create_app, node_client, responses
+from engine.protocol import APIError
 from tests.test_gateway_support import (METRICS_HEADERS, MODEL_ID, TOKENS, StandInNode, auth, bearer,  # noqa: F401
                                         client, gateway, make_config, node)
 
@@ -795,7 +796,7 @@ BAD_COMPLETIONS = [
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_list_of_prompts_is_answered_n_choices_a_prompt(client, auth, node, stream):
-    """Each prompt goes to the node as a request of its own (its id ending in its place); the answer
+    """Each prompt goes to the node as a request of its own (its id ending in / and its place); the answer
     numbers the choices prompt by prompt (prompt i's j-th is i × n + j) and sums the usage."""
     body = {"model": "zen-small", "prompt": ["Once upon", "a time", "there was"], "n": 2, "max_tokens": 3,
             "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {})}
@@ -803,7 +804,7 @@ def test_a_list_of_prompts_is_answered_n_choices_a_prompt(client, auth, node, st
     assert r.status_code == 200
     sent = sorted(node.received[-3:], key=lambda x: x["request_id"])   # sent in order, received in any
     assert [x["prompt"] for x in sent] == body["prompt"] and all(x["sampling"]["n"] == 2 for x in sent)
-    assert [x["request_id"] for x in sent] == [f"acme/batch-1-{i}" for i in range(3)]
+    assert [x["request_id"] for x in sent] == [f"acme/batch-1/{i}" for i in range(3)]
     if stream:
         events = sse_events(r.get_data(as_text=True))[:-1]
         text: dict[int, str] = {}
@@ -823,6 +824,40 @@ def test_a_list_of_prompts_is_answered_n_choices_a_prompt(client, auth, node, st
     assert usage["completion_tokens"] == 6 * 3 and usage["prompt_tokens"] == sum(
         node.prompt_tokens(x) for x in sent)
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+class _FakeStream:
+    """A node stream's events: `tokens` token events and a done event, or an APIError from the start
+    (no node took it over)."""
+
+    def __init__(self, tokens: int, fails: bool = False) -> None:
+        self.tokens, self.fails, self.tokens_read = tokens, fails, 0
+
+    def events(self):
+        if self.fails:
+            raise APIError(503, "No engine node could serve this request", code="no_node_available")
+        for i in range(self.tokens):
+            self.tokens_read += 1
+            yield {"type": "token", "index": 0, "text": f"t{i}"}
+        yield {"type": "done", "choices": [{"index": 0, "finish_reason": "length"}],
+               "usage": {"prompt_tokens": 2, "completion_tokens": self.tokens, "total_tokens": 2 + self.tokens}}
+
+
+def test_a_prompt_no_node_serves_after_another_prompts_tokens_fails_the_answer_as_a_broken_stream():
+    """A retryable 503 says nothing happened; once a prompt's tokens came (and are charged), a later prompt
+    with no node left ends the answer as a stream broken after its first token (a 502, engine_error)."""
+    from app.node_client import NodeStreamError
+    from app.prompt_batch import PromptBatch
+    batch = PromptBatch([_FakeStream(3), _FakeStream(0, fails=True)], 1)
+    seen = []
+    with pytest.raises(NodeStreamError):
+        for event in batch.events():
+            seen.append(event)
+    assert [e["index"] for e in seen] == [0, 0, 0] and batch.tokens_read == 3
+    with pytest.raises(APIError):                       # nothing came yet: the refusal as it is
+        list(PromptBatch([_FakeStream(0, fails=True), _FakeStream(3)], 1).events())
+    done = list(PromptBatch([_FakeStream(2), _FakeStream(1)], 1).events())[-1]
+    assert [c["index"] for c in done["choices"]] == [0, 1] and done["usage"]["completion_tokens"] == 3
 
 
 def test_token_id_prompts_go_each_as_a_request_of_its_own(client, auth, node):

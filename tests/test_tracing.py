@@ -171,15 +171,17 @@ def test_a_stream_no_node_accepts_is_an_error_on_the_server_span():
     assert root.attributes["http.response.status_code"] == 503 and root.status.status_code == StatusCode.ERROR
 
 
-def test_a_stream_broken_after_its_first_token_is_an_error_on_both_gateway_spans():
-    """Its status stays 200 (the stream had started): the spans say it failed, and which node served it."""
+@pytest.mark.parametrize("tokens, code", [(2, "engine_error"), (0, "no_node_available")])
+def test_a_stream_that_ends_in_an_error_event_is_an_error_on_both_gateway_spans(tokens, code):
+    """Broken after its first token, or before it with no node left to take it: its status stays 200 (the
+    stream had started), the spans say it failed, and which node had it."""
     broken = StandInNode(node_id="broken").start()
-    broken.fail_after_tokens = 2
+    broken.fail_after_tokens = tokens
     app, config, spans = traced_gateway([broken.url])
     try:
         r = app.test_client().post("/v1/completions", headers=bearer(config),
                                    json={"model": "zen-small", "prompt": "hi", "max_tokens": 5, "stream": True})
-        assert r.status_code == 200 and "engine_error" in r.get_data(as_text=True)
+        assert r.status_code == 200 and code in r.get_data(as_text=True)
         r.close()
         got = wait_for_spans(spans, {"POST /v1/completions", "node_request"})
     finally:
