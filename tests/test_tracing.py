@@ -152,22 +152,30 @@ def test_failover_attempts_are_events_of_the_node_request_span():
     assert event.attributes["zen.node"] == busy.url and event.attributes["zen.failover_reason"] == "busy"
 
 
+def _traced_stream(node: StandInNode, names: set[str]) -> tuple[int, str, dict]:
+    """A completions stream through a traced gateway in front of `node` alone (stopped after): its status,
+    its body, and the finished spans named `names`."""
+    app, config, spans = traced_gateway([node.url])
+    try:
+        r = app.test_client().post("/v1/completions", headers=bearer(config),
+                                   json={"model": "zen-small", "prompt": "hi", "max_tokens": 5, "stream": True})
+        body = r.get_data(as_text=True)
+        r.close()
+        return r.status_code, body, wait_for_spans(spans, names)
+    finally:
+        close_app(app)
+        node.stop()
+
+
 def test_a_stream_no_node_accepts_is_an_error_on_the_server_span():
     """The stream's response is returned before a node accepts the request; when none does, its server
     span says so (the status the client got, an error) rather than the 200 the view returned."""
     busy = StandInNode(node_id="busy").start()
     busy.busy = True
-    app, config, spans = traced_gateway([busy.url])
-    try:
-        r = app.test_client().post("/v1/completions", headers=bearer(config),
-                                   json={"model": "zen-small", "prompt": "hi", "max_tokens": 3, "stream": True})
-        assert r.status_code == 503
-        r.close()
-        root = wait_for_spans(spans, {"POST /v1/completions"})["POST /v1/completions"]
-    finally:
-        close_app(app)
-        busy.stop()
+    status, _, spans = _traced_stream(busy, {"POST /v1/completions"})
     from opentelemetry.trace import StatusCode
+    root = spans["POST /v1/completions"]
+    assert status == 503
     assert root.attributes["http.response.status_code"] == 503 and root.status.status_code == StatusCode.ERROR
 
 
@@ -177,16 +185,8 @@ def test_a_stream_that_ends_in_an_error_event_is_an_error_on_both_gateway_spans(
     stream had started), the spans say it failed, and which node had it."""
     broken = StandInNode(node_id="broken").start()
     broken.fail_after_tokens = tokens
-    app, config, spans = traced_gateway([broken.url])
-    try:
-        r = app.test_client().post("/v1/completions", headers=bearer(config),
-                                   json={"model": "zen-small", "prompt": "hi", "max_tokens": 5, "stream": True})
-        assert r.status_code == 200 and code in r.get_data(as_text=True)
-        r.close()
-        got = wait_for_spans(spans, {"POST /v1/completions", "node_request"})
-    finally:
-        close_app(app)
-        broken.stop()
+    status, body, got = _traced_stream(broken, {"POST /v1/completions", "node_request"})
+    assert status == 200 and code in body
     from opentelemetry.trace import StatusCode
     root, node_request = got["POST /v1/completions"], got["node_request"]
     assert root.status.status_code == StatusCode.ERROR and root.attributes["zen.node"] == broken.url
