@@ -1,8 +1,8 @@
 """A completions request with a list of prompts, read from the nodes as one stream.
 
 OpenAI's completions take several prompts at once and answer each with n choices, numbered prompt by
-prompt (choice i × n + j is prompt i's j-th). NodeClient.send writes one node request per prompt, each
-to the node the router picks for it, all before any answer is read, so the nodes compute them
+prompt (choice i × n + j is prompt i's j-th). `send` writes one node request per prompt (NodeClient.send,
+each to the node the router picks for it), all before any answer is read, so the nodes compute them
 together; PromptBatch then reads them as a NodeStream reads one: their events one prompt after
 another (a client gathers choices by index), and one done event at the end with their usage summed.
 """
@@ -16,7 +16,7 @@ from engine.protocol import APIError
 
 
 def send(client: NodeClient, req: InferenceRequest) -> NodeStream | PromptBatch:
-    """`req` written to the nodes (NodeClient.send): one stream, or a PromptBatch of one a prompt."""
+    """`req` written to the nodes (NodeClient.send): one stream, or a PromptBatch of a stream per prompt."""
     parts = req.parts
     if len(parts) == 1:
         return client.send(req)
