@@ -167,10 +167,14 @@ class KVCacheManager:
             blocks.append(b)
         return blocks, len(blocks) * self.block_size
 
+    def _end_block(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int]) -> int:
+        """How many blocks seq's table spans once num_new_tokens more tokens (after cached_blocks) are in."""
+        return self.blocks_needed(seq.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens)
+
     def free_blocks_needed(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()) -> int:
         """The free blocks allocate_slots(seq, num_new_tokens, cached_blocks) takes."""
         num_cached_free = sum(1 for b in cached_blocks if self.pool.ref_cnt[b] == 0)
-        end = self.blocks_needed(seq.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens)
+        end = self._end_block(seq, num_new_tokens, cached_blocks)
         need = end - len(seq.block_table) - len(cached_blocks)
         local_end = len(seq.window_tables[0]) if seq.window_tables else 0
         # every local group takes the same blocks: from where its table ends, or the window starts
@@ -186,9 +190,8 @@ class KVCacheManager:
         """Make room for num_new_tokens more computed tokens; False (and no change) if the pool can't."""
         if self.free_blocks_needed(seq, num_new_tokens, cached_blocks) > self.pool.num_free_blocks:
             return False
-        have = len(seq.block_table) + len(cached_blocks)
-        end = self.blocks_needed(seq.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens)
-        need = end - have
+        end = self._end_block(seq, num_new_tokens, cached_blocks)
+        need = end - len(seq.block_table) - len(cached_blocks)
         if len(seq.window_tables) != self.window_groups:
             seq.window_tables = [[] for _ in range(self.window_groups)]
         first = self.first_window_block(seq.num_computed_tokens)
