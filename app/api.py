@@ -361,6 +361,9 @@ def _answer_stream(req: InferenceRequest, kind: str, outcome: NodeStream | Promp
                         metrics.latency(m.alias, req.latency_class.label, itl_s=now - last_token_at)
                     if event.get("index", 0) == 0:
                         last_token_at = now
+                elif kind_ == "finish":    # one prompt of a PromptBatch ended
+                    yield opening + "".join(writer.finish(event["choices"]))
+                    opening = ""
                 elif kind_ == "done":
                     result["usage"] = usage_of(event.get("usage"))
                     yield opening + "".join(writer.done(event))

@@ -72,6 +72,7 @@ class NodeStream:
         self.started = False     # a token (or the done event) was read: no failover from here on
         self.tokens_read = 0     # token events read: what a request cut short has cost
         self.finished = False    # the node's "done" event was read
+        self.abandoned = False   # no one reads it any more (a closed PromptBatch): no failover
         self._faulted: list[str] = []   # nodes that failed it (a 5xx, broken before its first token)
         self._pending: tuple[str, http.client.HTTPConnection, bool] | None = None   # sent, answer not read
 
@@ -193,7 +194,7 @@ class NodeStream:
                     yield event
                 return
             except NodeStreamError as exc:
-                if self.started:
+                if self.started or self.abandoned:
                     self.end_span(exc)
                     raise
                 self._client.release(self.node, self._conn, self.response, reuse=False)

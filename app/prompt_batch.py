@@ -3,16 +3,21 @@
 OpenAI's completions take several prompts at once and answer each with n choices, numbered prompt by
 prompt (choice i × n + j is prompt i's j-th). `send` writes one node request per prompt (NodeClient.send,
 each to the node the router picks for it), all before any answer is read, so the nodes compute them
-together; PromptBatch then reads them as a NodeStream reads one: their events one prompt after
-another (a client gathers choices by index), and one done event at the end with their usage summed.
+together; PromptBatch then reads them as a NodeStream reads one: every prompt's events as they come (a
+thread reads each node stream: a client gathers choices by index), a "finish" event with a prompt's finish
+reasons when it ends, and one done event at the end with every choice and the usage summed.
 """
 from __future__ import annotations
 
+import queue
+import threading
 from typing import Iterator
 
 from app.inference import InferenceRequest
 from app.node_client import PING, NodeClient, NodeStream, NodeStreamError
 from engine.protocol import APIError
+
+_END = object()   # a reader's last item: its stream is closed
 
 
 def send(client: NodeClient, req: InferenceRequest) -> NodeStream | PromptBatch:
@@ -32,11 +37,18 @@ def send(client: NodeClient, req: InferenceRequest) -> NodeStream | PromptBatch:
 
 
 class PromptBatch:
-    """The node streams of a request's prompts, in order, as one NodeStream."""
+    """The node streams of a request's prompts as one NodeStream.
+
+    Each stream is read, and closed, by a thread of its own once `events` starts; `close` leaves the
+    readers to stop at their stream's next event (a token, or the node's heartbeat within a second),
+    so that no thread touches a connection another owns."""
 
     def __init__(self, streams: list[NodeStream], n: int) -> None:
         self.streams = streams
         self.n = n
+        self._items: queue.SimpleQueue = queue.SimpleQueue()
+        self._reading = False
+        self._closed = False
 
     @property
     def node(self) -> str:
@@ -60,36 +72,66 @@ class PromptBatch:
             raise
 
     def events(self) -> Iterator[dict]:
-        """The prompts' events in turn, then one done event. A prompt that no node serves after tokens of an
-        earlier one came fails the answer as a stream that broke after its first token does."""
-        dones: list[dict] = []
+        """The prompts' events as they come, then one done event. A prompt that no node serves once tokens
+        came fails the answer as a stream that broke after its first token does."""
+        self._reading = True
         for i, stream in enumerate(self.streams):
-            try:
-                yield from _numbered(stream.events(), i * self.n, dones)
-            except APIError as exc:
+            threading.Thread(target=self._read, args=(i, stream), name=f"prompt-{i}", daemon=True).start()
+        dones: dict[int, dict] = {}
+        running = len(self.streams)
+        while running:
+            i, item = self._items.get()
+            if item is _END:
+                running -= 1
+            elif isinstance(item, APIError):
                 if self.tokens_read == 0:
-                    raise
-                raise NodeStreamError(exc.message, exc.code) from None
+                    raise item
+                raise NodeStreamError(item.message, item.code) from None
+            elif isinstance(item, BaseException):
+                raise item
+            elif item is not PING and item.get("type") == "done":
+                dones[i] = item
+                yield {"type": "finish", "choices": item["choices"]}
+            else:
+                yield item
+        ended = [dones[i] for i in sorted(dones)]
         usage: dict[str, int] = {}
-        for done in dones:
+        for done in ended:
             for key, value in (done.get("usage") or {}).items():
                 usage[key] = usage.get(key, 0) + (value if isinstance(value, int) else 0)
-        yield {"type": "done", "choices": [c for done in dones for c in done.get("choices", [])], "usage": usage,
-               "timings": dones[0].get("timings") or {}}   # the first prompt's: its time to first token
+        yield {"type": "done", "choices": [c for done in ended for c in done.get("choices", [])], "usage": usage,
+               "timings": ended[0].get("timings") or {}}   # the first prompt's: its time to first token
+
+    def _read(self, i: int, stream: NodeStream) -> None:
+        """Prompt i's events into the queue, numbered, until its stream ends or the batch is closed."""
+        try:
+            for event in _numbered(stream.events(), i * self.n):
+                if self._closed:
+                    break
+                self._items.put((i, event))
+        except BaseException as exc:
+            self._items.put((i, exc))
+        finally:
+            stream.close()
+            self._items.put((i, _END))
 
     def close(self) -> None:
+        self._closed = True
         for stream in self.streams:
-            stream.close()
+            stream.abandoned = True    # no failover for a stream no one reads
+        if not self._reading:
+            for stream in self.streams:
+                stream.close()
 
 
-def _numbered(events: Iterator[dict], first: int, dones: list[dict]) -> Iterator[dict]:
-    """One prompt's events with its choices numbered from `first`; its done event goes to `dones`."""
+def _numbered(events: Iterator[dict], first: int) -> Iterator[dict]:
+    """One prompt's events with its choices numbered from `first`."""
     for event in events:
         kind = None if event is PING else event.get("type")
         if kind == "token":
             yield {**event, "index": first + int(event.get("index", 0))}
         elif kind == "done":
-            dones.append({**event, "choices": [{**c, "index": first + int(c.get("index", 0))}
-                                               for c in event.get("choices", [])]})
+            yield {**event, "choices": [{**c, "index": first + int(c.get("index", 0))}
+                                        for c in event.get("choices", [])]}
         else:
             yield event

@@ -228,9 +228,16 @@ class ChunkWriter:
                                      "finish_reason": None}]) for i, d in enumerate(deltas))
 
     def done(self, event: dict) -> list[str]:
-        """Closing chunks: each choice's finish reason, then usage if asked for."""
+        """Closing chunks: the finish reason of each choice not finished yet, then usage if asked for."""
+        out = self.finish([c for c in event.get("choices") or [] if int(c.get("index", 0)) not in self.finished])
+        if self.include_usage:
+            out.append(self._chunk([], usage_of(event.get("usage"))))
+        return out
+
+    def finish(self, choices: list[dict]) -> list[str]:
+        """The chunks that end these choices (a node's done event's), with their finish reasons."""
         out = []
-        for c in sorted(event.get("choices") or [], key=lambda c: c.get("index", 0)):
+        for c in sorted(choices, key=lambda c: c.get("index", 0)):
             index = int(c.get("index", 0))
             self.finished.add(index)
             if self.kind == CHAT:
@@ -243,6 +250,4 @@ class ChunkWriter:
                 choice = {"index": index, "text": "", "logprobs": None,
                           "finish_reason": c.get("finish_reason")}
             out.append(self._chunk([choice]))
-        if self.include_usage:
-            out.append(self._chunk([], usage_of(event.get("usage"))))
         return out

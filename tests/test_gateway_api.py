@@ -572,6 +572,27 @@ def test_stream_that_breaks_before_the_first_token_fails_over(two_nodes):
     assert text == "Hello, world" and len(second.received) == 1
 
 
+def test_an_abandoned_stream_that_breaks_before_its_first_token_fails_over_no_more(two_nodes):
+    """A closed PromptBatch's streams are abandoned: no reader wants a node's answer any more."""
+    from flask import request
+    from app import api
+    from app.node_client import NodeStreamError
+    app, cfg, a, b = two_nodes
+    first, second = sorted([a, b], key=lambda n: n.url)
+    first.fail_after_tokens = 0
+    with app.test_request_context(COMPLETIONS, method="POST", headers=bearer(cfg),
+                                  json={"model": "zen-small", "prompt": "hi", "max_tokens": 2, "stream": True}):
+        app.preprocess_request()
+        req, _, _ = api.build_request(request.get_json(), responses.COMPLETIONS)
+        stream = app.extensions["zen.nodes"].send(req)
+        stream.accept()
+        stream.abandoned = True
+        with pytest.raises(NodeStreamError):
+            list(stream.events())
+        stream.close()
+    assert len(first.received) == 1 and second.received == []
+
+
 def test_a_node_that_fails_what_another_serves_is_passed_over_for_a_while(two_nodes, monkeypatch):
     """Node a (idle, so ranked first) breaks every stream before its first token, and b serves it: after
     three such failures a is passed over; once the pause is over it is tried again."""
@@ -828,12 +849,15 @@ def test_a_list_of_prompts_is_answered_n_choices_a_prompt(client, auth, node, st
 
 class _FakeStream:
     """A node stream's events: `tokens` token events and a done event, or an APIError from the start
-    (no node took it over)."""
+    (no node took it over). With `after`, it starts once that gate is set (or after 5 s)."""
 
-    def __init__(self, tokens: int, fails: bool = False) -> None:
-        self.tokens, self.fails, self.tokens_read = tokens, fails, 0
+    def __init__(self, tokens: int, fails: bool = False, after: threading.Event | None = None) -> None:
+        self.tokens, self.fails, self.after, self.tokens_read = tokens, fails, after, 0
+        self.closed = self.abandoned = False
 
     def events(self):
+        if self.after is not None:
+            self.after.wait(5)
         if self.fails:
             raise APIError(503, "No engine node could serve this request", code="no_node_available")
         for i in range(self.tokens):
@@ -842,22 +866,73 @@ class _FakeStream:
         yield {"type": "done", "choices": [{"index": 0, "finish_reason": "length"}],
                "usage": {"prompt_tokens": 2, "completion_tokens": self.tokens, "total_tokens": 2 + self.tokens}}
 
+    def close(self) -> None:
+        self.closed = True
+
 
 def test_a_prompt_no_node_serves_after_another_prompts_tokens_fails_the_answer_as_a_broken_stream():
     """A retryable 503 says nothing happened; once a prompt's tokens came (and are charged), a later prompt
     with no node left ends the answer as a stream broken after its first token (a 502, engine_error)."""
     from app.node_client import NodeStreamError
     from app.prompt_batch import PromptBatch
-    batch = PromptBatch([_FakeStream(3), _FakeStream(0, fails=True)], 1)
+    tokens_came = threading.Event()
+    batch = PromptBatch([_FakeStream(3), _FakeStream(0, fails=True, after=tokens_came)], 1)
     seen = []
     with pytest.raises(NodeStreamError):
         for event in batch.events():
             seen.append(event)
-    assert [e["index"] for e in seen] == [0, 0, 0] and batch.tokens_read == 3
+            if event["type"] == "finish":
+                tokens_came.set()
+    assert [e["type"] for e in seen] == ["token"] * 3 + ["finish"] and batch.tokens_read == 3
     with pytest.raises(APIError):                       # nothing came yet: the refusal as it is
-        list(PromptBatch([_FakeStream(0, fails=True), _FakeStream(3)], 1).events())
+        list(PromptBatch([_FakeStream(0, fails=True), _FakeStream(3, after=threading.Event())], 1).events())
     done = list(PromptBatch([_FakeStream(2), _FakeStream(1)], 1).events())[-1]
     assert [c["index"] for c in done["choices"]] == [0, 1] and done["usage"]["completion_tokens"] == 3
+
+
+def test_a_prompt_batch_relays_each_prompt_as_it_comes_and_ends_each_when_it_ends():
+    """A later prompt's tokens are not held back until the earlier prompts end, and each prompt's finish
+    comes when it ends; every reader closes its stream."""
+    from app.prompt_batch import PromptBatch
+    first_ended = threading.Event()
+    streams = [_FakeStream(3, after=first_ended), _FakeStream(1)]
+    kinds = []
+    for event in PromptBatch(streams, 2).events():
+        kinds.append((event["type"], [c["index"] for c in event["choices"]] if "choices" in event else event["index"]))
+        if event["type"] == "finish":
+            first_ended.set()
+    assert kinds == [("token", 2), ("finish", [2]), ("token", 0), ("token", 0), ("token", 0), ("finish", [0]),
+                     ("done", [0, 2])]
+    assert all(s.closed for s in streams)
+
+
+def test_a_closed_prompt_batch_stops_its_readers_and_fails_over_no_more():
+    from app.prompt_batch import PromptBatch
+    gate = threading.Event()
+    streams = [_FakeStream(1), _FakeStream(50, after=gate)]
+    batch = PromptBatch(streams, 1)
+    events = batch.events()
+    next(events)
+    batch.close()
+    gate.set()
+    deadline = time.monotonic() + 5
+    while not all(s.closed for s in streams):
+        assert time.monotonic() < deadline, "a reader kept its stream"
+        time.sleep(0.01)
+    assert all(s.abandoned for s in streams) and streams[1].tokens_read <= 2
+    unread = [_FakeStream(1), _FakeStream(1)]
+    PromptBatch(unread, 1).close()                      # never read: closed at once
+    assert all(s.closed for s in unread)
+
+
+def test_a_streamed_prompt_batch_interleaves_its_prompts(client, auth, node):
+    node.token_delay_s = 0.05
+    body = {"model": "zen-small", "prompt": ["Once upon", "a time"], "max_tokens": 4, "stream": True}
+    r = client.post(COMPLETIONS, headers=auth, json=body)
+    order = [(c["index"], c["finish_reason"] or "") for e in sse_events(r.get_data(as_text=True))[:-1]
+             for c in e["choices"]]
+    assert sorted(order) == [(0, "")] * 4 + [(0, "length")] + [(1, "")] * 4 + [(1, "length")]
+    assert order.index((1, "")) < len(order) - 1 - order[::-1].index((0, ""))    # before prompt 0's last token
 
 
 def test_token_id_prompts_go_each_as_a_request_of_its_own(client, auth, node):
