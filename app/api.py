@@ -213,7 +213,7 @@ def _generate(body: Mapping[str, Any], kind: str) -> Response:
                 g.log_fields.update(node=outcome.node, node_attempts=outcome.attempts)
         return _answer_json(req, kind, outcome.node, result, reservation, logprobs_top, started)
     except ClientGone:
-        _settle_cut_short(req, outcome, reservation, started)
+        _settle_cut_short(req, outcome, reservation, started, client_left=True)
         g.log_fields.update(client="gone")
         return Response(status=CLIENT_CLOSED)   # nobody reads it; the node's sequence is aborted
     except NodeStreamError as exc:
@@ -231,10 +231,12 @@ def _generate(body: Mapping[str, Any], kind: str) -> Response:
         raise
 
 
-def _cut_short_usage(req: InferenceRequest, completion_tokens: int) -> dict:
-    """What a request cut short (client gone, node failed) has used: nothing before its first token, like
-    a request refused before it started; after, the prompt's estimate and the tokens it got."""
-    prompt = req.estimated_tokens if completion_tokens else 0
+def _cut_short_usage(req: InferenceRequest, completion_tokens: int, client_left: bool = False) -> dict:
+    """What a request cut short has used: the prompt's estimate and the tokens it got; nothing when the
+    nodes failed it before its first token, like a request refused before it started. A client that left
+    once a node had taken the request pays its prompt: the node may have computed it (else leaving before
+    the first token would make long prompts free)."""
+    prompt = req.estimated_tokens if completion_tokens or client_left else 0
     return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
             "total_tokens": prompt + completion_tokens}
 
@@ -249,9 +251,9 @@ def _settle_usage(tokens: TokenLimiter, metrics: GatewayMetrics, req: InferenceR
 
 
 def _settle_cut_short(req: InferenceRequest, outcome: NodeStream | PromptBatch | None, reservation,
-                      started: float) -> None:
+                      started: float, client_left: bool = False) -> None:
     read = outcome.tokens_read if outcome is not None else 0
-    _settle_usage(_tokens(), _metrics(), req, reservation, _cut_short_usage(req, read),
+    _settle_usage(_tokens(), _metrics(), req, reservation, _cut_short_usage(req, read, client_left),
                   time.perf_counter() - started)
 
 
@@ -401,7 +403,8 @@ def _answer_stream(req: InferenceRequest, kind: str, outcome: NodeStream | Promp
         # do not hold back the end of the client's stream.
         ended = time.perf_counter()
         outcome.close()
-        usage = result["usage"] or _cut_short_usage(req, result["completion_tokens"])
+        usage = result["usage"] or _cut_short_usage(req, result["completion_tokens"],
+                                                    result["status"] == CLIENT_CLOSED)
         _settle_usage(tokens, metrics, req, reservation, usage, ended - started)
         metrics.request_done(req.org, endpoint, result["status"])
         if trace is not None:

@@ -243,6 +243,28 @@ def test_a_stream_that_never_got_a_token_gives_the_reservation_back(node):  # no
         close_app(app)
 
 
+def test_a_client_that_leaves_before_its_first_token_pays_its_prompt(node):  # noqa: F811
+    """The node took the request and may have computed its prompt: leaving before the first token does not
+    make a long prompt free (the node failing it before its first token still costs nothing, above)."""
+    cfg = make_config([node.url], tiers={"free": {"tokens_per_second": 0.001, "burst_tokens": 152}})
+    app = create_app(cfg)
+    try:
+        c = app.test_client()
+        h = bearer(cfg, "globex")
+        node.first_token_delay_s = 0.5
+        body = {"model": "zen-small", "prompt": "Say hi", "max_tokens": 150, "stream": True}   # 2 + 150
+        r = c.post("/v1/completions", headers=h, json=body)
+        assert r.status_code == 200
+        next(r.response)                                  # the headers: the node has the request
+        r.close()                                         # the client leaves
+        node.first_token_delay_s = 0.0
+        assert c.post("/v1/completions", headers=h, json={**body, "stream": False}).status_code == 429
+        assert c.post("/v1/completions", headers=h, json={**body, "stream": False, "max_tokens": 148}
+                      ).status_code == 200               # the 2 prompt tokens were charged, nothing more
+    finally:
+        close_app(app)
+
+
 def test_an_answer_cut_short_after_tokens_is_charged_for_them(node):  # noqa: F811
     """Not streamed, the node failed after 3 tokens: the org pays the prompt's estimate and those 3, as a
     stream cut short does (not nothing: a client could have had its tokens for free)."""
