@@ -69,6 +69,7 @@ class NodeDiscovery:
         self._entries = tuple(urls)
         self._answers: dict[str, tuple[str, ...]] = {u: () for u in self._entries if is_dns_url(u)}
         self._resolved_at: float | None = None
+        self._answered = False
         self._lock = threading.Lock()
 
     @property
@@ -93,9 +94,18 @@ class NodeDiscovery:
                 return urlparse(entry[len(DNS_PREFIX):]).hostname
         return None
 
+    @property
+    def answered(self) -> bool:
+        """Whether the dns+ entries have been resolved once (plain entries need no answer)."""
+        return not self.dynamic or self._answered
+
     def urls(self) -> list[str]:
-        """The current URLs, resolving the dns+ entries again if dns_refresh_s has passed."""
-        with self._lock:
+        """The current URLs, resolving the dns+ entries again if dns_refresh_s has passed. Once answered,
+        a caller that finds another thread resolving gets the last answer at once: a resolver that hangs
+        holds up that one thread, not every request."""
+        if not self._lock.acquire(blocking=not self._answered):
+            return self.known()
+        try:
             now = self._clock()
             if self.dynamic and (self._resolved_at is None or now - self._resolved_at >= self.refresh_s):
                 self._resolved_at = now
@@ -106,7 +116,10 @@ class NodeDiscovery:
                         self._answers[entry] = ()
                         log.warning("node name not resolvable", extra={"event": "node_dns_bad_entry", "node": entry,
                                                                         "reason": str(exc)})
+                self._answered = True
             return self.known()
+        finally:
+            self._lock.release()
 
     def _resolve(self, entry: str) -> tuple[str, ...]:
         parsed = urlparse(entry[len(DNS_PREFIX):])

@@ -392,9 +392,9 @@ class NodeClient:
         self._pool_size = pool_size
         self._connections = {url: self._new_connections(url) for url in pool.discovery.known()}
         self._connections_lock = threading.Lock()
-        pool.on_dropped.append(self._forget)
         self.on_failover: Callable[[str, str], None] | None = None   # (node, reason): the gateway's metric
         self.faults = NodeFaults()
+        pool.on_dropped += [self._forget, self.faults.forget]
         self.tracing: Tracing | None = None   # set by create_app when tracing is on
 
     def post_generate(self, url: str, body: bytes, headers: dict,

@@ -30,11 +30,10 @@ class NodeFaults:
 
     def served(self, node: str, failed: list[str]) -> None:
         """`node` served a request after the nodes of `failed` failed it."""
-        if not failed and node not in self._failures and node not in self._times:
+        if not failed and node not in self._failures and node not in self._times and node not in self._until:
             return   # the common case, without the lock
         with self._lock:
-            self._failures.pop(node, None)
-            self._times.pop(node, None)
+            self._clear(node)
             for url in failed:
                 self._failures[url] = self._failures.get(url, 0) + 1
                 if self._failures[url] >= THRESHOLD:
@@ -44,6 +43,16 @@ class NodeFaults:
                     self._until[url] = monotonic() + pause
                     log.warning("node passed over: it failed requests that other nodes served", extra={
                         "event": "node_passed_over", "node": url, "seconds": pause})
+
+    def forget(self, node: str) -> None:
+        """Discovery dropped the node (pods come and go): nothing more is kept of it."""
+        with self._lock:
+            self._clear(node)
+
+    def _clear(self, node: str) -> None:
+        self._failures.pop(node, None)
+        self._times.pop(node, None)
+        self._until.pop(node, None)
 
     def usable(self, urls: list[str]) -> list[str]:
         """`urls` without the nodes passed over now, in order; all of them if none would be left."""

@@ -33,7 +33,6 @@ list is what failover walks (app/node_client.py).
 from __future__ import annotations
 
 import http.client
-import json
 import logging
 import math
 import os
@@ -53,10 +52,11 @@ from app.inference import PromptInput
 from app.latency import ServiceRates, estimate_latency, mean_rates, rates_for
 from app.load_records import LoadRecord, LoadRecords
 from app.routing_policy import RoutingPolicy
-from engine.protocol import SECRET_HEADER, LatencyClass, NodeState
+from engine.protocol import SECRET_HEADER, LatencyClass, NodeState, json_value
 
 log = logging.getLogger("zen.gateway")
 
+DISCOVERY_WAIT_S = 0.5   # how long a poll waits for a DNS answer before it polls the nodes it knows
 CLAIM_ROUNDS = 3     # a claim that meets records it had not seen ranks again with them, this often at most
 
 # What breaks a connection to a node, or a stream from it: urllib3's errors (the state poller),
@@ -219,8 +219,8 @@ class NodePool:
                                 headers={SECRET_HEADER: self.config.secret})
             if resp.status != 200:
                 raise ValueError(f"GET /state answered {resp.status}")
-            state = NodeState.from_json(json.loads(resp.data))
-        except (*TRANSPORT_ERRORS, ValueError) as exc:
+            state = NodeState.from_json(json_value(resp.data))
+        except Exception as exc:   # unreachable, or an answer that is no state: down either way
             self._set_down(url, f"{exc.__class__.__name__}: {str(exc)[:200]}")
             return
         with self._lock:
@@ -267,17 +267,25 @@ class NodePool:
         self._set_down(url, reason)
 
     def refresh(self) -> None:
-        """Poll every node once, concurrently (after asking discovery for the current node set)."""
-        if self.discovery.dynamic:
-            urls = self.discovery.urls()
-            with self._lock:
-                sync_views(self._views, urls, NodeView, self._dropped)
-        if not self._views:
-            return
+        """Poll every node once, concurrently, after asking discovery for the current node set: for
+        DISCOVERY_WAIT_S at most once it has answered, so that a slow resolver does not leave every
+        node's state stale (the nodes known so far are polled meanwhile)."""
         if self._executor is None:
             # 16 at most, not one per node: a discovered pool grows; threads start as polls need them
             self._executor = ThreadPoolExecutor(max_workers=16, thread_name_prefix="zen-node-poll")
-        list(self._executor.map(self._fetch, list(self._views)))
+        if self.discovery.dynamic:
+            found = self._executor.submit(self._discover)
+            try:
+                found.result(timeout=DISCOVERY_WAIT_S if self.discovery.answered else None)
+            except TimeoutError:
+                pass
+        if self._views:
+            list(self._executor.map(self._fetch, list(self._views)))
+
+    def _discover(self) -> None:
+        urls = self.discovery.urls()
+        with self._lock:
+            sync_views(self._views, urls, NodeView, self._dropped)
 
     def _poll_loop(self) -> None:
         while not self._stop.wait(self.config.poll_interval_s):

@@ -398,12 +398,33 @@ class DetokenizeRequest:
 
 # ------------------------------------------------------------------------------------- GET /state
 
+# A state's numbers are bounded as they are read: a node's garbage (1e308 waiting tokens, a rate of 1e-320
+# tokens/s) must not overflow or turn the router's estimates into infinities and NaN.
+MAX_NUMBER = 1e15
+MAX_COUNT = 2**31 - 1
+MAX_SECONDS = 86_400.0     # a load or a step longer than a day is no measurement
+MIN_RATE = 1e-3            # tokens/s; below it a rate counts as not measured (0)
+
+
 def _num(value: Any, default: float = 0.0) -> float:
-    return float(value) if finite_number(value) else default
+    return min(MAX_NUMBER, max(-MAX_NUMBER, float(value))) if finite_number(value) else default
 
 
 def _count(value: Any) -> int:
-    return max(0, int(_num(value)))
+    return min(MAX_COUNT, max(0, int(_num(value))))
+
+
+def _seconds(value: Any) -> float:
+    return min(MAX_SECONDS, max(0.0, _num(value)))
+
+
+def _rate(value: Any) -> float:
+    rate = _num(value)
+    return rate if rate >= MIN_RATE else 0.0
+
+
+def _list(value: Any) -> list:
+    return value if isinstance(value, list) else []
 
 
 def _opt_num(value: Any) -> float | None:
@@ -446,13 +467,13 @@ class ModelState:
         load = m.get("load_time_s")
         return cls(
             id=m["id"], quantization=str(m.get("quantization") or ""), version=str(m.get("version") or ""),
-            bytes=int(_num(m.get("bytes"))), load_time_s=_num(load) if load is not None else None,
-            prefill_tokens_per_s=max(0.0, _num(m.get("prefill_tokens_per_s"))),
-            decode_tokens_per_s=max(0.0, _num(m.get("decode_tokens_per_s"))),
-            batch_decode_tokens_per_s=max(0.0, _num(m.get("batch_decode_tokens_per_s"))),
-            decode_step_s=max(0.0, _num(m.get("decode_step_s"))),
-            decode_step_per_seq_s=max(0.0, _num(m.get("decode_step_per_seq_s"))),
-            running=int(_num(m.get("running"))), waiting=int(_num(m.get("waiting"))),
+            bytes=max(0, int(_num(m.get("bytes")))), load_time_s=_seconds(load) if load is not None else None,
+            prefill_tokens_per_s=_rate(m.get("prefill_tokens_per_s")),
+            decode_tokens_per_s=_rate(m.get("decode_tokens_per_s")),
+            batch_decode_tokens_per_s=_rate(m.get("batch_decode_tokens_per_s")),
+            decode_step_s=_seconds(m.get("decode_step_s")),
+            decode_step_per_seq_s=_seconds(m.get("decode_step_per_seq_s")),
+            running=_count(m.get("running")), waiting=_count(m.get("waiting")),
             admitted=_count(m.get("admitted")), kv_cache_usage=_fraction(m.get("kv_cache_usage")),
             kv_cache_blocks=_count(m.get("kv_cache_blocks")), utilization=_fraction(m.get("utilization")),
             max_model_len=_count(m.get("max_model_len")), formats=m.get("formats"), idle_s=_num(m.get("idle_s")))
@@ -555,8 +576,8 @@ class LoadingState:
 
     @classmethod
     def from_json(cls, x: Mapping) -> "LoadingState":
-        return cls(x["id"], str(x.get("quantization") or ""), max(0.0, _num(x.get("elapsed_s"))),
-                   max(0.0, _num(x.get("expected_s"))))
+        return cls(x["id"], str(x.get("quantization") or ""), _seconds(x.get("elapsed_s")),
+                   _seconds(x.get("expected_s")))
 
 
 @dataclass(frozen=True)
@@ -620,7 +641,7 @@ class NodeState:
     @classmethod
     def from_header(cls, text: str, base: "NodeState | None") -> "NodeState":
         """The state a STATE_HEADER value describes (ValueError if it is not one)."""
-        return cls.from_brief(json.loads(text), base)
+        return cls.from_brief(json_value(text), base)
 
     @classmethod
     def from_brief(cls, data: Any, base: "NodeState | None") -> "NodeState":
@@ -632,7 +653,7 @@ class NodeState:
             queue = QueueState(q[0], q[1], q[2], q[3], q[4], (q[5], q[6], q[7]), (q[8], q[9], q[10]))
             old = {m.key: m for m in base.models} if base is not None else {}
             models = tuple(_brief_model(row, old.get((row[0], row[1]))) for row in data["m"])
-            loading = tuple(LoadingState(str(x[0]), str(x[1]), max(0.0, _num(x[2])), max(0.0, _num(x[3])))
+            loading = tuple(LoadingState(str(x[0]), str(x[1]), _seconds(x[2]), _seconds(x[3]))
                             for x in data["l"])
             b = base or _EMPTY_STATE
             return cls(b.node_id, data["h"] == 1, models, b.available_models, _fraction(data["u"]), queue,
@@ -645,9 +666,9 @@ class NodeState:
     def from_json(cls, data: Mapping[str, Any]) -> "NodeState":
         if not isinstance(data, Mapping):
             raise ValueError("state is not an object")
-        models = tuple(ModelState.from_json(m) for m in data.get("models") or []
+        models = tuple(ModelState.from_json(m) for m in _list(data.get("models"))
                        if isinstance(m, Mapping) and isinstance(m.get("id"), str))
-        loading = tuple(LoadingState.from_json(x) for x in data.get("loading") or []
+        loading = tuple(LoadingState.from_json(x) for x in _list(data.get("loading"))
                         if isinstance(x, Mapping) and isinstance(x.get("id"), str))
 
         def part(name: str) -> Mapping:
@@ -655,7 +676,7 @@ class NodeState:
             return value if isinstance(value, Mapping) else {}
         return cls(
             node_id=str(data.get("node_id") or ""), healthy=data.get("healthy") is True, models=models,
-            available_models=tuple(a for a in data.get("available_models") or [] if isinstance(a, str)),
+            available_models=tuple(a for a in _list(data.get("available_models")) if isinstance(a, str)),
             utilization=_fraction(data.get("utilization")), queue=QueueState.from_json(part("queue")),
             temperature_c=_opt_num(data.get("temperature_c")), power_w=_opt_num(data.get("power_w")),
             kv_cache_usage=_fraction(data.get("kv_cache_usage")), ready=data.get("ready") is True,
@@ -670,8 +691,8 @@ _EMPTY_STATE = NodeState(node_id="", healthy=False)
 def _brief_model(row: list, old: ModelState | None) -> ModelState:
     """One model of a brief (its fields in _BRIEF_MODEL order after id and quantization); what the brief
     leaves out comes from the model's entry in the last full state."""
-    pos = [max(0.0, _num(v)) for v in row[3:8]]
+    rates, steps = [_rate(v) for v in row[3:6]], [_seconds(v) for v in row[6:8]]
     return ModelState(str(row[0]), str(row[1]), old.version if old else "", old.bytes if old else 0,
-                      _opt_num(row[2]), pos[0], pos[1], pos[2], pos[3], pos[4], _count(row[8]), _count(row[9]),
+                      None if row[2] is None else _seconds(row[2]), *rates, *steps, _count(row[8]), _count(row[9]),
                       _count(row[10]), _fraction(row[11]), old.kv_cache_blocks if old else 0, _fraction(row[12]),
                       old.max_model_len if old else 0, old.formats if old else None, old.idle_s if old else 0.0)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import datetime
 import socket
 import ssl
+import threading
+import time
 
 import pytest
 import requests
@@ -133,6 +135,36 @@ class FakeResponse(FakeConnection):
         return True
 
 
+def test_a_resolver_that_hangs_holds_up_neither_the_polls_nor_other_callers():
+    """Once the name was answered, a lookup that hangs (a DNS server's timeouts) leaves the nodes known so
+    far polled and routable, and other callers get the last answer at once."""
+    node = StandInNode().start()
+    answered, hang = threading.Event(), threading.Event()
+
+    def resolver(host, port):
+        if answered.is_set():
+            hang.wait(30)
+        answered.set()
+        return ["127.0.0.1"]
+    clock = FakeClock()
+    nodes = NodesConfig(urls=(f"dns+http://zen-node:{node.port}",), secret=NODE_SECRET, dns_refresh_s=5.0)
+    pool = NodePool(nodes, RoutingConfig(), clock=clock, resolver=resolver)
+    try:
+        pool.refresh()
+        assert [v.url for v in pool.snapshot()] == [node.url] and not pool.snapshot()[0].down
+        clock.now += 5.0
+        polls = node.state_polls
+        started = time.monotonic()
+        pool.refresh()                                   # its lookup hangs on a poll thread
+        assert time.monotonic() - started < 5 and node.state_polls == polls + 1
+        started = time.monotonic()
+        assert pool.discovery.urls() == [node.url] and time.monotonic() - started < 1
+    finally:
+        hang.set()
+        pool.close()
+        node.stop()
+
+
 def test_node_client_connects_to_discovered_nodes_and_lets_go_of_dropped_ones():
     clock, resolver = FakeClock(), ChangingResolver(["127.0.0.2"])
     pool = NodePool(NodesConfig(urls=("dns+http://zen-node:8001",)), RoutingConfig(), clock=clock,
@@ -142,10 +174,12 @@ def test_node_client_connects_to_discovered_nodes_and_lets_go_of_dropped_ones():
         pool.refresh()
         first = client._connections_of("http://127.0.0.2:8001")
         assert (first.host, first.port) == ("127.0.0.2", 8001)
+        client.faults.served("http://127.0.0.3:8001", ["http://127.0.0.2:8001"] * 3)   # passed over
         resolver.answer, clock.now = ["127.0.0.3"], clock.now + 10.0
         pool.refresh()
         client._connections_of("http://127.0.0.3:8001")
         assert set(client._connections) == {"http://127.0.0.3:8001"}
+        assert not client.faults._until                   # nor is anything held against the dropped node
         # the stream that was in flight on the dropped node ends: its connection is closed, not kept
         conn = FakeConnection()
         client.release("http://127.0.0.2:8001", conn, FakeResponse())

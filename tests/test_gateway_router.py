@@ -57,6 +57,26 @@ def test_parse_state_tolerates_junk():
         NodeState.from_json([1, 2])
 
 
+def test_parse_state_bounds_a_nodes_garbage_numbers_and_shapes():
+    """1e308 tokens queued or a rate of 1e-320 tokens/s must not overflow the router's estimates or make
+    them NaN (every request failed with a 500); fields of the wrong type are empty."""
+    huge = state(tokens_by_class=(1e308, 1e308, 1e308), waiting=1e308, running=1e308, prefill=1e-320,
+                 decode=1e-320, step=(1e308, 1e308))
+    good = state()
+    ranked = rank_nodes([("http://huge", huge), ("http://good", good)], SMALL, 100, 50, WEIGHTS,
+                        cached_tokens={"http://huge": 100.0})
+    assert [s.url for s in ranked] == ["http://good", "http://huge"]
+    assert all(s.total == s.total and s.total < float("inf") for s in ranked)
+    m = huge.resident((MODEL_ID, "q4_1"))
+    assert m.prefill_tokens_per_s == 0.0 and m.decode_step_s <= 86_400 and huge.queue.waiting < 2**31
+    brief = NodeState.from_header(good.to_header().replace('"q":[', '"q":[1e308,'), good)
+    assert brief.queue.waiting < 2**31
+    odd = NodeState.from_json({"healthy": True, "models": 1, "available_models": 7, "loading": "x"})
+    assert odd.models == () and odd.available_models == () and odd.loading == ()
+    with pytest.raises(ValueError):
+        NodeState.from_header("[" * 100_000, good)
+
+
 RATES = ServiceRates(1000.0, 1 / 50)     # 1000 prefill tokens/s, a 20 ms decode step at any batch
 
 
@@ -287,6 +307,34 @@ def test_a_burst_between_two_polls_spreads_over_equal_nodes():
         pool.close()
         a.stop()
         b.stop()
+
+
+def test_a_request_ranked_on_an_older_state_keeps_the_count_of_the_newer_one():
+    """A thread that ranked before a node's newer state came counts nothing against that state's count (it
+    replaced it with a fresh one: the burst since the newer state was forgotten)."""
+    from app.routing_policy import RoutingPolicy
+    policy, node = RoutingPolicy(WEIGHTS), state()
+    old, new = [rank_nodes([("http://a", node)], SMALL, 10, 10, WEIGHTS)[0]], 2.0
+    for _ in range(3):
+        policy.order(old, {"http://a": node}, {"http://a": new}, None)
+    policy.order(old, {"http://a": node}, {"http://a": 1.0}, None)        # the late thread's older state
+    assert policy.outstanding("http://a", node, new) == 3
+
+
+def test_a_node_discovery_dropped_is_forgotten_by_the_faults_too():
+    """Pods come and go under one name: what a worker held against a dropped node's address goes with it,
+    and a node that served is no longer passed over."""
+    from app.node_faults import THRESHOLD, NodeFaults
+    faults = NodeFaults()
+    for _ in range(THRESHOLD):
+        faults.served("http://b", ["http://a"])
+    assert faults.usable(["http://a", "http://b"]) == ["http://b"]
+    faults.forget("http://a")
+    assert faults.usable(["http://a", "http://b"]) == ["http://a", "http://b"] and not faults._until
+    for _ in range(THRESHOLD):
+        faults.served("http://b", ["http://a"])
+    faults.served("http://a", [])
+    assert not faults._until and not faults._times
 
 
 def test_pool_refuses_without_the_node_secret():
