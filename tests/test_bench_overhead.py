@@ -51,7 +51,7 @@ def test_every_prompt_goes_every_way_in_every_order(node, two_gateways):  # noqa
     assert out["complete"] == 6 and out["errors"] == [] and out["token_count_mismatches"] == 0
     assert out["overhead_ms"]["this"]["n"] == out["overhead_ms"]["other"]["n"] == 6
     assert out["this_minus_other_ms"]["p50"] > 40          # "this" is the gateway that answers 50 ms late
-    assert out["overhead_ms"]["this"]["p50"] > 40 > out["overhead_ms"]["other"]["p50"]
+    assert out["overhead_ms"]["this"]["p50"] > 40
     # unmeasured first: each prompt through every path (fewer prompts than WARM_UP_THROUGH); then each
     # prompt every way, the direct request first, second or third as the six orders come round
     received = node.received

@@ -229,6 +229,8 @@ def test_byte_code_products_are_the_same_at_every_int8_level(tmp_path):
     exact integer sum (avx2's int16 dot of both activation planes included), so only the kernels'
     shared float arithmetic follows it."""
     levels = [level for level in HOST_LEVELS if level != "portable"]
+    if len(levels) < 2:
+        pytest.skip(f"this host runs one int8 level ({levels}): nothing to compare it with")
     results = {}
     for level in levels:
         path = tmp_path / f"{level}.npz"

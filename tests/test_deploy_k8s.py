@@ -3,6 +3,7 @@ kustomizations complete, the Secret's placeholders not the development values, t
 loadable, and the cpu/ overlay a valid StatefulSet without a GPU."""
 from __future__ import annotations
 
+import re
 import tomllib
 
 import kubernetes_validate
@@ -26,18 +27,36 @@ def _resource_id(item) -> str:
     return f"{path.relative_to(K8S_DIR)}:{doc['kind']}/{doc['metadata']['name']}"
 
 
-RESOURCES = list(resources())
+# the custom resources are checked by test_monitors_use_only_the_operators_fields (and the consistency tests)
+RESOURCES = [item for item in resources() if (item[1]["apiVersion"], item[1]["kind"]) not in CUSTOM_KINDS]
 
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
 @pytest.mark.parametrize("item", RESOURCES, ids=[_resource_id(i) for i in RESOURCES])
 def test_every_manifest_is_valid_against_the_kubernetes_schemas(item, version):
-    path, doc = item
-    if (doc["apiVersion"], doc["kind"]) in CUSTOM_KINDS:
-        print(f"{_resource_id(item)}: a custom resource, not in the Kubernetes schemas; checked by "
-              f"test_monitors_name_a_service_port_and_a_path")
-        return
-    kubernetes_validate.validate(doc, version, strict=True)
+    kubernetes_validate.validate(item[1], version, strict=True)
+
+
+# The Prometheus Operator's fields (monitoring.coreos.com/v1) that the manifests may use.
+MONITOR_SPEC_FIELDS = {"selector", "endpoints", "podMetricsEndpoints", "namespaceSelector", "jobLabel",
+                       "targetLabels", "podTargetLabels", "sampleLimit"}
+MONITOR_ENDPOINT_FIELDS = {"port", "path", "interval", "scrapeTimeout", "scheme", "authorization", "tlsConfig",
+                           "honorLabels", "relabelings", "metricRelabelings", "params", "followRedirects"}
+
+
+def test_monitors_use_only_the_operators_fields():
+    monitors = [doc for _, doc in resources() if (doc["apiVersion"], doc["kind"]) in CUSTOM_KINDS]
+    assert monitors
+    for monitor in monitors:
+        assert set(monitor) == {"apiVersion", "kind", "metadata", "spec"}
+        assert set(monitor["spec"]) <= MONITOR_SPEC_FIELDS, monitor["metadata"]["name"]
+        endpoints = monitor["spec"].get("endpoints") or monitor["spec"].get("podMetricsEndpoints")
+        for endpoint in endpoints:
+            assert set(endpoint) <= MONITOR_ENDPOINT_FIELDS, endpoint
+            for duration in ("interval", "scrapeTimeout"):
+                assert duration not in endpoint or re.fullmatch(r"([0-9]+(ms|s|m|h))+", endpoint[duration])
+            auth = endpoint.get("authorization")
+            assert auth is None or (auth["type"] == "Bearer" and set(auth["credentials"]) == {"name", "key"})
 
 
 def test_cpu_overlay_gives_a_valid_node_statefulset_without_a_gpu():

@@ -4,8 +4,8 @@ mid-stream. Resident memory of the gateway (its workers together) and of the nod
 process that owns the engine) stays flat: under 5% growth from the end of the warm-up to the end of the
 run; every KV block is free at the end and both still serve.
 
-Bounded: WARMUP + REQUESTS requests, CONCURRENCY at a time, no new request after DEADLINE_S (at least
-MIN_REQUESTS must have run for the memory figures to count). RSS is read with psutil; each figure is
+Bounded: WARMUP + REQUESTS requests, CONCURRENCY at a time, every one of them run: how fast they run is
+no concern of this test (DEADLINE_S only ends a run that hangs). RSS is read with psutil; each figure is
 the median of several samples taken while idle. Marked `fault` only (not also `slow`), so that CI runs
 it once."""
 from __future__ import annotations
@@ -24,9 +24,8 @@ from tests.serving_fixtures import node_worker_pid, rss_bytes, serving_stack, ti
 pytestmark = pytest.mark.fault
 WARMUP = 1500          # allocator arenas and caches settle over the first ~thousand requests
 REQUESTS = 3000
-MIN_REQUESTS = 2000
 CONCURRENCY = 16
-DEADLINE_S = 180.0
+DEADLINE_S = 900.0     # a guard against a hang, far past a run's time on a busy 2-core machine
 MAX_GROWTH = 0.05
 
 
@@ -113,7 +112,7 @@ def test_soak_memory_flat_and_blocks_free(serving_stack, tiny_models):  # noqa: 
     gateway_pids = stack.gateway.worker_pids()
 
     warm = run_phase(stack.url, headers, WARMUP, DEADLINE_S, seed=1)
-    assert sum(warm.values()) >= WARMUP // 2 and set(warm) <= {"ok", "cancelled"}, warm
+    assert sum(warm.values()) == WARMUP and set(warm) <= {"ok", "cancelled"}, warm
     wait_until(lambda: stack.node_state()["queue"]["running"] == 0, 30, "the warm-up to drain")
     node_base, gateway_base = rss_median([node_pid]), rss_median(gateway_pids)
 
@@ -123,7 +122,7 @@ def test_soak_memory_flat_and_blocks_free(serving_stack, tiny_models):  # noqa: 
     done = sum(outcomes.values())
     failures = {k: v for k, v in outcomes.items() if k not in ("ok", "cancelled")}
     assert not failures, outcomes
-    assert done >= MIN_REQUESTS, f"only {done} requests in {elapsed:.0f} s: {outcomes}"
+    assert done == REQUESTS, f"only {done} requests in {elapsed:.0f} s: {outcomes}"
     assert outcomes.get("cancelled", 0) >= done * 0.1, outcomes
 
     def drained():

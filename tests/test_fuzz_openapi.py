@@ -11,8 +11,7 @@ a finding, not noise. Bounded: MAX_EXAMPLES per operation and mode; no example d
 from __future__ import annotations
 
 import pytest
-
-schemathesis = pytest.importorskip("schemathesis")  # the `test` extra
+import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error

@@ -175,13 +175,18 @@ def test_prometheus_holds_every_series_the_dashboard_and_the_rules_use(serving_s
         wait_until(lambda: prometheus.scrapes_done() == {GATEWAY_JOB: 1, NODE_JOB: 1}, 30,
                    "both targets up (the gateway scraped with its metrics token)")
         send_traffic(stack)
-        time.sleep(3)   # a few scrapes after the last request
         state = stack.node_state()
         names = set().union(*map(metric_names, dashboard_exprs() + rule_exprs()))
-        missing = {name for name in names if not prometheus.series(name)}
-        excused = {name for name in missing if state.get(OPTIONAL_NODE_SERIES.get(name, ""), 0) is None}
-        assert missing == excused, (f"Prometheus holds no series for {sorted(missing - excused)}; "
-                                    f"it has {sorted(prometheus.api('label/__name__/values'))}")
+
+        def unexplained() -> set[str]:
+            missing = {name for name in names if not prometheus.series(name)}
+            return {name for name in missing if state.get(OPTIONAL_NODE_SERIES.get(name, ""), 0) is not None}
+        deadline = time.monotonic() + 30
+        while unexplained() and time.monotonic() < deadline:    # the scrapes after the last request
+            time.sleep(0.5)
+        missing = unexplained()
+        assert not missing, (f"Prometheus holds no series for {sorted(missing)}; "
+                             f"it has {sorted(prometheus.api('label/__name__/values'))}")
         for expr in dashboard_exprs():   # each query is valid PromQL once Grafana fills in its variables
             prometheus.api("query", query=as_grafana_sends_it(expr))
         # The rules loaded, and none fires on a healthy stack.
