@@ -128,6 +128,11 @@ def test_node_sigterm_drains_its_streams_and_the_gateway_moves_on(stack, tiny_mo
         assert completed(out[("short", i)], SHORT_TOKENS), out[("short", i)].get("events", [])[-3:]
     for i in range(LONG_STREAMS):
         result = out[("long", i)]
+        # the test's own premise: on a machine that decodes LONG_TOKENS within the grace period, no stream
+        # is left for the drain to end
+        assert not completed(result, LONG_TOKENS), (
+            f"a long stream finished within the {GRACE_S} s grace period: this machine decodes too fast "
+            f"for the test's sizes (raise LONG_TOKENS or lower GRACE_S)")
         assert ended_with_error(result), {**result, "events": result.get("events", [])[-3:]}
 
     node_a.proc.wait(GRACE_S + DRAIN_MARGIN_S)
