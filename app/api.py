@@ -14,7 +14,6 @@ import time
 from typing import Any, Callable, Iterator, Mapping
 
 from flask import Blueprint, Response, current_app, g, jsonify, request
-from werkzeug.exceptions import RequestEntityTooLarge
 from werkzeug.wsgi import ClosingIterator
 
 from app import params, prompt_batch, structured, tool_params
@@ -33,6 +32,7 @@ from app.responses import (CHAT, COMPLETIONS, SSE_DONE, ChunkWriter, chat_comple
 from app.tracing import record_status, record_stream_end, request_span
 from engine.client_socket import ClientGone, client_gone
 from engine.protocol import NODE_SHUTDOWN, APIError, bad_value, finite_number, parse_json, sse_error_event
+from engine.request_body import request_body
 
 log = logging.getLogger("zen.gateway")
 bp = Blueprint("api", __name__, url_prefix="/v1")
@@ -60,10 +60,7 @@ def _nodes() -> NodeClient:
 
 def read_json_body() -> Mapping[str, Any]:
     """The request's JSON object; 400 when it is not one, 413 when it is too large."""
-    raw = request.get_data(cache=False)      # werkzeug raises 413 past MAX_CONTENT_LENGTH...
-    limit = current_app.config["MAX_CONTENT_LENGTH"]
-    if request.content_length is None and len(raw) >= limit and request.environ["wsgi.input"].read(1):
-        raise RequestEntityTooLarge()        # ...but cuts a chunked body off there without a word
+    raw = request_body()
     if not raw:
         raise bad_value("The request body is empty; send a JSON object", None, "invalid_json")
     try:

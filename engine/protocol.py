@@ -252,9 +252,10 @@ class GenerateRequest:
         except ValueError as e:
             raise bad_value(str(e), "quantization") from None
         org = optional_str(body, "org") or ""
-        given = body.get("latency_class") or "standard"
+        given = body.get("latency_class")
         try:
-            latency_class = LatencyClass.parse(given)
+            # absent is standard; 0 or false name no class (a falsy value was taken for absent)
+            latency_class = LatencyClass.STANDARD if given is None else LatencyClass.parse(given)
         except ValueError as e:
             raise bad_value(f"latency_class {e}; got {given!r}", "latency_class") from None
         inputs = _inputs(body)

@@ -239,6 +239,14 @@ def test_bad_input_gives_openai_error_and_node_keeps_serving(node, body, status,
     assert ok.status_code == 200
 
 
+def test_an_oversized_chunked_body_is_413_not_cut_short(node):
+    """With a Content-Length werkzeug answers 413; a chunked body was cut at the limit and called bad JSON."""
+    body = json.dumps({"model": "tiny-a", "prompt": "a" * (17 << 20)}).encode()
+    r = requests.post(node + "/v1/generate", data=iter([body]), timeout=60,      # an iterator: sent chunked
+                      headers={**AUTH, "Content-Type": "application/json"})
+    assert_openai_error(r, 413, "request_too_large")
+
+
 def test_unknown_route_and_method(node):
     assert_openai_error(requests.get(node + "/nope", headers=AUTH, timeout=10), 404)
     assert_openai_error(requests.get(node + "/v1/generate", headers=AUTH, timeout=10), 405)

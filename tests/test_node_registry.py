@@ -377,6 +377,10 @@ def test_not_ready_while_a_start_up_model_that_failed_is_not_loaded(tiny_models,
         shutil.copyfile(tiny_models["b"], broken)        # the operator mends the file and loads it
         assert client.post("/v1/models/load", headers=auth, json={"model": "later"}).status_code == 200
         assert client.get("/ready").json == {"status": "ready"}
+        # once loaded, its eviction is no start-up failure: the node stays ready (else it would be sent
+        # nothing, and nothing would load the model again)
+        assert client.post("/v1/models/unload", headers=auth, json={"model": "later"}).status_code == 200
+        assert client.get("/ready").json == {"status": "ready"}
     finally:
         node.close()
 

@@ -52,6 +52,11 @@ def test_generate_request_errors_name_the_parameter():
     with pytest.raises(APIError) as err:
         GenerateRequest.from_json({"model": "m", "prompt": "x", "sampling": {"temperature": -1}}, check_quantization)
     assert err.value.param == "temperature" and err.value.type == "invalid_request_error"
+    for falsy in (0, False, ""):                 # no class name: an error, not the default class
+        with pytest.raises(APIError) as err:
+            GenerateRequest.from_json({"model": "m", "prompt": "x", "latency_class": falsy}, check_quantization)
+        assert err.value.param == "latency_class"
+    assert GenerateRequest.from_json({"model": "m", "prompt": "x"}, check_quantization).latency_class.label == "standard"
 
 
 def _full_state() -> NodeState:

@@ -95,8 +95,9 @@ class NodeMetrics:
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated.", REQUEST_LABELS, registry=r)
         self.request_success = Counter(p + "request_success", "Finished sequences by finish reason.",
                                        REQUEST_LABELS + ("finished_reason",), registry=r)
-        self.requests_rejected = Counter(p + "requests_rejected", "Requests refused before running, by reason.",
-                                         ("reason",), registry=r)
+        self.requests_rejected = Counter(p + "requests_rejected", "Requests refused, by reason: generations "
+                                         "refused before running and any endpoint's errors (a wrong node "
+                                         "secret: invalid_node_secret).", ("reason",), registry=r)
         self.prefix_cache_queries = Counter(p + "prefix_cache_queries", "Prompt tokens looked up in the "
                                             "prefix cache.", ("model", "quantization"), registry=r)
         self.prefix_cache_hits = Counter(p + "prefix_cache_hits", "Prompt tokens found in the prefix cache.",

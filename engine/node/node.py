@@ -35,6 +35,7 @@ class Node:
                                       on_loaded=self._on_loaded, on_evicted=self._on_evicted)
         self.ready = threading.Event()      # set once the start-up loads have ended
         self.preload_failures: dict[str, str] = {}   # start-up models that failed to load: their errors
+        self.loaded_ids: set[str] = set()            # every model loaded since start, evicted or not
         self.drain = Drain()
         self.closing = False
         self.started_at = time.time()
@@ -46,6 +47,7 @@ class Node:
         return int(host_memory_available() * 0.8)
 
     def _on_loaded(self, m: ResidentModel) -> None:
+        self.loaded_ids.add(m.id)
         m.loop.step_listeners.append(self.metrics.step_listener(m.id, m.quantization))
         m.loop.step_listeners.append(StreamRate(m))
         self.metrics.model_loaded(m.id, m.quantization, m.load_time_s)
@@ -99,9 +101,9 @@ class Node:
         return self.liveness()
 
     def failed_startup_models(self) -> list[str]:
-        """Start-up models that failed to load and are not resident since (a later load may succeed)."""
-        resident = {m.id for m in self.registry.resident()}
-        return [model_id for model_id in self.preload_failures if model_id not in resident]
+        """Start-up models that failed to load and have not loaded since (an eviction after a later load
+        that succeeded is no failure: the node would otherwise stay unready, and be sent nothing)."""
+        return [model_id for model_id in self.preload_failures if model_id not in self.loaded_ids]
 
     def drain_gracefully(self) -> None:
         """Stop admitting, let the generations in flight finish within the grace period, end the rest

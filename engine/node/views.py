@@ -14,6 +14,7 @@ from engine.node.registry import ModelBusy, ModelNotFound, ModelUnavailable
 from engine.node.tracing import EXTENSION_KEY as TRACING_KEY, GenerationTrace
 from engine.protocol import (APIError, DetokenizeRequest, GenerateRequest, TokenizeRequest, bad_value, optional_str,
                              parse_json)
+from engine.request_body import request_body
 from models.inspect import check_quantization
 
 bp = Blueprint("node", __name__)
@@ -24,7 +25,7 @@ def the_node() -> Node:
 
 
 def json_body() -> Any:
-    raw = request.get_data(cache=False)
+    raw = request_body()
     try:
         return parse_json(raw)
     except ValueError as e:   # UnicodeDecodeError too
