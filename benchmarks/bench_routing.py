@@ -38,7 +38,7 @@ from app.config import DEFAULT_CONFIG_PATH, load_config
 from app.devtoken import mint_token
 from app.routing_policy import POLICIES
 from benchmarks.routing_trace import TraceRequest, build_trace, models_of
-from benchmarks.serving_report import log, machine_info
+from benchmarks.serving_report import log, machine_info, settings_of
 from benchmarks.serving_stats import dist
 from scripts.cluster import start_cluster
 from scripts.local_processes import free_port
@@ -233,8 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     for policy in args.policies:
         results.append(run_policy(args, policy, trace, logs))
         print_table(results[-1:])
-        write_json(args, {"benchmark": "routing", "started": started, "machine": machine, "logs": str(logs),
-                          "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        write_json(args, {"benchmark": "routing", "started": started, "machine": machine,
+                          "settings": settings_of(args, leave_out=("out",)),
                           "trace": {"requests": len(trace), "models": models_of(trace), "span_s": trace[-1].at_s,
                                     "apps": sorted({r.app for r in trace})},
                           "targets": targets(results), "results": results})

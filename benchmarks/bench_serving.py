@@ -83,7 +83,8 @@ from benchmarks.gateway_overhead import compare_gateways, measure_overhead  # no
 from benchmarks.http_client import httpx  # noqa: E402
 from benchmarks.llama_cpp_build import build as build_llama_cpp  # noqa: E402
 from benchmarks.local_stack import NODE_LOG, start_stack  # noqa: E402
-from benchmarks.serving_report import fmt_ratio, log, machine_info, print_level, targets, write_plot  # noqa: E402
+from benchmarks.serving_report import (fmt_ratio, log, machine_info, print_level, settings_of, targets,  # noqa: E402
+                                       write_plot)
 from benchmarks.serving_peer import PeerSettings, compare_with_peer  # noqa: E402
 from benchmarks.serving_stats import summarize  # noqa: E402
 from benchmarks.serving_workload import OpenAIDriver, PromptOrder, load_prompts, run_concurrency, run_poisson  # noqa: E402,E501
@@ -432,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         "client_cpu_s": (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime),
         "note": "the client shares the machine's cores with the gateway and the node",
     }
-    result["config"] = {k: v for k, v in vars(args).items() if k != "token"}
+    result["config"] = settings_of(args, leave_out=("token",))
     if args.start:
         result["config"]["stack"] = {"started": True, "gateway_threads_per_worker": args.gateway_threads,
                                      "node_threads": args.node_threads, "kv_cache_bytes": args.kv_cache_bytes}

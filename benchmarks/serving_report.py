@@ -40,6 +40,19 @@ def machine_info() -> dict:
     return info
 
 
+def settings_of(args: Any, leave_out: tuple[str, ...] = ()) -> dict:
+    """A run's options for its JSON, paths inside the repository relative to it (the JSON is committed;
+    where the checkout lived is no setting)."""
+    def portable(value: Any) -> Any:
+        if isinstance(value, (str, Path)) and Path(value).is_absolute():
+            try:
+                return str(Path(value).resolve().relative_to(ROOT))
+            except ValueError:
+                return Path(value).name
+        return value
+    return {k: portable(v) for k, v in vars(args).items() if k not in leave_out}
+
+
 def fmt_ms(d: dict, key: str = "p50") -> str:
     v = d.get(key)
     return "-" if v is None else f"{v * 1e3:8.1f}"

@@ -23,3 +23,13 @@ def test_a_benchmark_script_answers_help(script):
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "usage:" in out.stdout
+
+
+def test_a_runs_settings_name_no_path_outside_the_repository():
+    """The JSON is committed: paths inside the checkout are relative to it, others keep their name only."""
+    from argparse import Namespace
+    from benchmarks.serving_report import ROOT, settings_of
+    args = Namespace(model=str(ROOT / "models" / "weights" / "m.gguf"), output="/somewhere/else/out.json",
+                     rate=2.0, token="secret")
+    assert settings_of(args, leave_out=("token",)) == {"model": "models/weights/m.gguf", "output": "out.json",
+                                                       "rate": 2.0}
