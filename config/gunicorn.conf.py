@@ -23,10 +23,17 @@ from app.limit_store import LIMITS_DIR_ENV, new_limits_dir
 from engine.memory_dir import memory_dir
 from engine.protocol import is_loopback_host
 
+
+def _refuse(message: str) -> None:
+    """Exit 2 with the message, as `python -m app serve` does for a configuration it refuses."""
+    print(message, file=sys.stderr)
+    sys.exit(2)
+
+
 try:
     _cfg = load_config()
 except ConfigError as exc:      # the reason alone, as `python -m app serve` prints it, not a traceback
-    sys.exit(f"error: {exc}")
+    _refuse(f"error: {exc}")
 
 
 def _count_from_env(name: str, default: int) -> int:
@@ -39,7 +46,7 @@ def _count_from_env(name: str, default: int) -> int:
     except ValueError:
         value = 0
     if value < 1:   # 0 workers would start a master that never serves
-        sys.exit(f"error: {name} must be an integer >= 1, got {text!r}")
+        _refuse(f"error: {name} must be an integer >= 1, got {text!r}")
     return value
 
 
