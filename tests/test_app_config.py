@@ -349,4 +349,4 @@ def test_the_gateway_does_not_load_the_engine_kernels():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == ("['engine.client_socket', 'engine.grammar', 'engine.logs', 'engine.memory_dir', 'engine.protocol', "
-                                  "'engine.sampling', 'engine.tools']")
+                                  "'engine.request_body', 'engine.sampling', 'engine.tools']")
