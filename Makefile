@@ -96,8 +96,8 @@ kernels: install
 	$(VPY) -m cuda.compile_check
 
 # runs as it is on a GPU machine without a network: its python with numba-cuda (torch + transformers for the
-# comparison), no install, no model file (random weights of the model's shapes); carried wheels from wheels/:
-# gguf on PYTHONPATH, a numpy numba-cuda can import installed ahead of the machine's (cuda/gpu_check/__init__.py)
+# comparison), no install, no model file (random weights of the model's shapes); the wheels placed in wheels/
+# beforehand: gguf on PYTHONPATH, a numpy numba-cuda can import installed ahead of the machine's (cuda/gpu_check/__init__.py)
 gpu-check:
 	if ls wheels/numpy-*.whl >/dev/null 2>&1; then $(PY) -m pip install -q --no-index --no-deps --no-compile \
 		--upgrade --target build/gpu-site wheels/numpy-*.whl; fi

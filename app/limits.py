@@ -3,8 +3,9 @@
 Requests per minute go through `limits` (the library flask-limiter is built on), keyed by
 the org of the JWT, with one counter shared by every API route. LLM tokens go through a
 token bucket per org: its capacity (the burst) and refill rate come from the org's tier. A
-request reserves its prompt tokens plus max_tokens when admitted and is settled with its
-real usage when it ends (the unused part goes back into the bucket).
+request reserves its prompts' estimated tokens plus max_tokens for every choice (n per
+prompt; a completions request may carry several prompts) when admitted and is settled with
+its real usage when it ends (the unused part goes back into the bucket).
 
 Storage (`[limits] storage_url`): `embedded://`, the default, is a SQLite file shared by
 every worker of the gateway (app/limit_store.py); Redis is shared by every replica too, the

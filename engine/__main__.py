@@ -94,7 +94,7 @@ def main(argv=None) -> int:
                    help="environment variable holding the internal secret (X-Node-Secret)")
     s.add_argument("--node-id", default="")
     s.add_argument("--threads", type=int, default=None,
-                   help="concurrent HTTP requests (streams); default: --max-num-seqs plus 32")
+                   help="concurrent HTTP requests (streams); default: --max-num-seqs plus --max-waiting plus 32")
     s.add_argument("--preload", nargs="*", default=None, metavar="ID",
                    help="model ids to load at start (default: the listed models, in order, while they fit)")
     s.add_argument("--max-num-seqs", type=int, default=64)

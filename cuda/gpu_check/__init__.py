@@ -18,14 +18,16 @@ the same shapes and formats with random weights stands in, and the report says s
 
     python -m cuda.gpu_check [--model PATH] [--budget 390] [--no-torch] [--out cuda/RESULTS.md]
 
-On a lent GPU machine (no network, at most 64 MiB of working tree: no venv, no model file) the one command is
-`make gpu-check PY=python3`: its python has numba-cuda, numpy, torch and transformers. Two wheels travel in the
-git-ignored wheels/ folder (`carry: ["wheels"]`), fetched here beforehand:
+On a GPU machine without network access and without the project's virtual environment or the model file,
+the one command is `make gpu-check PY=python3`, run with a python that has numba-cuda and numpy (torch and
+transformers for the comparison). The gguf and numpy wheels are placed in the git-ignored wheels/ folder
+beforehand, downloaded on a machine with network access:
     python -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d wheels gguf==0.19.0
     python -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d wheels numpy==2.4.6 ...
-(for numpy, add the `--implementation cp --platform manylinux_2_28_x86_64` a binary wheel for that machine needs).
-gguf (pure Python) is read from its wheel; numpy is installed into build/gpu-site ahead of the machine's own, whose
-2.5 dropped np.row_stack, which numba-cuda 0.30 calls when it compiles a first kernel.
+(for numpy, the `...` is `--implementation cp --platform manylinux_2_28_x86_64`, which a binary wheel for a
+Linux x86-64 machine needs).
+gguf (pure Python) is read from its wheel; numpy is installed into build/gpu-site ahead of the machine's own:
+numpy 2.5 dropped np.row_stack, which numba-cuda 0.30 calls when it compiles a first kernel.
 The whole run stays under 8 minutes on one H200 (--budget 390 s for the checks and benchmarks, then the report).
 
 The modules: plan (sizes), roofline (what the GPU can do at best), model_setup (the model and its step

@@ -101,8 +101,8 @@ def load_weights(path: str | None, report: Report, plan: Plan = FULL):
         return weights, tok, True
     report.header.append(("model", "synthetic: SmolLM2-135M shapes, random weights, q4_1 layers + q8_0 embeddings"))
     shown = os.path.relpath(path) if not os.path.relpath(path).startswith("..") else os.path.basename(path)
-    report.notes.append(f"{shown} was not on this machine (the default model is 98 MB, more than travels to the "
-                        "GPU machine): a model of the same shapes and formats with random weights stood in. "
+    report.notes.append(f"{shown} was not on this machine: a model of the same shapes and formats with random "
+                        "weights stood in. "
                         "Throughput is that of the default model; the cpu/cuda comparison is on random weights.")
     return synthetic_weights(smollm2_135m_config()), None, False
 
