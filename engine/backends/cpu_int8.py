@@ -57,10 +57,12 @@ def quantize_row(xp, xrow, k, qp, dp, sp, i, nb, passes, halves):
         vstore_i8(qp, qo, q0)
         vstore_i8(qp, qo + U(16), q1)
         so = i * U(nb) + b
+        # each sum is one product of an exact integer sum: with two products added, fastmath may factor
+        # them (d * (a + b)) in one caller and not in another, and a row's sums, then its logits and a
+        # seeded request's tokens, would depend on the batch it runs in
         if passes == 1:
             st_f(dp, so, d)
-            s0 = d * F(vsum(q0))
-            s1 = d * F(vsum(q1))
+            scale, n0, n1 = d, vsum(q0), vsum(q1)
         else:
             # the rest, in units of d / 256 (|rest| <= d / 2 -> 128 at most: clamped to 127)
             inv2 = inv * F(256.0)
@@ -70,15 +72,15 @@ def quantize_row(xp, xrow, k, qp, dp, sp, i, nb, passes, halves):
             r1 = vround_i(vmin(vmax(vmul(vsub(v1, vmul(vcvt(q1), vbcast_f(d))), vbcast_f(inv2)), lo), hi))
             vstore_i8(qp, qo + U(k), r0)
             vstore_i8(qp, qo + U(k + 16), r1)
-            d256 = d * F(1.0 / 256.0)
-            st_f(dp, so, d256)
-            s0 = d256 * F(vsum(vadd(r0, vmul(q0, vbcast_i(256)))))
-            s1 = d256 * F(vsum(vadd(r1, vmul(q1, vbcast_i(256)))))
+            scale = d * F(1.0 / 256.0)
+            st_f(dp, so, scale)
+            n0 = vsum(vadd(r0, vmul(q0, vbcast_i(256))))
+            n1 = vsum(vadd(r1, vmul(q1, vbcast_i(256))))
         if halves:
-            st_f(sp, U(2) * so, s0)
-            st_f(sp, U(2) * so + U(1), s1)
+            st_f(sp, U(2) * so, scale * F(n0))
+            st_f(sp, U(2) * so + U(1), scale * F(n1))
         else:
-            st_f(sp, so, s0 + s1)
+            st_f(sp, so, scale * F(n0 + n1))
 
 
 @njit(cache=True, fastmath=True)
