@@ -94,6 +94,10 @@ class NodeDiscovery:
                 return urlparse(entry[len(DNS_PREFIX):]).hostname
         return None
 
+    def due(self) -> bool:
+        """Whether urls() would resolve the dns+ entries again now."""
+        return self.dynamic and (self._resolved_at is None or self._clock() - self._resolved_at >= self.refresh_s)
+
     @property
     def answered(self) -> bool:
         """Whether the dns+ entries have been resolved once (plain entries need no answer)."""
@@ -106,9 +110,8 @@ class NodeDiscovery:
         if not self._lock.acquire(blocking=not self._answered):
             return self.known()
         try:
-            now = self._clock()
-            if self.dynamic and (self._resolved_at is None or now - self._resolved_at >= self.refresh_s):
-                self._resolved_at = now
+            if self.due():
+                self._resolved_at = self._clock()
                 for entry in self._answers:
                     try:
                         self._answers[entry] = self._resolve(entry)

@@ -73,6 +73,8 @@ class NodeStream:
         self.tokens_read = 0     # token events read: what a request cut short has cost
         self.finished = False    # the node's "done" event was read
         self.abandoned = False   # no one reads it any more (a closed PromptBatch): no failover
+        self._closing = False
+        self._lock = threading.Lock()   # abandon() (another thread) against close(): no shutdown once given back
         self._faulted: list[str] = []   # nodes that failed it (a 5xx, broken before its first token)
         self._pending: tuple[str, http.client.HTTPConnection, bool] | None = None   # sent, answer not read
 
@@ -124,7 +126,10 @@ class NodeStream:
                 if url in self._needs_load:
                     self._client.pool.load_result(self._req.model.key, url, state, served=resp.status == 200)
             if resp.status == 200:
-                self.node, self.response, self._conn, self._lines = url, resp, conn, _lines(resp)
+                with self._lock:
+                    self.node, self.response, self._conn, self._lines = url, resp, conn, _lines(resp)
+                    if self.abandoned:   # while it failed over: its first read ends at once
+                        _shut_down(conn)
                 return
             self._refused(url, conn, resp)
             self.send()
@@ -194,7 +199,10 @@ class NodeStream:
                     yield event
                 return
             except NodeStreamError as exc:
-                if self.started or self.abandoned:
+                if self.abandoned:   # its client left: no failover, and no fault of the node's
+                    self.end_span()
+                    raise
+                if self.started:
                     self.end_span(exc)
                     raise
                 self._client.release(self.node, self._conn, self.response, reuse=False)
@@ -208,10 +216,20 @@ class NodeStream:
                     self.end_span(exc)
                     raise
 
+    def abandon(self) -> None:
+        """From a thread other than the one reading it: no failover from here on, and a read in progress
+        ends at once (the socket shut down; the reader then closes the stream, and the node aborts it)."""
+        with self._lock:
+            self.abandoned = True
+            if not self._closing and self._conn is not None:
+                _shut_down(self._conn)
+
     def close(self) -> None:
         """Close the upstream stream. A finished one is read to its end first (a few bytes: the
         [DONE] line and the end of the chunked body), which gives its connection back to the pool
         for the next request; one closed early drops the connection, and the node aborts the sequence."""
+        with self._lock:
+            self._closing = True
         self.end_span()
         if self._pending is not None:   # sent, its answer never read: the node aborts it
             url, conn, _ = self._pending
@@ -234,6 +252,15 @@ class NodeStream:
         span, self.span = self.span, None
         if span is not None:
             end_node_span(span, self.node, self.attempts, error)
+
+
+def _shut_down(conn: http.client.HTTPConnection) -> None:
+    """End the connection's reads and writes in whichever thread waits on them (closing alone would not)."""
+    if conn.sock is not None:
+        try:
+            conn.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
 
 # What may follow the done event: blank lines and [DONE], at once. A node that sends more, or

@@ -30,10 +30,12 @@ class NodeFaults:
 
     def served(self, node: str, failed: list[str]) -> None:
         """`node` served a request after the nodes of `failed` failed it."""
-        if not failed and node not in self._failures and node not in self._times and node not in self._until:
+        if not failed and node not in self._failures and node not in self._times:
             return   # the common case, without the lock
         with self._lock:
-            self._clear(node)
+            # its pause, if it has one, runs out: a request it took before the pause may serve meanwhile
+            self._failures.pop(node, None)
+            self._times.pop(node, None)
             for url in failed:
                 self._failures[url] = self._failures.get(url, 0) + 1
                 if self._failures[url] >= THRESHOLD:
@@ -47,12 +49,8 @@ class NodeFaults:
     def forget(self, node: str) -> None:
         """Discovery dropped the node (pods come and go): nothing more is kept of it."""
         with self._lock:
-            self._clear(node)
-
-    def _clear(self, node: str) -> None:
-        self._failures.pop(node, None)
-        self._times.pop(node, None)
-        self._until.pop(node, None)
+            for held in (self._failures, self._times, self._until):
+                held.pop(node, None)
 
     def usable(self, urls: list[str]) -> list[str]:
         """`urls` without the nodes passed over now, in order; all of them if none would be left."""

@@ -9,6 +9,7 @@ reasons when it ends, and one done event at the end with every choice and the us
 """
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from typing import Iterator
@@ -17,6 +18,7 @@ from app.inference import InferenceRequest
 from app.node_client import PING, NodeClient, NodeStream, NodeStreamError
 from engine.protocol import APIError
 
+log = logging.getLogger("zen.gateway")
 _END = object()   # a reader's last item: its stream is closed
 
 
@@ -39,15 +41,15 @@ def send(client: NodeClient, req: InferenceRequest) -> NodeStream | PromptBatch:
 class PromptBatch:
     """The node streams of a request's prompts as one NodeStream.
 
-    Each stream is read, and closed, by a thread of its own once `events` starts; `close` leaves the
-    readers to stop at their stream's next event (a token, or the node's heartbeat within a second),
-    so that no thread touches a connection another owns."""
+    Each stream is read, and closed, by a thread of its own once `events` starts; `close` abandons the
+    streams being read (their reads end at once, and their readers close them), so that no thread
+    touches a connection another owns."""
 
     def __init__(self, streams: list[NodeStream], n: int) -> None:
         self.streams = streams
         self.n = n
         self._items: queue.SimpleQueue = queue.SimpleQueue()
-        self._reading = False
+        self._readers = 0   # the streams that have a reader: the first `_readers`
         self._closed = False
 
     @property
@@ -74,9 +76,9 @@ class PromptBatch:
     def events(self) -> Iterator[dict]:
         """The prompts' events as they come, then one done event. A prompt that no node serves once tokens
         came fails the answer as a stream that broke after its first token does."""
-        self._reading = True
         for i, stream in enumerate(self.streams):
             threading.Thread(target=self._read, args=(i, stream), name=f"prompt-{i}", daemon=True).start()
+            self._readers = i + 1
         dones: dict[int, dict] = {}
         running = len(self.streams)
         while running:
@@ -112,15 +114,18 @@ class PromptBatch:
         except BaseException as exc:
             self._items.put((i, exc))
         finally:
-            stream.close()
+            try:
+                stream.close()
+            except Exception:   # the answer is complete without it: said, not raised in a thread no one joins
+                log.exception("a prompt's node stream did not close cleanly", extra={"event": "stream_close_error"})
             self._items.put((i, _END))
 
     def close(self) -> None:
         self._closed = True
-        for stream in self.streams:
-            stream.abandoned = True    # no failover for a stream no one reads
-        if not self._reading:
-            for stream in self.streams:
+        for i, stream in enumerate(self.streams):
+            if i < self._readers:
+                stream.abandon()
+            else:
                 stream.close()
 
 

@@ -205,6 +205,7 @@ class NodePool:
         self._thread: threading.Thread | None = None
         self._pid: int | None = None
         self._executor: ThreadPoolExecutor | None = None
+        self._discovered: threading.Event | None = None
         self.policy = RoutingPolicy(routing)   # [routing] policy, and the prefix index it learns
         self.on_dropped: list[Callable[[str], None]] = [self.policy.forget]   # called with a node discovery dropped
 
@@ -220,7 +221,11 @@ class NodePool:
             if resp.status != 200:
                 raise ValueError(f"GET /state answered {resp.status}")
             state = NodeState.from_json(json_value(resp.data))
-        except Exception as exc:   # unreachable, or an answer that is no state: down either way
+        except (*TRANSPORT_ERRORS, ValueError) as exc:   # unreachable, or an answer that is no state
+            self._set_down(url, f"{exc.__class__.__name__}: {str(exc)[:200]}")
+            return
+        except Exception as exc:   # a defect in reading it: said with its traceback, and the node down
+            log.exception("node state unreadable", extra={"event": "poll_error", "node": url})
             self._set_down(url, f"{exc.__class__.__name__}: {str(exc)[:200]}")
             return
         with self._lock:
@@ -270,22 +275,32 @@ class NodePool:
         """Poll every node once, concurrently, after asking discovery for the current node set: for
         DISCOVERY_WAIT_S at most once it has answered, so that a slow resolver does not leave every
         node's state stale (the nodes known so far are polled meanwhile)."""
+        if self.discovery.due():
+            self._discovering().wait(DISCOVERY_WAIT_S if self.discovery.answered else None)
+        if not self._views:
+            return
         if self._executor is None:
             # 16 at most, not one per node: a discovered pool grows; threads start as polls need them
             self._executor = ThreadPoolExecutor(max_workers=16, thread_name_prefix="zen-node-poll")
-        if self.discovery.dynamic:
-            found = self._executor.submit(self._discover)
-            try:
-                found.result(timeout=DISCOVERY_WAIT_S if self.discovery.answered else None)
-            except TimeoutError:
-                pass
-        if self._views:
-            list(self._executor.map(self._fetch, list(self._views)))
+        list(self._executor.map(self._fetch, list(self._views)))
 
-    def _discover(self) -> None:
-        urls = self.discovery.urls()
+    def _discovering(self) -> threading.Event:
+        """The lookup in progress, set when it has answered: one at a time, on a daemon thread (one that
+        hangs holds up neither the polls nor the worker's exit)."""
         with self._lock:
-            sync_views(self._views, urls, NodeView, self._dropped)
+            if self._discovered is None or self._discovered.is_set():
+                self._discovered = threading.Event()
+                threading.Thread(target=self._discover, args=(self._discovered,), name="zen-node-discovery",
+                                 daemon=True).start()
+            return self._discovered
+
+    def _discover(self, done: threading.Event) -> None:
+        try:
+            urls = self.discovery.urls()
+            with self._lock:
+                sync_views(self._views, urls, NodeView, self._dropped)
+        finally:
+            done.set()
 
     def _poll_loop(self) -> None:
         while not self._stop.wait(self.config.poll_interval_s):

@@ -137,9 +137,9 @@ class RoutingPolicy:
     def _count_sent(self, url: str, fetched_at: float, latency_class: LatencyClass, prompt_tokens: int) -> None:
         with self._lock:
             sent = self._sent.get(url)
-            if sent is not None and sent.fetched_at > fetched_at:
-                return    # ranked on an older state than the count's: counting it there would wipe the count
-            if sent is None or sent.fetched_at != fetched_at:
+            # a state newer than the one this request was ranked on was fetched before the request is sent:
+            # the request counts there too (starting a new count for the older state would wipe that one)
+            if sent is None or sent.fetched_at < fetched_at:
                 sent = self._sent[url] = SentSince(fetched_at)
             sent.requests[int(latency_class)] += 1
             sent.tokens[int(latency_class)] += prompt_tokens

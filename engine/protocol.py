@@ -419,6 +419,10 @@ def _seconds(value: Any) -> float:
     return min(MAX_SECONDS, max(0.0, _num(value)))
 
 
+def _opt_seconds(value: Any) -> float | None:
+    return None if value is None else _seconds(value)
+
+
 def _rate(value: Any) -> float:
     rate = _num(value)
     return rate if rate >= MIN_RATE else 0.0
@@ -465,10 +469,9 @@ class ModelState:
 
     @classmethod
     def from_json(cls, m: Mapping) -> "ModelState":
-        load = m.get("load_time_s")
         return cls(
             id=m["id"], quantization=str(m.get("quantization") or ""), version=str(m.get("version") or ""),
-            bytes=max(0, int(_num(m.get("bytes")))), load_time_s=_seconds(load) if load is not None else None,
+            bytes=max(0, int(_num(m.get("bytes")))), load_time_s=_opt_seconds(m.get("load_time_s")),
             prefill_tokens_per_s=_rate(m.get("prefill_tokens_per_s")),
             decode_tokens_per_s=_rate(m.get("decode_tokens_per_s")),
             batch_decode_tokens_per_s=_rate(m.get("batch_decode_tokens_per_s")),
@@ -694,6 +697,6 @@ def _brief_model(row: list, old: ModelState | None) -> ModelState:
     leaves out comes from the model's entry in the last full state."""
     rates, steps = [_rate(v) for v in row[3:6]], [_seconds(v) for v in row[6:8]]
     return ModelState(str(row[0]), str(row[1]), old.version if old else "", old.bytes if old else 0,
-                      None if row[2] is None else _seconds(row[2]), *rates, *steps, _count(row[8]), _count(row[9]),
+                      _opt_seconds(row[2]), *rates, *steps, _count(row[8]), _count(row[9]),
                       _count(row[10]), _fraction(row[11]), old.kv_cache_blocks if old else 0, _fraction(row[12]),
                       old.max_model_len if old else 0, old.formats if old else None, old.idle_s if old else 0.0)

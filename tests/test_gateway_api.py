@@ -851,8 +851,9 @@ class _FakeStream:
     """A node stream's events: `tokens` token events and a done event, or an APIError from the start
     (no node took it over). With `after`, it starts once that gate is set (or after 5 s)."""
 
-    def __init__(self, tokens: int, fails: bool = False, after: threading.Event | None = None) -> None:
-        self.tokens, self.fails, self.after, self.tokens_read = tokens, fails, after, 0
+    def __init__(self, tokens: int, fails: bool = False, after: threading.Event | None = None,
+                 close_fails: bool = False) -> None:
+        self.tokens, self.fails, self.after, self.close_fails, self.tokens_read = tokens, fails, after, close_fails, 0
         self.closed = self.abandoned = False
 
     def events(self):
@@ -868,6 +869,11 @@ class _FakeStream:
 
     def close(self) -> None:
         self.closed = True
+        if self.close_fails:
+            raise OSError("the socket's close failed")
+
+    def abandon(self) -> None:
+        self.abandoned = True
 
 
 def test_a_prompt_no_node_serves_after_another_prompts_tokens_fails_the_answer_as_a_broken_stream():
@@ -904,6 +910,12 @@ def test_a_prompt_batch_relays_each_prompt_as_it_comes_and_ends_each_when_it_end
     assert kinds == [("token", 2), ("finish", [2]), ("token", 0), ("token", 0), ("token", 0), ("finish", [0]),
                      ("done", [0, 2])]
     assert all(s.closed for s in streams)
+    ended = []                                          # a close that fails still ends its reader's part
+    reading = threading.Thread(target=lambda: ended.extend(PromptBatch([_FakeStream(1, close_fails=True)], 1).events()),
+                               daemon=True)
+    reading.start()
+    reading.join(5)
+    assert [e["type"] for e in ended] == ["token", "finish", "done"]
 
 
 def test_a_closed_prompt_batch_stops_its_readers_and_fails_over_no_more():
@@ -923,6 +935,24 @@ def test_a_closed_prompt_batch_stops_its_readers_and_fails_over_no_more():
     unread = [_FakeStream(1), _FakeStream(1)]
     PromptBatch(unread, 1).close()                      # never read: closed at once
     assert all(s.closed for s in unread)
+
+
+def test_a_client_leaving_a_prompt_batch_ends_every_prompt_at_once(client, auth, node):
+    """Its readers wait on the node for the next token: the batch's close wakes them at once (their
+    sockets shut down: the node aborts each prompt), not when that token comes."""
+    node.token_delay_s = 3.0
+    before = set(threading.enumerate())
+    r = client.post(COMPLETIONS, headers=auth, json={"model": "zen-small", "prompt": ["a", "b"], "max_tokens": 4,
+                                                      "stream": True})
+    it = r.response
+    next(it), next(it)                                  # the headers, and a first token
+    readers = [t for t in threading.enumerate() if t.name.startswith("prompt-") and t not in before]
+    assert len(readers) == 2
+    left = time.monotonic()
+    r.close()
+    while any(t.is_alive() for t in readers):
+        assert time.monotonic() - left < 2.0, "a prompt's reader went on until its next token"
+        time.sleep(0.02)
 
 
 def test_a_streamed_prompt_batch_interleaves_its_prompts(client, auth, node):

@@ -5,8 +5,11 @@ from __future__ import annotations
 import datetime
 import socket
 import ssl
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import requests
@@ -23,6 +26,8 @@ from app.router import NodePool
 from scripts.stand_in_node import NODE_SECRET, StandInNode
 from tests.node_fixtures import free_port, start_node, tiny_models  # noqa: F401 (fixtures)
 from tests.serving_fixtures import gateway_config, launch_gateway
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class FakeClock:
@@ -163,6 +168,34 @@ def test_a_resolver_that_hangs_holds_up_neither_the_polls_nor_other_callers():
         hang.set()
         pool.close()
         node.stop()
+
+
+_EXIT_DURING_A_HANGING_LOOKUP = """
+import time
+from app.config import NodesConfig, RoutingConfig
+from app.router import NodePool
+now, calls = [0.0], []
+def resolver(host, port):
+    calls.append(1)
+    if len(calls) > 1:
+        time.sleep(60)                  # getaddrinfo's timeouts
+    return ["127.0.0.1"]
+pool = NodePool(NodesConfig(urls=("dns+http://zen-node:9",), dns_refresh_s=5.0, connect_timeout_s=0.2),
+                RoutingConfig(), clock=lambda: now[0], resolver=resolver)
+pool.refresh()
+now[0] += 5.0
+pool.refresh()
+pool.close()
+"""
+
+
+def test_a_worker_exits_while_a_lookup_hangs():
+    """The lookup runs on a daemon thread: a gateway worker that stops meanwhile is not held until it ends."""
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", _EXIT_DURING_A_HANGING_LOOKUP], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert time.monotonic() - started < 30
 
 
 def test_node_client_connects_to_discovered_nodes_and_lets_go_of_dropped_ones():

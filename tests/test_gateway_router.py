@@ -309,21 +309,21 @@ def test_a_burst_between_two_polls_spreads_over_equal_nodes():
         b.stop()
 
 
-def test_a_request_ranked_on_an_older_state_keeps_the_count_of_the_newer_one():
-    """A thread that ranked before a node's newer state came counts nothing against that state's count (it
-    replaced it with a fresh one: the burst since the newer state was forgotten)."""
+def test_a_request_ranked_on_an_older_state_counts_in_the_newer_ones_count():
+    """A thread that ranked before a node's newer state came counts its request against that state (it
+    replaced the count with a fresh one: the burst since the newer state was forgotten)."""
     from app.routing_policy import RoutingPolicy
     policy, node = RoutingPolicy(WEIGHTS), state()
     old, new = [rank_nodes([("http://a", node)], SMALL, 10, 10, WEIGHTS)[0]], 2.0
     for _ in range(3):
         policy.order(old, {"http://a": node}, {"http://a": new}, None)
     policy.order(old, {"http://a": node}, {"http://a": 1.0}, None)        # the late thread's older state
-    assert policy.outstanding("http://a", node, new) == 3
+    assert policy.outstanding("http://a", node, new) == 4
 
 
 def test_a_node_discovery_dropped_is_forgotten_by_the_faults_too():
-    """Pods come and go under one name: what a worker held against a dropped node's address goes with it,
-    and a node that served is no longer passed over."""
+    """Pods come and go under one name: what a worker held against a dropped node's address goes with it;
+    a paused node that serves a request it took before its pause stays paused."""
     from app.node_faults import THRESHOLD, NodeFaults
     faults = NodeFaults()
     for _ in range(THRESHOLD):
@@ -334,7 +334,7 @@ def test_a_node_discovery_dropped_is_forgotten_by_the_faults_too():
     for _ in range(THRESHOLD):
         faults.served("http://b", ["http://a"])
     faults.served("http://a", [])
-    assert not faults._until and not faults._times
+    assert faults.usable(["http://a", "http://b"]) == ["http://b"]
 
 
 def test_pool_refuses_without_the_node_secret():
