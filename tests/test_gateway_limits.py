@@ -218,70 +218,61 @@ def test_failed_dispatch_gives_the_reservation_back(node):  # noqa: F811
         close_app(app)
 
 
-def test_a_stream_that_never_got_a_token_gives_the_reservation_back(node):  # noqa: F811
+@pytest.fixture
+def one_request_bucket(node):  # noqa: F811
+    """(client, headers) of an org whose bucket holds one request's reservation (2 prompt tokens + 150) and
+    refills at 0.001 tokens/s: any charge refuses the next such request."""
+    cfg = make_config([node.url], tiers={"free": {"tokens_per_second": 0.001, "burst_tokens": 152}})
+    app = create_app(cfg)
+    yield app.test_client(), bearer(cfg, "globex")
+    close_app(app)
+
+
+def test_a_stream_that_never_got_a_token_gives_the_reservation_back(node, one_request_bucket):  # noqa: F811
     """Its 200 went out when the node took it, but the node failed before the first token (and no
     other took over): it costs the org nothing, like a request refused before its stream."""
-    # The burst is one request's reservation (2 prompt tokens + 150): any charge would refuse the next.
-    cfg = make_config([node.url], tiers={"free": {"tokens_per_second": 0.001, "burst_tokens": 152}})
-    app = create_app(cfg)
-    try:
-        c = app.test_client()
-        h = bearer(cfg, "globex")
-        node.fail_after_tokens = 0
-        body = {"model": "zen-small", "prompt": "Say hi", "max_tokens": 150, "stream": True}
-        for _ in range(3):
-            r = c.post("/v1/completions", headers=h, json=body)
-            assert r.status_code == 200 and "no_node_available" in r.get_data(as_text=True)
-            r.close()
-        node.fail_after_tokens = None
+    c, h = one_request_bucket
+    node.fail_after_tokens = 0
+    body = {"model": "zen-small", "prompt": "Say hi", "max_tokens": 150, "stream": True}
+    for _ in range(3):
         r = c.post("/v1/completions", headers=h, json=body)
-        assert r.status_code == 200 and r.get_data(as_text=True).endswith("data: [DONE]\n\n")
+        assert r.status_code == 200 and "no_node_available" in r.get_data(as_text=True)
         r.close()
-        metrics = c.get("/metrics", headers=METRICS_HEADERS).get_data(as_text=True)
-        assert 'zen_gateway_org_errors_total{org="globex",status="503"} 3.0' in metrics
-    finally:
-        close_app(app)
+    node.fail_after_tokens = None
+    r = c.post("/v1/completions", headers=h, json=body)
+    assert r.status_code == 200 and r.get_data(as_text=True).endswith("data: [DONE]\n\n")
+    r.close()
+    metrics = c.get("/metrics", headers=METRICS_HEADERS).get_data(as_text=True)
+    assert 'zen_gateway_org_errors_total{org="globex",status="503"} 3.0' in metrics
 
 
-def test_a_client_that_leaves_before_its_first_token_pays_its_prompt(node):  # noqa: F811
+def test_a_client_that_leaves_before_its_first_token_pays_its_prompt(node, one_request_bucket):  # noqa: F811
     """The node took the request and may have computed its prompt: leaving before the first token does not
     make a long prompt free (the node failing it before its first token still costs nothing, above)."""
-    cfg = make_config([node.url], tiers={"free": {"tokens_per_second": 0.001, "burst_tokens": 152}})
-    app = create_app(cfg)
-    try:
-        c = app.test_client()
-        h = bearer(cfg, "globex")
-        node.first_token_delay_s = 0.5
-        body = {"model": "zen-small", "prompt": "Say hi", "max_tokens": 150, "stream": True}   # 2 + 150
-        r = c.post("/v1/completions", headers=h, json=body)
-        assert r.status_code == 200
-        next(r.response)                                  # the headers: the node has the request
-        r.close()                                         # the client leaves
-        node.first_token_delay_s = 0.0
-        assert c.post("/v1/completions", headers=h, json={**body, "stream": False}).status_code == 429
-        assert c.post("/v1/completions", headers=h, json={**body, "stream": False, "max_tokens": 148}
-                      ).status_code == 200               # the 2 prompt tokens were charged, nothing more
-    finally:
-        close_app(app)
+    c, h = one_request_bucket
+    node.first_token_delay_s = 0.5
+    body = {"model": "zen-small", "prompt": "Say hi", "max_tokens": 150, "stream": True}   # 2 + 150
+    r = c.post("/v1/completions", headers=h, json=body)
+    assert r.status_code == 200
+    next(r.response)                                  # the headers: the node has the request
+    r.close()                                         # the client leaves
+    node.first_token_delay_s = 0.0
+    assert c.post("/v1/completions", headers=h, json={**body, "stream": False}).status_code == 429
+    assert c.post("/v1/completions", headers=h, json={**body, "stream": False, "max_tokens": 148}
+                  ).status_code == 200               # the 2 prompt tokens were charged, nothing more
 
 
-def test_an_answer_cut_short_after_tokens_is_charged_for_them(node):  # noqa: F811
+def test_an_answer_cut_short_after_tokens_is_charged_for_them(node, one_request_bucket):  # noqa: F811
     """Not streamed, the node failed after 3 tokens: the org pays the prompt's estimate and those 3, as a
     stream cut short does (not nothing: a client could have had its tokens for free)."""
-    cfg = make_config([node.url], tiers={"free": {"tokens_per_second": 0.001, "burst_tokens": 152}})
-    app = create_app(cfg)
-    try:
-        c = app.test_client()
-        h = bearer(cfg, "globex")
-        body = {"model": "zen-small", "prompt": "Say hi", "max_tokens": 150}   # 2 + 150: the whole burst
-        node.fail_after_tokens = 3
-        assert c.post("/v1/completions", headers=h, json=body).status_code == 502
-        node.fail_after_tokens = None
-        r = c.post("/v1/completions", headers=h, json=body)
-        assert r.status_code == 429, r.text
-        assert c.post("/v1/completions", headers=h, json={**body, "max_tokens": 145}).status_code == 200
-    finally:
-        close_app(app)
+    c, h = one_request_bucket
+    body = {"model": "zen-small", "prompt": "Say hi", "max_tokens": 150}   # 2 + 150: the whole burst
+    node.fail_after_tokens = 3
+    assert c.post("/v1/completions", headers=h, json=body).status_code == 502
+    node.fail_after_tokens = None
+    r = c.post("/v1/completions", headers=h, json=body)
+    assert r.status_code == 429, r.text
+    assert c.post("/v1/completions", headers=h, json={**body, "max_tokens": 145}).status_code == 200
 
 
 def test_a_refund_goes_to_the_bucket_that_holds_the_reservation(monkeypatch):
