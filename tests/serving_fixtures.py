@@ -275,16 +275,18 @@ class ServingStack:
                  ([self.redis.stop] if self.redis else []), "the serving stack")
 
 
-def start_stack(log_dir: str, *, nodes: list[list[str]] = (), node_options: dict | None = None,
+def start_stack(log_dir: str, *, nodes: list[list[str]] = (), node_options: dict | list[dict] | None = None,
                 redis: bool = False, gateway: dict | None = None, workers: int = 2, threads: int = 16,
                 stack: ServingStack | None = None) -> ServingStack:
-    """Start redis, nodes and the gateway; on failure whatever started is stopped, then it raises."""
+    """Start redis, nodes and the gateway; on failure whatever started is stopped, then it raises.
+    node_options: launch_node's options for every node, or a list of them, one per node."""
     stack = stack or ServingStack(log_dir)
+    per_node = node_options if isinstance(node_options, list) else [node_options or {}] * len(nodes)
     try:
         if redis:
             stack.redis = RedisProcess().start()
-        for models in nodes:
-            opts = {"threads": 48, "kv_cache_bytes": "8MiB", **(node_options or {})}
+        for models, options in zip(nodes, per_node, strict=True):
+            opts = {"threads": 48, "kv_cache_bytes": "8MiB", **options}
             stack.nodes.append(launch_node(list(models), NODE_SECRET, log_dir=log_dir, **opts))
         config = gateway_config(gateway)
         stack.gateway = launch_gateway(config, node_urls=[n.url for n in stack.nodes],

@@ -25,16 +25,13 @@ def _resident(state):
 def stack(serving_stack, tiny_models):
     s = serving_stack(
         nodes=[[tiny_models["a"] + "=tiny-a"], [tiny_models["a"] + "=tiny-a"]],
-        node_options={},
+        node_options=[{}, {"preload": []}],          # the second node starts with nothing resident
         redis=True,
         # a cold load outweighs everything: with the default weights, a poll that caught a request
         # running makes node 0 look busy and the idle node's cold load of the tiny model (~0.1 s) rightly wins
         gateway={"limits": {"failure_policy": "closed"}, "routing": {"alpha": 0.001, "beta": 0.0, "gamma": 1000.0}},
     )
-    # the second node starts with nothing resident
-    requests.post(s.nodes[1].url + "/v1/models/unload", json={"model": "tiny-a"},
-                  headers={"X-Node-Secret": "serving-tests-node-secret"}, timeout=10).raise_for_status()
-    wait_until(lambda: not _resident(s.node_state(1)), 10, "node 1 without resident models")
+    assert not _resident(s.node_state(1))
     return s
 
 
