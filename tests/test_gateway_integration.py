@@ -2,13 +2,10 @@
 all real processes on loopback, called with the openai client."""
 from __future__ import annotations
 
-import time
-
 import openai
 import pytest
-import requests
 
-from tests.serving_fixtures import serving_stack, tiny_models, wait_until  # noqa: F401 (fixtures)
+from tests.serving_fixtures import serving_stack, tiny_models  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.slow
 
