@@ -119,3 +119,14 @@ def test_the_decode_step_line_is_fitted_from_steps_at_several_batch_sizes():
     for _ in range(5):
         one.add(4, 0.02)
     assert one.line() == pytest.approx((0.02, 0.0))     # one batch size: no slope to see
+
+
+def test_a_slow_first_decode_step_counts_as_much_as_those_after_it():
+    fit = DecodeStepFit()
+    fit.add(1, 0.010)                   # a cold first step, ten times the others
+    for _ in range(9):
+        fit.add(1, 0.001)
+    assert fit.line() == pytest.approx((0.0019, 0.0))   # the mean of the ten
+    for _ in range(200):
+        fit.add(1, 0.001)
+    assert fit.line()[0] == pytest.approx(0.001, rel=1e-3)

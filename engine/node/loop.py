@@ -52,34 +52,47 @@ class HandOff:
             return self._cond.wait_for(lambda: self._left <= 0, timeout)
 
 
+class MovingAverage:
+    """An exponentially weighted mean whose first samples count equally (the weight of a new sample is
+    1/n until that falls below `weight`): a node's first, cold steps are slow, and a start held by the
+    first sample would keep a node that serves little looking slow, so the router would send it nothing
+    to measure again."""
+
+    def __init__(self, weight: float) -> None:
+        self.weight = weight
+        self.n = 0
+        self.value = 0.0
+
+    def add(self, x: float) -> None:
+        self.n += 1
+        self.value += max(self.weight, 1.0 / self.n) * (x - self.value)
+
+
 class DecodeStepFit:
     """A decode step's time as a line in the batch size, step_s ~ base_s + per_seq_s * batch, fitted by
-    exponentially weighted least squares over recent decode-only steps: what a request joining the batch
-    would see (the router's latency estimate). With one batch size seen so far the slope is 0."""
+    exponentially weighted least squares over recent decode-only steps (about the last 20): what a request
+    joining the batch would see (the router's latency estimate). With one batch size seen so far the slope
+    is 0."""
 
-    WEIGHT = 0.05   # of each new step: about the last 20 steps count
+    WEIGHT = 0.05
 
     def __init__(self) -> None:
-        self._n = 0
-        self._b = self._t = self._bb = self._bt = 0.0
+        self._b, self._t, self._bb, self._bt = (MovingAverage(self.WEIGHT) for _ in range(4))
 
     def add(self, batch: int, seconds: float) -> None:
-        a = self.WEIGHT if self._n else 1.0
-        self._n += 1
-        self._b += a * (batch - self._b)
-        self._t += a * (seconds - self._t)
-        self._bb += a * (batch * batch - self._bb)
-        self._bt += a * (batch * seconds - self._bt)
+        for mean, x in ((self._b, batch), (self._t, seconds), (self._bb, batch * batch), (self._bt, batch * seconds)):
+            mean.add(x)
 
     def line(self) -> tuple[float, float]:
         """(base_s, per_seq_s); (0, 0) before any decode step."""
-        if not self._n:
+        if not self._t.n:
             return 0.0, 0.0
-        var = self._bb - self._b * self._b
-        slope = max(0.0, (self._bt - self._b * self._t) / var) if var > 1e-6 else 0.0
-        base = self._t - slope * self._b
+        b, t = self._b.value, self._t.value
+        var = self._bb.value - b * b
+        slope = max(0.0, (self._bt.value - b * t) / var) if var > 1e-6 else 0.0
+        base = t - slope * b
         if base < 0:   # a line through the origin fits no worse than a negative base
-            base, slope = 0.0, self._t / max(self._b, 1.0)
+            base, slope = 0.0, t / max(b, 1.0)
         return base, slope
 
 
@@ -157,8 +170,9 @@ class EngineLoop:
         self._stopping = False
         self._stopped = threading.Event()   # set by the step thread once it has let go of this loop
         self._busy: deque = deque()       # (end time, seconds) of recent steps, for utilization
-        self.prefill_tokens_per_s = 0.0   # moving averages the router estimates latency from
-        self.decode_tokens_per_s = 0.0
+        # what the router estimates latency from: tokens per second of prefill, of the decode batch, and of
+        # one stream in it (1 / decode-step time)
+        self.prefill_rate, self.decode_rate, self.stream_rate = (MovingAverage(0.2) for _ in range(3))
         self.decode_step = DecodeStepFit()
         self.step_listeners: list = []    # callables(engine, step_seconds, deltas) run on the step thread
         self.failed: BaseException | None = None
@@ -294,11 +308,11 @@ class EngineLoop:
         if eng.last_step_tokens <= 0 or dt <= 0:
             return
         rate = eng.last_step_tokens / dt
-        a = 0.2
         if eng.last_step_tokens > eng.last_batch_size:   # a step with prefill chunks in it
-            self.prefill_tokens_per_s = rate if not self.prefill_tokens_per_s else (1 - a) * self.prefill_tokens_per_s + a * rate
+            self.prefill_rate.add(rate)
         else:
-            self.decode_tokens_per_s = rate if not self.decode_tokens_per_s else (1 - a) * self.decode_tokens_per_s + a * rate
+            self.decode_rate.add(rate)
+            self.stream_rate.add(1.0 / dt)
             self.decode_step.add(eng.last_batch_size, dt)
 
 

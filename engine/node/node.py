@@ -49,7 +49,6 @@ class Node:
     def _on_loaded(self, m: ResidentModel) -> None:
         self.loaded_ids.add(m.id)
         m.loop.step_listeners.append(self.metrics.step_listener(m.id, m.quantization))
-        m.loop.step_listeners.append(StreamRate(m))
         self.metrics.model_loaded(m.id, m.quantization, m.load_time_s)
 
     def _on_evicted(self, m: ResidentModel) -> None:
@@ -185,9 +184,9 @@ class Node:
             models.append(ModelState(
                 id=m.id, version=m.version, quantization=m.quantization, bytes=m.bytes,
                 load_time_s=round(m.load_time_s, 4),
-                prefill_tokens_per_s=round(loop.prefill_tokens_per_s, 2),
-                decode_tokens_per_s=round(m.stream_decode_tokens_per_s, 2),
-                batch_decode_tokens_per_s=round(loop.decode_tokens_per_s, 2),
+                prefill_tokens_per_s=round(loop.prefill_rate.value, 2),
+                decode_tokens_per_s=round(loop.stream_rate.value, 2),
+                batch_decode_tokens_per_s=round(loop.decode_rate.value, 2),
                 decode_step_s=round(step_s, 6), decode_step_per_seq_s=round(step_per_seq_s, 6),
                 running=e.num_running, waiting=loop.num_waiting, admitted=self.admission.by_model.get(m.key, 0),
                 kv_cache_usage=round(e.pool.usage, 4), kv_cache_blocks=e.pool.num_blocks,
@@ -211,17 +210,3 @@ class Node:
                                process_rss_bytes=tel.process_rss_bytes),
             accelerator=AcceleratorState(device=tel.device, utilization=tel.utilization),
             uptime_s=round(time.time() - self.started_at, 1))
-
-
-class StreamRate:
-    """Step listener: decode tokens per second as one stream sees them (1 / decode-step time), a moving
-    average — the rate the gateway's latency estimate divides max_tokens by."""
-
-    def __init__(self, m: ResidentModel):
-        self.m = m
-
-    def __call__(self, engine, step_seconds: float, deltas) -> None:
-        if step_seconds > 0 and engine.last_batch_size and engine.last_step_tokens == engine.last_batch_size:
-            rate = 1.0 / step_seconds
-            old = self.m.stream_decode_tokens_per_s
-            self.m.stream_decode_tokens_per_s = rate if not old else 0.8 * old + 0.2 * rate

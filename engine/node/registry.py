@@ -61,7 +61,6 @@ class ResidentModel:
     loaded_at: float
     last_used: float
     leases: int = 0
-    stream_decode_tokens_per_s: float = 0.0   # measured by the node's step listener
 
     @property
     def key(self) -> tuple[str, str]:
