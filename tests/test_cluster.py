@@ -4,7 +4,8 @@ model (three default models load too slowly for a test on a 2-core machine); the
 serving tests' configuration plus a tier of RPM requests per minute.
 
   * the per-org request limit holds across both replicas: they count in the same Redis;
-  * concurrent requests land on more than one node (each node's request counter on /metrics);
+  * concurrent requests land on more than one node (each node's request counter on /metrics): each node
+    runs two at a time, so requests queued on one node show in the router's latency estimate;
   * a node killed with SIGKILL is skipped: every later request succeeds on the two left.
 """
 from __future__ import annotations
@@ -29,6 +30,9 @@ from tests.serving_fixtures import (JWT_SECRET, NODE_SECRET, dump_toml, gateway_
 pytestmark = pytest.mark.fault
 NODES, GATEWAYS = 3, 2
 RPM = 5                        # the burst tier's requests per minute
+MAX_NUM_SEQS = 2               # a node's batch: a third request there waits, which the router's estimate sees
+OVERLAP_S = 1.5                # how long one of the concurrent requests lasts alone
+MAX_TOKENS = 3500              # within the tiny model's 4096-token context
 SERVED = "zen_node_request_success_total"
 CLUSTER_CONFIG = {
     "tiers": {"burst": {"requests_per_minute": RPM, "tokens_per_second": 1_000_000.0, "models": ["zen-tiny"],
@@ -78,7 +82,8 @@ def cluster(tmp_path_factory, tiny_models):  # noqa: F811
     started = start_cluster(directory, tiny_models["a"] + "=tiny-a",
                             node_ports=[free_port() for _ in range(NODES)],
                             gateway_ports=[free_port() for _ in range(GATEWAYS)],
-                            node_args=["--backend", "cpu", "--kv-cache-bytes", "8MiB"], env=env)
+                            node_args=["--backend", "cpu", "--kv-cache-bytes", "8MiB",
+                                       "--max-num-seqs", str(MAX_NUM_SEQS)], env=env)
     try:
         yield RunningCluster(started, load_config(config_path, env=env))
     finally:
@@ -102,11 +107,16 @@ def test_request_limit_holds_across_replicas(cluster):
 
 def test_concurrent_requests_spread_over_the_nodes(cluster):
     headers = cluster.auth("loadco")
+    started = time.monotonic()            # requests long enough to overlap many times over on any machine
+    assert cluster.completion(0, headers, max_tokens=400, prompt="calibration").status_code == 200
+    max_tokens = min(MAX_TOKENS, int(400 * OVERLAP_S / (time.monotonic() - started)))
     before = cluster.served(list(range(NODES)))
-    statuses: dict[int, int] = {}
+    spans: dict[int, tuple[int, float, float]] = {}
 
     def one(i: int) -> None:
-        statuses[i] = cluster.completion(i, headers, max_tokens=400, prompt=f"request {i}").status_code
+        start = time.monotonic()
+        status = cluster.completion(i, headers, max_tokens=max_tokens, prompt=f"request {i}").status_code
+        spans[i] = (status, start, time.monotonic())
 
     threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(12)]
     for t in threads:     # staggered: the gateways poll the nodes' load between two arrivals
@@ -114,9 +124,11 @@ def test_concurrent_requests_spread_over_the_nodes(cluster):
         time.sleep(0.3)
     for t in threads:
         t.join(120)
-    assert statuses == {i: 200 for i in range(12)}, statuses
+    assert {i: s[0] for i, s in spans.items()} == {i: 200 for i in range(12)}, spans
+    overlapping = max(sum(1 for _, a, b in spans.values() if a <= start < b) for _, start, _ in spans.values())
+    assert overlapping >= 4, f"the premise: requests of {max_tokens} tokens overlap ({spans})"
     delta = [a - b for a, b in zip(cluster.served(list(range(NODES))), before)]
-    print(f"requests per node: {delta}")
+    print(f"{max_tokens} tokens a request, requests per node: {delta}")
     assert sum(delta) == 12, delta
     assert sum(1 for d in delta if d > 0) >= 2, delta
 
