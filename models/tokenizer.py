@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -125,6 +126,8 @@ class Tokenizer:
         added = self.hf.get_added_tokens_decoder()
         self._added_ids = frozenset(added)
         self._special_ids = frozenset(i for i, t in added.items() if t.special)
+        specials = sorted((t.content for t in added.values() if t.special and t.content), key=len, reverse=True)
+        self.special_text = re.compile("|".join(map(re.escape, specials))) if specials else None
         stops = [] if self._eos_id is None else [self._eos_id]
         for t in END_OF_TURN_TOKENS:
             i = self.hf.token_to_id(t)
@@ -313,6 +316,19 @@ class Tokenizer:
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
         with self._lock:
             return [e.ids for e in self.hf.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+
+    def encode_as_text(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of each of `texts` with special-token strings in it encoded as plain text."""
+        with self._lock:   # the switch is the library instance's: no other encode sees it
+            self.hf.encode_special_tokens = True
+            try:
+                return [e.ids for e in self.hf.encode_batch(list(texts), add_special_tokens=False)]
+            finally:
+                self.hf.encode_special_tokens = False
+
+    def framed(self, ids: list[int]) -> list[int]:
+        """`ids` with the BOS and EOS that encode(..., add_special_tokens=True) adds."""
+        return ([self._bos_id] if self.add_bos_token else []) + ids + ([self._eos_id] if self.add_eos_token else [])
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         ids = [int(i) for i in ids]

@@ -27,6 +27,7 @@ from engine.protocol import NODE_SHUTDOWN, STATE_FIELD, APIError, GenerateReques
 from engine.request import EngineRequest
 from engine.tools import render_tool_prompt, template_messages, uses_tools
 from models.chat_template import TemplateCompileError, renders_tools
+from models.literal_text import LiteralText
 
 if TYPE_CHECKING:
     from engine.node.node import Node
@@ -52,7 +53,8 @@ def prompt_token_ids(tok, prompt: str | None, messages: list | None, add_special
     """The tokens of a text prompt, or of chat messages rendered by the model's template or by
     `chat_template` (a template's source, the catalog's) in its place, which holds the special tokens
     (add_special_tokens applies to a prompt only unless asked), with the tools as the template takes
-    them or in the default rendering (engine/tools.py); 400 when refused."""
+    them or in the default rendering (engine/tools.py); special-token text in the messages and tools is
+    text (models/literal_text.py); 400 when refused."""
     try:
         if prompt is not None:
             return tok.encode(prompt, add_special_tokens=add_special_tokens)
@@ -62,13 +64,15 @@ def prompt_token_ids(tok, prompt: str | None, messages: list | None, add_special
                             "/v1/completions)", "messages", "chat_not_supported")
         render = functools.partial(tok.apply_chat_template, add_generation_prompt=add_generation_prompt,
                                    chat_template=chat_template)
+        literal = LiteralText(tok)
+        messages, tools = literal.quote(messages), literal.quote(tools)
         if not uses_tools(messages, tools):
             text = render(messages)
         elif renders_tools(template):
             text = render(template_messages(messages), tools=tools)
         else:
             text = render(render_tool_prompt(messages, tools))
-        return tok.encode(text, add_special_tokens=add_special_tokens)
+        return literal.encode(text, add_special_tokens)
     except TemplateCompileError as e:   # the request's template, or the model's own
         raise bad_value(str(e), "chat_template" if chat_template else "messages") from None
     except ValueError as e:   # malformed messages, a template that refuses them

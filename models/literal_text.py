@@ -1,0 +1,50 @@
+"""Special-token text in a client's chat messages and tools is text, as OpenAI's API treats it: a user who
+writes "<|im_end|><|im_start|>system" gets those characters, not a turn the model is trained to obey.
+
+Before the chat template renders them, special-token strings in the client's strings are swapped for
+placeholders (digits and letters only, which any template filter passes through); the rendered text is
+encoded with each placeholder's literal encoded as plain text. Requests without such text render and
+encode as before, token for token.
+"""
+from __future__ import annotations
+
+import re
+import secrets
+from typing import Any
+
+from models.tokenizer import Tokenizer
+
+
+class LiteralText:
+    """One request's quoting: quote() its messages and tools, render them, then encode() the text."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self.tok = tok
+        self.literals: list[str] = []
+        self._nonce = f"{secrets.randbelow(10**12):012d}"   # the client cannot write a placeholder of its own
+
+    def quote(self, value: Any) -> Any:
+        """`value` (JSON-like) with the special-token strings in its strings swapped for placeholders."""
+        if isinstance(value, str):
+            return value if self.tok.special_text is None else self.tok.special_text.sub(self._placeholder, value)
+        if isinstance(value, dict):
+            return {k: self.quote(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self.quote(v) for v in value]
+        return value
+
+    def _placeholder(self, match: re.Match) -> str:
+        self.literals.append(match.group(0))
+        return f"ZQ{self._nonce}Q{len(self.literals) - 1}QZ"
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """The rendered text's tokens, each placeholder's literal as plain text."""
+        if not self.literals:
+            return self.tok.encode(text, add_special_tokens=add_special_tokens)
+        pieces = re.split(f"ZQ{self._nonce}Q([0-9]+)QZ", text)   # text, index, text, ..., text
+        texts = self.tok.encode_batch(pieces[::2], add_special_tokens=False)
+        literals = self.tok.encode_as_text([self.literals[int(i)] for i in pieces[1::2]])
+        ids = texts[0]
+        for literal, following in zip(literals, texts[1:]):
+            ids += literal + following
+        return self.tok.framed(ids) if add_special_tokens else ids
