@@ -790,7 +790,7 @@ def test_the_loop_waits_for_the_reader_of_a_first_token_only(monkeypatch):
     def read(stream):
         for d in stream:
             if d.token_ids[0] < 3:
-                time.sleep(0.05)               # GIL released: with only the pause, step 2 would start now
+                time.sleep(0.2)                # GIL released: with only the pause, step 2 would start now
             written.append(time.monotonic())   # the token is out
 
     try:
@@ -836,7 +836,7 @@ def test_a_stream_gets_its_token_before_the_next_step_holds_the_gil(monkeypatch)
     import threading
     from engine.node.loop import EngineLoop
 
-    monkeypatch.setattr(EngineLoop, "stream_yield_s", 0.05)   # ample here; the shipped values are tuned
+    monkeypatch.setattr(EngineLoop, "stream_yield_s", 0.2)    # ample here; the shipped values are tuned
     monkeypatch.setattr(EngineLoop, "stream_handoff_s", 5.0)  # (token 1 goes by the hand-off if its reader waits)
     engine = _GilHoldingEngine()
     loop = EngineLoop(engine)

@@ -22,7 +22,7 @@ from tests.serving_fixtures import (NODE_SECRET, ServingStack, gateway_config, l
                                     tiny_models, wait_until)  # noqa: F401 (tiny_models: fixture)
 
 pytestmark = pytest.mark.fault
-GRACE_S = 3.0
+GRACE_S = 1.5                 # a tenth of the long streams' decode, several times the short ones'
 SHORT_TOKENS = 200            # a few hundred milliseconds on the tiny model: fits the grace period
 LONG_TOKENS = 4000            # seconds of decoding even alone: outlives the grace period
 SHORT_STREAMS = 4

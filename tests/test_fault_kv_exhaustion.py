@@ -101,13 +101,13 @@ def test_long_prompts_beyond_the_pool_all_finish(serving_stack, tiny_models):  #
         assert t["usage"]["completion_tokens"] == MAX_TOKENS, (i, t["usage"])
         assert t["usage"]["prompt_tokens"] == PROMPT_TOKENS, (i, t["usage"])
         assert t["text"] == a["text"], f"request {i}: the recomputed output differs from the output alone"
-    assert max(usage_seen) >= 0.9, f"the pool never filled: {max(usage_seen)}"
     assert max(running_seen) < REQUESTS, running_seen
     wait_until(lambda: stack.node_state()["kv_cache_usage"] == 0 and stack.node_state()["queue"]["running"] == 0,
                30, "the pool to be empty")
     scraped = scrape(stack.nodes[0].url)
     finished = metric(scraped, "zen_node_request_success_total", finished_reason="length")
     assert finished >= 2 * REQUESTS
+    # the pool ran out: full only in moments between admissions, which a poll of /state may miss
     assert metric(scraped, "zen_node_num_preemptions_total", model="tiny-a") >= 1, "nothing was preempted"
     print(f"{REQUESTS} x ({PROMPT_TOKENS} + {MAX_TOKENS}) tokens on a pool of {blocks} blocks "
           f"({per_request} per request) in {elapsed:.1f} s; pool peak {max(usage_seen):.2f}, "

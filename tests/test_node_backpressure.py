@@ -20,7 +20,7 @@ def state(url):
 def test_queue_full_503_and_leaving_while_waiting(start_node, tiny_models):
     url = start_node([tiny_models["a"] + "=tiny-a"], SECRET, max_num_seqs=1, max_waiting=1)
     long_gen = {"model": "tiny-a", "prompt_token_ids": [9], "org": "stayer",
-                "sampling": {"max_tokens": 2000, "ignore_eos": True}}
+                "sampling": {"max_tokens": 4000, "ignore_eos": True}}   # outlasts the steps below many times over
     conn_a, resp_a = open_stream(url, long_gen, SECRET)
     first = next_event(resp_a)
     assert first["type"] == "token"
@@ -48,16 +48,16 @@ def test_queue_full_503_and_leaving_while_waiting(start_node, tiny_models):
         events.append(next_event(resp_a))
     conn_a.close()
     assert events[-1]["choices"] == [{"index": 0, "finish_reason": "length"}]
-    assert events[-1]["usage"]["completion_tokens"] == 2000
-    assert sum(1 for e in events if e["type"] == "token") == 2000
+    assert events[-1]["usage"]["completion_tokens"] == 4000
+    assert sum(1 for e in events if e["type"] == "token") == 4000
     s = state(url)
     assert s["queue"] == {"waiting": 0, "running": 0, "admitted": 0, "max_waiting": 1, "max_running": 1,
                           "admitted_by_class": [0, 0, 0], "admitted_tokens_by_class": [0, 0, 0]}
     assert s["kv_cache_usage"] == 0.0
-    m = wait_for(lambda: (lambda m: m if metric(m, "zen_node_generation_tokens_total") >= 2000 else None)(scrape(url)),
+    m = wait_for(lambda: (lambda m: m if metric(m, "zen_node_generation_tokens_total") >= 4000 else None)(scrape(url)),
                  what="A's tokens counted")
     assert metric(m, "zen_node_request_success_total", finished_reason="abort") == 1            # B
-    assert metric(m, "zen_node_generation_tokens_total") == 2000                                 # A's: B made none
+    assert metric(m, "zen_node_generation_tokens_total") == 4000                                 # A's: B made none
     assert metric(m, "zen_node_requests_rejected_total", reason="queue_full") == 1
     assert metric(m, "zen_node_requests_rejected_total") == 1   # D was taken: a timeout, not a refusal
     assert metric(m, "zen_node_request_success_total", finished_reason="timeout") == 1          # D
