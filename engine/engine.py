@@ -154,9 +154,8 @@ class Engine:
     def release(self) -> None:
         """Drop the weights and the KV cache, once nothing steps this engine any more: their memory
         goes now, whatever else still refers to the engine object."""
-        self.runner.close()
-        self.runner.k_cache = self.runner.v_cache = None
-        self.runner.model = self.model = None
+        self.runner.release()
+        self.model = None
 
     # ------------------------------------------------------------------------------------ requests
     def validate(self, request: EngineRequest) -> None:

@@ -34,6 +34,12 @@ class ModelRunner:
             self._mask_thread.shutdown(wait=True)
             self._mask_thread = None
 
+    def release(self) -> None:
+        """Close, and drop everything on the device: the weights, the KV cache and the fused decode's
+        stacked copies of both (the only copy of the layers' weights on a GPU)."""
+        self.close()
+        self.k_cache = self.v_cache = self.model = self.fused_decode = None
+
     def _start_masks(self, sampling: list[Sequence]) -> tuple[np.ndarray, Future] | None:
         """The constrained rows' masks, computed on the mask thread from now (None: no row is constrained)."""
         grammars = [s.grammar for s in sampling if s.grammar is not None]

@@ -292,3 +292,21 @@ def _advance(scheduled, sampled, res) -> list:
     for s, t in zip(sampled, res.token_ids):
         s.append_token(int(t))
     return res.token_ids.tolist()
+
+
+def test_a_released_runner_holds_nothing_on_the_device():
+    """An evicted model's GPU memory goes at once: the fused decode's stacked weights and its KV cache
+    references go with the runner's own."""
+    import gc
+    import weakref
+
+    from engine.runner import ModelRunner
+
+    runner = ModelRunner(LlamaModel(make_tiny_weights(seed=3, fmt="f32", **TINY), CudaBackend(SIM_DECODE)),
+                         BLOCK, 12, eos_token_ids=[2])
+    assert runner.fused_decode is not None
+    held = [weakref.ref(runner.k_cache), weakref.ref(runner.v_cache)]
+    held += [weakref.ref(w) for w in runner.fused_decode.weights if hasattr(w, "__weakref__")]
+    runner.release()
+    gc.collect()
+    assert [r for r in held if r() is not None] == []
