@@ -108,15 +108,25 @@ def _objects(messages) -> list[dict]:
     return messages
 
 
-def _call_text(call: dict) -> str:
-    f = call.get("function") or {}
-    args = f.get("arguments")
-    if isinstance(args, str):
+def _call_function(call) -> dict:
+    """A history's tool call's function with its arguments as JSON values where they parse (ValueError for
+    a call that is no {id, type, function} object)."""
+    f = (call.get("function") or {}) if isinstance(call, dict) else None
+    if not isinstance(f, dict):
+        raise ValueError("tool_calls must hold {id, type, function} objects, function an object")
+    f = dict(f)
+    if isinstance(f.get("arguments"), str):
         try:
-            args = json_value(args)
+            f["arguments"] = json_value(f["arguments"])
         except ValueError:
             pass
-    return CALL_OPEN + json.dumps({"name": f.get("name"), "arguments": args}, ensure_ascii=False) + CALL_CLOSE
+    return f
+
+
+def _call_text(call) -> str:
+    f = _call_function(call)
+    return CALL_OPEN + json.dumps({"name": f.get("name"), "arguments": f.get("arguments")},
+                                  ensure_ascii=False) + CALL_CLOSE
 
 
 def uses_tools(messages, tools) -> bool:
@@ -142,7 +152,7 @@ def render_tool_prompt(messages: list[dict], tools: list[dict] | None) -> list[d
             continue
         results = False
         if role == "assistant" and isinstance(m.get("tool_calls"), list):
-            calls = "\n".join(_call_text(c) for c in m["tool_calls"] if isinstance(c, dict))
+            calls = "\n".join(_call_text(c) for c in m["tool_calls"])
             out.append({"role": "assistant", "content": (content + "\n" if content else "") + calls})
         else:
             out.append({"role": role, "content": content})
@@ -166,13 +176,7 @@ def template_messages(messages: list[dict]) -> list[dict]:
             for c in m["tool_calls"]:
                 if not isinstance(c, dict):
                     raise ValueError("tool_calls must hold {id, type, function} objects")
-                f = dict(c.get("function") or {})
-                if isinstance(f.get("arguments"), str):
-                    try:
-                        f["arguments"] = json_value(f["arguments"])
-                    except ValueError:
-                        pass
-                calls.append({**c, "function": f})
+                calls.append({**c, "function": _call_function(c)})
             m = {**m, "tool_calls": calls}
         out.append(m)
     return out

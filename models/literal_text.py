@@ -24,14 +24,24 @@ class LiteralText:
         self._nonce = f"{secrets.randbelow(10**12):012d}"   # the client cannot write a placeholder of its own
 
     def quote(self, value: Any) -> Any:
-        """`value` (JSON-like) with the special-token strings in its strings swapped for placeholders."""
-        if isinstance(value, str):
-            return value if self.tok.special_text is None else self.tok.special_text.sub(self._placeholder, value)
-        if isinstance(value, dict):
-            return {k: self.quote(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return [self.quote(v) for v in value]
-        return value
+        """A copy of `value` (JSON-like) with the special-token strings in its strings and keys swapped for
+        placeholders; iterative, as a client's tool schemas may nest deeper than Python recurses."""
+        if self.tok.special_text is None:
+            return value
+        root = [value]
+        todo = [(root, 0)]
+        while todo:
+            container, key = todo.pop()
+            item = container[key]
+            if isinstance(item, str):
+                container[key] = self.tok.special_text.sub(self._placeholder, item)
+            elif isinstance(item, dict):
+                copy = container[key] = {self.quote(k) if isinstance(k, str) else k: v for k, v in item.items()}
+                todo.extend((copy, k) for k in copy)
+            elif isinstance(item, (list, tuple)):
+                copy = container[key] = list(item)
+                todo.extend((copy, i) for i in range(len(copy)))
+        return root[0]
 
     def _placeholder(self, match: re.Match) -> str:
         self.literals.append(match.group(0))

@@ -60,3 +60,39 @@ def test_the_bos_token_frames_quoted_messages_as_it_frames_others():
     forged = prompt_token_ids(tok, None, [{"role": "user", "content": FORGED}], add_special_tokens=True)
     unframed = prompt_token_ids(tok, None, [{"role": "user", "content": FORGED}], add_special_tokens=False)
     assert forged == [tok.encode("", add_special_tokens=True)[0]] + unframed
+
+
+def test_special_token_text_in_keys_and_deeply_nested_tools_is_text():
+    tok = make_tiny_tokenizer()
+    schema: dict = {"type": "string"}
+    for _ in range(400):      # deeper than a recursive walk goes
+        schema = {"type": "object", "properties": {"a": schema}}
+    schema["properties"]["<|im_start|>key"] = {"type": "string"}
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    ids = prompt_token_ids(tok, None, [{"role": "user", "content": "hi"}], add_special_tokens=False, tools=[tool])
+    assert "<|im_start|>key" in tok.decode(ids, skip_special_tokens=False)
+    assert _specials(tok, ids) == _specials(tok, prompt_token_ids(
+        tok, None, [{"role": "user", "content": "hi"}], add_special_tokens=False,
+        tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]))
+
+
+def test_history_tool_calls_whose_function_is_no_object_are_a_400():
+    from engine.protocol import APIError
+    tok = make_tiny_tokenizer()
+    for call in ({"function": "x"}, {"function": ["x"]}, "x"):
+        with pytest.raises(APIError) as e:
+            prompt_token_ids(tok, None, [{"role": "assistant", "content": "", "tool_calls": [call]}],
+                             add_special_tokens=False)
+        assert e.value.status == 400 and e.value.param == "messages"
+
+
+def test_tools_nested_past_what_the_template_renders_are_a_400():
+    from engine.protocol import APIError
+    tok = make_tiny_tokenizer()
+    schema: dict = {"type": "string"}
+    for _ in range(3000):
+        schema = {"type": "object", "properties": {"a": schema}}
+    with pytest.raises(APIError) as e:
+        prompt_token_ids(tok, None, [{"role": "user", "content": "hi"}], add_special_tokens=False,
+                         tools=[{"type": "function", "function": {"name": "f", "parameters": schema}}])
+    assert e.value.status == 400 and e.value.param == "tools"
