@@ -215,10 +215,7 @@ def _generate(body: Mapping[str, Any], kind: str) -> Response:
         return Response(status=CLIENT_CLOSED)   # nobody reads it; the node's sequence is aborted
     except NodeStreamError as exc:
         _settle_cut_short(req, outcome, reservation, started)
-        if exc.code == NODE_SHUTDOWN:   # the node stopped, not failed: the client may retry at once
-            raise APIError(503, f"The engine node shut down during generation: {exc}", type="server_error",
-                           code=NODE_SHUTDOWN, headers={"Retry-After": "1"}) from None
-        raise APIError(502, f"The engine node failed during generation: {exc}", code="engine_error") from None
+        raise stream_failure(exc) from None
     except APIError as exc:
         _tokens().settle(reservation, 0)
         _name_prompt_param(exc, kind, g.max_tokens_param)
@@ -226,6 +223,18 @@ def _generate(body: Mapping[str, Any], kind: str) -> Response:
     except BaseException:
         _tokens().settle(reservation, 0)
         raise
+
+
+def stream_failure(exc: NodeStreamError) -> APIError:
+    """The client's error for a node stream that failed: the node's own refusal of the request (400, or
+    409 for a request id in use), a node that shut down (503: retry at once), or a failed node (502)."""
+    if exc.refused:
+        status = 409 if exc.code == "duplicate_request_id" else 400
+        return APIError(status, str(exc), code=exc.code, type="invalid_request_error")
+    if exc.code == NODE_SHUTDOWN:
+        return APIError(503, f"The engine node shut down during generation: {exc}", type="server_error",
+                        code=NODE_SHUTDOWN, headers={"Retry-After": "1"})
+    return APIError(502, f"The engine node failed during generation: {exc}", code="engine_error")
 
 
 def _cut_short_usage(req: InferenceRequest, completion_tokens: int, client_left: bool = False) -> dict:
@@ -375,12 +384,8 @@ def _answer_stream(req: InferenceRequest, kind: str, outcome: NodeStream | Promp
             log.warning("engine stream failed after the first token", extra={
                 "event": "stream_error", "request_id": req.request_id, "org": req.org,
                 "node": outcome.node, "error": str(exc)})
-            if exc.code == NODE_SHUTDOWN:
-                yield sse_error_event(f"The engine node shut down during generation: {exc}",
-                                      type="server_error", code=NODE_SHUTDOWN)
-            else:
-                yield sse_error_event(f"The engine node failed during generation: {exc}",
-                                      code="engine_error")
+            failure = stream_failure(exc)
+            yield sse_error_event(failure.message, type=failure.type, code=failure.code)
             yield SSE_DONE
         except APIError as exc:   # the node failed before the first token, and no other took over
             result["status"] = exc.status

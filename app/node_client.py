@@ -40,11 +40,13 @@ CLIENT_CHECK_S = 0.2   # how often a request that collects a JSON answer checks 
 
 
 class NodeStreamError(Exception):
-    """The node's stream failed (broken connection or an error event)."""
+    """The node's stream failed (broken connection or an error event); `refused`: the node's error event
+    says the request itself is at fault (invalid_request_error), which another node would refuse too."""
 
-    def __init__(self, message: str, code: str | None = None) -> None:
+    def __init__(self, message: str, code: str | None = None, refused: bool = False) -> None:
         super().__init__(message)
         self.code = code
+        self.refused = refused
 
 
 class NodeStream:
@@ -202,7 +204,7 @@ class NodeStream:
                 if self.abandoned:   # its client left: no failover, and no fault of the node's
                     self.end_span()
                     raise
-                if self.started:
+                if self.started or exc.refused:   # no failover: the tokens are out, or the request is bad
                     self.end_span(exc)
                     raise
                 self._client.release(self.node, self._conn, self.response, reuse=False)
@@ -305,7 +307,8 @@ def _read_events(lines: Iterator[bytes], node: str) -> Iterator[dict]:
                 continue
             if event.get("type") == "error":
                 err = event.get("error") if isinstance(event.get("error"), dict) else {}
-                raise NodeStreamError(str(err.get("message") or "engine error"), err.get("code"))
+                raise NodeStreamError(str(err.get("message") or "engine error"), err.get("code"),
+                                      refused=err.get("type") == "invalid_request_error")
             yield event
             if event.get("type") == "done":
                 return

@@ -308,10 +308,10 @@ class Engine:
         """Move the sequence's grammar by its token: (done, why). Done when the grammar is complete, or
         broken (the sequence cannot go on, and the message says why)."""
         g = seq.grammar
-        if not g.advance(token):
-            log.warning("grammar refused a sampled token", extra={
+        if not g.advance(token) or g.failed:   # refused the token, or failed on its next mask
+            log.warning("the grammar failed", extra={
                 "request_id": seq.request.request_id, "token": token, "error": g.failed})
-            return True, f"the grammar refused token {token}: {g.failed}"
+            return True, f"the structured output could not be enforced past token {token}: {g.failed}"
         return g.finished, None
 
     def _finished_delta(self, seq: Sequence, tokens=(), text="", lp=()) -> SequenceDelta:

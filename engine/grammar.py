@@ -101,7 +101,12 @@ class Grammar:
 
     @property
     def failed(self) -> str | None:
-        return self.matcher.get_error() if self.matcher.is_error() else None
+        return _first_line(self.matcher) if self.matcher.is_error() else None
+
+
+def _first_line(matcher: llguidance.LLMatcher) -> str:
+    """A failed matcher's error without the parser state llguidance appends to it."""
+    return matcher.get_error().strip().split("\n")[0]
 
 
 _guidance_tokenizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -147,6 +152,11 @@ class GrammarCompiler:
                 return hit
         source = _checked_source(key)
         matcher = llguidance.LLMatcher(self.tokenizer, source, log_level=0)   # drops the GIL while compiling
+        if not matcher.is_error():   # some grammars (a cycle of $refs) fail only once a mask is computed
+            probe = matcher.deep_copy()
+            probe.compute_bitmask()
+            if probe.is_error():
+                raise GrammarError(f"the {spec['type']} constraint cannot be enforced: {_first_line(probe)}")
         if matcher.is_error():
             raise GrammarError(f"the {spec['type']} constraint is invalid: {matcher.get_error().strip()}")
         with self._lock:

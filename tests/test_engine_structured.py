@@ -11,6 +11,9 @@ from engine.engine import RequestError
 from tests.test_engine import make_engine, prompt, req, run
 
 DIGITS = {"type": "regex", "value": "[0-9]{3}(-[0-9]{3}){4}"}
+# compiles, and llguidance gives up once a property name begins: 600 alternatives are past its row limit
+WIDE = {"type": "json", "value": {"type": "object",
+                                  "properties": {f"field_{i}": {"type": "string"} for i in range(600)}}}
 PATTERN = re.compile("[0-9]{3}(-[0-9]{3}){4}")
 
 
@@ -72,3 +75,13 @@ def test_a_request_whose_later_sequence_fails_to_set_up_queues_nothing(engine, m
     with pytest.raises(MemoryError):
         engine.add_request(req("so", prompt(6, 9), n=3, structured_output=DIGITS))
     assert not engine.has_unfinished() and engine.step() == []
+
+
+def test_a_grammar_that_breaks_down_ends_its_sequence_with_the_reason(engine):
+    engine.add_request(req("wide", prompt(1, 4), max_tokens=30, structured_output=WIDE))
+    finished = []
+    while engine.has_unfinished():
+        finished += [d for d in engine.step() if d.finished]
+    assert len(finished) == 1 and finished[0].finish_message is not None
+    assert "could not be enforced" in finished[0].finish_message and "max is 2000" in finished[0].finish_message
+    assert engine.pool.usage == 0.0

@@ -645,6 +645,33 @@ def test_a_stream_every_node_fails_before_its_first_token_ends_with_an_error_eve
     assert 'zen_gateway_org_errors_total{org="acme",status="503"} 1.0' in metrics
 
 
+@pytest.mark.parametrize("stream, after_tokens", [(False, 0), (True, 0), (True, 2)])
+def test_a_node_that_refuses_the_request_itself_is_not_failed_over(two_nodes, stream, after_tokens):
+    """An error event of the request's own (invalid_request_error: a constraint that broke down, a request
+    id in use) reaches the client as a 400 or 409 (in the stream once it has begun); no other node is tried
+    and the node counts no fault."""
+    app, cfg, a, b = two_nodes
+    a.state, b.state = {"utilization": 0.0}, {"utilization": 0.9}
+    for node in (a, b):
+        node.error_after_tokens, node.error_type, node.error_code = after_tokens, "invalid_request_error", \
+            "structured_output_failed"
+    client = app.test_client()
+    for code, status in (("structured_output_failed", 400), ("duplicate_request_id", 409)):
+        a.error_code = code
+        r = client.post(CHAT, headers=bearer(cfg), json=chat_body(stream=stream, max_tokens=5))
+        if stream:
+            assert r.status_code == 200
+            events = sse_events(r.get_data(as_text=True))
+            r.close()
+            assert events[-1] == "[DONE]" and events[-2]["error"]["type"] == "invalid_request_error"
+            assert events[-2]["error"]["code"] == code
+        else:
+            assert_error(r, status, code=code)
+    assert len(a.received) == 2 and b.received == []
+    metrics = client.get("/metrics", headers=METRICS_HEADERS).get_data(as_text=True)
+    assert "broken_before_first_token" not in metrics
+
+
 @pytest.mark.parametrize("knob", ["fail_after_tokens", "error_after_tokens"])
 def test_failure_after_the_first_token_is_an_error_event(client, auth, node, knob):
     setattr(node, knob, 3)

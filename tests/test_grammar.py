@@ -74,6 +74,14 @@ def test_invalid_constraints_say_why(compiler, spec, message):
         check_constraint(spec)
 
 
+def test_a_constraint_that_fails_on_its_first_mask_is_refused_when_compiled(compiler):
+    c, _ = compiler
+    cycle = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+    with pytest.raises(GrammarError, match="cannot be enforced") as err:
+        c.compile({"type": "json", "value": cycle})
+    assert err.value.param == "structured_output" and "\n" not in str(err.value)
+
+
 @pytest.mark.parametrize("spec", [
     {"type": "xml", "value": "<a/>"}, {"type": "choice", "value": []}, {"type": "choice", "value": ["a", 1]},
     {"type": "json", "value": "{}"}, {"type": "regex", "value": ""}, {"type": "regex"},

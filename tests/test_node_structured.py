@@ -126,3 +126,17 @@ def test_a_template_with_tool_support_renders_the_tools_itself():
             {"role": "tool", "tool_call_id": "c", "content": "sunny"}]
     ids = prompt_token_ids(tok, None, msgs, add_special_tokens=False, tools=tools)
     assert tok.decode(ids) == "[tool get_weather]<user>hi<assistant>[call Oslo]<tool>sunny"
+
+
+def test_a_constraint_that_breaks_down_while_generating_is_a_400_or_an_error_event(node):
+    """llguidance gives up on a 600-property object once a property name begins: the answer is an error
+    naming the constraint, never output that does not conform."""
+    wide = {"type": "json", "value": {"type": "object",
+                                      "properties": {f"field_{i}": {"type": "string"} for i in range(600)}}}
+    r = generate(node, _body("so-wide", wide, temperature=0.0), SECRET)
+    err = assert_openai_error(r, 400, "structured_output_failed")
+    assert err["param"] == "structured_output" and "could not be enforced" in err["message"]
+    events = sse_events(generate(node, {**_body("so-wide-s", wide, temperature=0.0), "stream": True}, SECRET,
+                                 stream=True))
+    assert events[-1]["type"] == "error" and events[-1]["error"]["type"] == "invalid_request_error"
+    assert events[-1]["error"]["code"] == "structured_output_failed"

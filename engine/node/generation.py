@@ -19,6 +19,7 @@ from flask import Response, jsonify
 
 from engine.client_socket import ClientGone, client_gone
 from engine.engine import RequestError
+from engine.grammar import PARAM as GRAMMAR_PARAM
 from engine.node.admission import Ticket
 from engine.node.drain import RETRY_AFTER_S, NodeShutdown
 from engine.node.metrics import FinishedSequence
@@ -158,6 +159,8 @@ class Generation:
             c.cached_tokens = d.num_cached_tokens
             if d.finish_reason is not None:
                 c.finish_reason = d.finish_reason
+            if d.finish_message is not None:   # the constraint broke down: its output would not conform
+                raise RequestError(d.finish_message, param=GRAMMAR_PARAM, code="structured_output_failed")
             yield d
 
     def logprob_entry(self, lp) -> dict:
