@@ -652,8 +652,8 @@ def test_a_node_that_refuses_the_request_itself_is_not_failed_over(two_nodes, st
     and the node counts no fault."""
     app, cfg, a, b = two_nodes
     a.state, b.state = {"utilization": 0.0}, {"utilization": 0.9}
-    for node in (a, b):
-        node.error_after_tokens, node.error_type, node.error_code = after_tokens, "invalid_request_error", \
+    for stand_in in (a, b):
+        stand_in.error_after_tokens, stand_in.error_type, stand_in.error_code = after_tokens, "invalid_request_error", \
             "structured_output_failed"
     client = app.test_client()
     for code, status in (("structured_output_failed", 400), ("duplicate_request_id", 409)):
