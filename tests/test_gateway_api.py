@@ -653,8 +653,7 @@ def test_a_node_that_refuses_the_request_itself_is_not_failed_over(two_nodes, st
     app, cfg, a, b = two_nodes
     a.state, b.state = {"utilization": 0.0}, {"utilization": 0.9}
     for stand_in in (a, b):
-        stand_in.error_after_tokens, stand_in.error_type, stand_in.error_code = after_tokens, "invalid_request_error", \
-            "structured_output_failed"
+        stand_in.error_after_tokens, stand_in.error_type = after_tokens, "invalid_request_error"
     client = app.test_client()
     for code, status in (("structured_output_failed", 400), ("duplicate_request_id", 409)):
         a.error_code = code
