@@ -46,7 +46,7 @@ def signing_keys(document: Any) -> list[SigningKey]:
             continue
         try:
             jwk = PyJWK(data)
-        except PyJWTError:
+        except (PyJWTError, TypeError, ValueError):   # pyjwt's own, or a member's fields of the wrong type
             continue
         alg = data.get("alg")
         keys.append(SigningKey(jwk.key_id, jwk.key_type, alg if isinstance(alg, str) else None, jwk))

@@ -213,7 +213,8 @@ def test_a_key_serves_only_the_algorithm_its_set_publishes(keys, jwks_server, cl
     any RSA one verifies with it. An encryption key and members that are no keys are left out."""
     unnamed = {k: v for k, v in _public_jwk(keys["rsa2"], "rsa-2", "RS256").items() if k != "alg"}
     jwks_server.keys = [_public_jwk(keys["rsa"], "rsa-1", "RS256"), unnamed,
-                        dict(_public_jwk(keys["rsa"], "rsa-enc", "RS256"), use="enc"), "not a key", {"kty": "RSA"}]
+                        dict(_public_jwk(keys["rsa"], "rsa-enc", "RS256"), use="enc"), "not a key", {"kty": "RSA"},
+                        dict(_public_jwk(keys["rsa"], "rsa-odd", "RS256"), alg=["RS256"])]   # a field mistyped
     app = create_app(make_config([], auth={"jwks_url": jwks_server.url, "algorithms": ["RS256", "RS384"],
                                            "jwks_refetch_interval_s": INTERVAL_S}))
     try:
