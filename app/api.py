@@ -127,7 +127,8 @@ def build_request(body: Mapping[str, Any], kind: str) -> tuple[InferenceRequest,
     if len(batch) > config.server.max_prompts:
         raise bad_value(f"`prompt` holds {len(batch)} prompts, more than this server's "
                         f"{config.server.max_prompts} per request", "prompt")
-    if kind == COMPLETIONS and body.get("best_of") is not None and body.get("best_of") != n:
+    best_of = body.get("best_of")
+    if kind == COMPLETIONS and best_of is not None and (isinstance(best_of, bool) or best_of != n):   # True == 1
         raise bad_value("`best_of` other than `n` is not supported", "best_of",
                         "unsupported_parameter")
     sampling = {f: params.number(body, f) for f in

@@ -837,6 +837,7 @@ BAD_COMPLETIONS = [
     ({"model": "zen-small", "prompt": "x", "logprobs": True}, "logprobs"),
     ({"model": "zen-small", "prompt": "x", "echo": True}, "echo"),
     ({"model": "zen-small", "prompt": "x", "best_of": 3}, "best_of"),
+    ({"model": "zen-small", "prompt": "x", "best_of": True}, "best_of"),
     ({"model": "zen-small", "prompt": "x", "suffix": "y"}, "suffix"),
 ]
 
