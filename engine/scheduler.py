@@ -124,6 +124,9 @@ class Scheduler:
                 if self._held_for_leader(seq):
                     continue
                 if len(self.running) >= self.config.max_num_seqs:
+                    cached, num_cached = self.kv.find_cached_prefix(seq)
+                    if not self._room_possible(seq, min(seq.num_tokens - num_cached, budget), cached, now):
+                        break   # a slot alone would not admit it: preempt none for nothing
                     freed = self._make_room(seq, now, out)
                     if freed is None:
                         break

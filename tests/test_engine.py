@@ -345,6 +345,32 @@ def test_no_stream_is_preempted_for_a_request_that_would_still_not_fit():
     assert kv.blocks_freed_by([a]) == 1 and kv.blocks_freed_by([b]) == 1 and kv.blocks_freed_by([a, b]) == 3
 
 
+def test_no_stream_is_preempted_for_a_batch_slot_when_its_blocks_would_still_not_admit_the_request():
+    """Two slots, both running (a realtime prompt of 40 tokens, a batch stream of 4): a realtime request of
+    30 tokens needs 8 blocks, more than the batch stream's and the free ones, so it keeps its slot."""
+    from engine.kv_cache import BlockPool, KVCacheManager
+    from engine.scheduler import Scheduler
+    from engine.sequence import Sequence
+    kv = KVCacheManager(BlockPool(16), 4, "m", enable_prefix_caching=False)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2), kv)
+    seqs = {}
+    for i, (rid, cls, n) in enumerate([("rt", LatencyClass.REALTIME, 40), ("batch", LatencyClass.BATCH, 4),
+                                       ("late", LatencyClass.REALTIME, 30)]):
+        seqs[rid] = Sequence(i, EngineRequest(rid, "m", list(range(100 * i, 100 * i + n)), SamplingParams(),
+                                              cls, arrival_time=0.0), 0, 0)
+    for arriving in (["rt", "batch"], [], ["late"]):
+        for rid in arriving:
+            sched.add(seqs[rid])
+        out = sched.schedule(now=0.0)
+        for seq, n in out.scheduled:
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens >= seq.num_tokens:
+                seq.append_token(5)
+    assert out.preempted == [] and sched.running == [seqs["rt"], seqs["batch"]] and sched.waiting == [seqs["late"]]
+    assert (seqs["batch"], 1) in out.scheduled
+    assert kv.pool.num_free_blocks + kv.blocks_freed_by([seqs["batch"]]) < 8
+
+
 def test_batch_work_is_not_starved(tiny_gguf):
     eng = make_engine(tiny_gguf, max_num_seqs=1, max_batched=16, starvation_s=0.05)
     eng.add_request(req("batch", prompt(30, 8), LatencyClass.BATCH, max_tokens=2))
