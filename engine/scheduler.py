@@ -33,6 +33,10 @@ class SchedulerConfig:
     def __post_init__(self):
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.max_num_batched_tokens < self.max_num_seqs:   # else decodes alone fill every step
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                             f"max_num_seqs ({self.max_num_seqs}): a full batch's decodes would use the whole "
+                             "step, and no waiting request, however urgent, could start")
 
 
 @dataclass

@@ -17,7 +17,8 @@ from tests.node_fixtures import wait_for
 from engine.scheduler import SchedulerConfig
 
 
-def make_engine(path, num_blocks=64, block_size=4, max_num_seqs=16, max_batched=64, **kw) -> Engine:
+def make_engine(path, num_blocks=64, block_size=4, max_num_seqs=None, max_batched=64, **kw) -> Engine:
+    max_num_seqs = min(16, max_batched) if max_num_seqs is None else max_num_seqs   # a step's budget bounds the batch
     probe = Engine.__new__(Engine)  # bytes per block depend on the model: compute from a real engine
     del probe
     eng = Engine(EngineConfig(model=path, backend="cpu", block_size=block_size, kv_cache_bytes=1 << 20,
@@ -229,7 +230,7 @@ def _prefill_chunks(requests, steps=4, budget=256, prefix_caching=True):
     from engine.scheduler import Scheduler
     from engine.sequence import Sequence
     kv = KVCacheManager(BlockPool(1000), 16, "m", enable_prefix_caching=prefix_caching)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget), kv)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=min(64, budget), max_num_batched_tokens=budget), kv)
     arrivals = {}   # step -> the sequences that arrive then
     for r, start_step in requests:
         leader = None
@@ -878,3 +879,11 @@ def test_a_stream_gets_its_token_before_the_next_step_holds_the_gil(monkeypatch)
         assert received[0][1] < middle_of_step_2, "token 1 waited for step 2's kernels"
     finally:
         loop.stop()
+
+
+def test_a_step_budget_smaller_than_the_batch_is_refused():
+    """Decodes come first in a step: with fewer tokens a step than sequences in the batch, a full batch's
+    decodes would take every step and no waiting request, a realtime one included, could start."""
+    with pytest.raises(ValueError, match="must be at least max_num_seqs"):
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4)
+    assert SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=8).max_num_batched_tokens == 8
