@@ -269,6 +269,10 @@ class ToolCallParser:
                 body, self._buf = self._buf[:end], self._buf[end + len(CALL_CLOSE):]
                 self._in_call, self._scanned, self._in_string = False, 0, False
                 call = _parse_call(body)
+                if call is None and CALL_CLOSE in body:   # a stray quote hid the close tag that ends it
+                    at = body.index(CALL_CLOSE)
+                    body, self._buf = body[:at], body[at + len(CALL_CLOSE):] + CALL_CLOSE + self._buf
+                    call = _parse_call(body)
                 out.append(("call", call) if call else ("text", CALL_OPEN + body + CALL_CLOSE))
                 continue
             start = self._buf.find(CALL_OPEN)
@@ -308,6 +312,11 @@ class ToolCallParser:
         self._buf, self._in_call, self._scanned, self._in_string = "", False, 0, False
         if not in_call:
             return [("text", body)] if body else []
+        if in_string and CALL_CLOSE in body:   # a stray quote hid the close tag that ends the call
+            at = body.index(CALL_CLOSE)
+            call = _parse_call(body[:at])
+            first = ("call", call) if call else ("text", CALL_OPEN + body[:at] + CALL_CLOSE)
+            return [first] + self.push(body[at + len(CALL_CLOSE):]) + self.finish(cut)
         if not cut:
             return [("text", CALL_OPEN + body)]
         if not in_string:   # a close tag cut short is markup, not the arguments' text

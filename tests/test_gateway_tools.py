@@ -240,6 +240,21 @@ def test_a_close_tag_inside_the_arguments_is_their_text():
     assert kind == "call" and json.loads(streamed.arguments) == {"text": "a </tool_call> b"}
 
 
+@pytest.mark.parametrize("bad", ['{"name":"f","arguments":{"a":"x"y"}}', '{"name":"f","arguments":{"a":"x"y""}}'])
+def test_a_block_with_a_stray_quote_is_content_and_the_calls_after_it_stay_calls(bad):
+    """A stray quote makes the scan read the close tag as the arguments' text: the first close tag ends
+    the block after all, which is content, and the valid call after it is a call (at once or streamed)."""
+    good = '{"name":"g","arguments":{"b":1}}'
+    text = f"<tool_call>{bad}</tool_call>\n<tool_call>{good}</tool_call>"
+    content, calls = parse_tool_calls(text)
+    assert content == f"<tool_call>{bad}</tool_call>\n"
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("g", {"b": 1})]
+    p = ToolCallParser()
+    pieces = [piece for ch in text for piece in p.push(ch)] + p.finish()
+    assert "".join(x for kind, x in pieces if kind == "text") == content
+    assert [c.name for kind, c in pieces if kind == "call"] == ["g"]
+
+
 def test_the_default_rendering_describes_tools_and_history():
     msgs = render_tool_prompt([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
                                {"role": "assistant", "content": "", "tool_calls": [
