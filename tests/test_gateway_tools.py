@@ -253,6 +253,9 @@ def test_a_block_with_a_stray_quote_is_content_and_the_calls_after_it_stay_calls
     pieces = [piece for ch in text for piece in p.push(ch)] + p.finish()
     assert "".join(x for kind, x in pieces if kind == "text") == content
     assert [c.name for kind, c in pieces if kind == "call"] == ["g"]
+    # a second stray quote turns the scan back: the close tag it finds ends all four blocks at once
+    content, calls = parse_tool_calls(text + "\n" + text)
+    assert content == f"<tool_call>{bad}</tool_call>\n\n<tool_call>{bad}</tool_call>\n" and len(calls) == 2
 
 
 def test_the_default_rendering_describes_tools_and_history():
