@@ -8,7 +8,8 @@ template renders `tools` itself gets them there; any other template gets the def
 the assistant's text and tool results as user messages in `<tool_response>` tags (docs/structured-outputs.md).
 
 The gateway builds the grammar (tool_choice "required" or a named function) and parses the output; the
-node renders the prompt. Nothing here imports more than the standard library and the wire protocol.
+node renders the prompt. Nothing here imports more than the standard library, the wire protocol and the
+chat messages' checks.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.protocol import json_value
+from models.chat_template import normalize_messages
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
@@ -140,15 +142,16 @@ def render_tool_prompt(messages: list[dict], tools: list[dict] | None) -> list[d
     tools described in the system message when there are any)."""
     out: list[dict] = []
     results = False   # the last message out holds tool results
-    for m in _objects(messages):
-        role, content = m.get("role"), m.get("content") or ""
-        if role == "tool":
-            block = f"{RESPONSE_OPEN}\n{content}\n{RESPONSE_CLOSE}"
-            if results:   # the results of one turn's calls in one user message: templates want turns to alternate
-                out[-1] = {"role": "user", "content": out[-1]["content"] + "\n" + block}
+    for m in normalize_messages(messages):   # contents as text
+        role, content = m["role"], m["content"]
+        # a turn's results, and a user message after them, in one user message: templates want turns to alternate
+        if role == "tool" or (role == "user" and results):
+            text = f"{RESPONSE_OPEN}\n{content}\n{RESPONSE_CLOSE}" if role == "tool" else content
+            if results:
+                out[-1] = {"role": "user", "content": out[-1]["content"] + "\n" + text}
             else:
-                out.append({"role": "user", "content": block})
-            results = True
+                out.append({"role": "user", "content": text})
+            results = role == "tool"
             continue
         results = False
         if role == "assistant" and isinstance(m.get("tool_calls"), list):

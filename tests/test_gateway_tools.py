@@ -258,6 +258,21 @@ def test_a_block_with_a_stray_quote_is_content_and_the_calls_after_it_stay_calls
     assert content == f"<tool_call>{bad}</tool_call>\n\n<tool_call>{bad}</tool_call>\n" and len(calls) == 2
 
 
+def test_the_default_rendering_keeps_turns_alternating_after_tool_results():
+    """The results of a turn's parallel calls, and a user message right after them, are one user message:
+    templates such as Gemma's refuse two user turns in a row."""
+    call = {"id": "c", "type": "function", "function": {"name": "now", "arguments": "{}"}}
+    msgs = render_tool_prompt([{"role": "user", "content": "time?"},
+                               {"role": "assistant", "content": "", "tool_calls": [call, {**call, "id": "d"}]},
+                               {"role": "tool", "tool_call_id": "c", "content": "12:00"},
+                               {"role": "tool", "tool_call_id": "d", "content": [{"type": "text", "text": "UTC"}]},
+                               {"role": "user", "content": [{"type": "text", "text": "and tomorrow?"}]},
+                               {"role": "assistant", "content": "Sunday"}, {"role": "user", "content": "ok"}], None)
+    assert [m["role"] for m in msgs] == ["user", "assistant", "user", "assistant", "user"]
+    assert msgs[2]["content"] == ("<tool_response>\n12:00\n</tool_response>\n<tool_response>\nUTC\n"
+                                  "</tool_response>\nand tomorrow?")
+
+
 def test_the_default_rendering_describes_tools_and_history():
     msgs = render_tool_prompt([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
                                {"role": "assistant", "content": "", "tool_calls": [
@@ -270,18 +285,6 @@ def test_the_default_rendering_describes_tools_and_history():
     assert msgs[3] == {"role": "user", "content": "<tool_response>\n12:00\n</tool_response>"}
     with pytest.raises(ValueError):
         render_tool_prompt(["not a message"], [CLOCK])
-
-
-def test_the_results_of_parallel_calls_are_one_user_turn():
-    # templates that want turns to alternate (Gemma's raises otherwise) see user, assistant, user
-    calls = [{"id": c, "type": "function", "function": {"name": "now", "arguments": "{}"}} for c in ("a", "b")]
-    msgs = render_tool_prompt([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": calls},
-                               {"role": "tool", "tool_call_id": "a", "content": "12:00"},
-                               {"role": "tool", "tool_call_id": "b", "content": "13:00"},
-                               {"role": "user", "content": "and?"}], None)
-    assert [m["role"] for m in msgs] == ["user", "assistant", "user", "user"]
-    assert msgs[2]["content"] == "<tool_response>\n12:00\n</tool_response>\n<tool_response>\n13:00\n</tool_response>"
-
 
 
 def _ends_in_string(text: str) -> bool:
