@@ -6,6 +6,7 @@ or `text_completion`) as server-sent events, ending with `data: [DONE]`.
 """
 from __future__ import annotations
 
+import codecs
 import json
 import time
 from typing import Any, Iterable
@@ -56,10 +57,31 @@ def chat_logprob_content(entries: Iterable[dict], top_n: int) -> list[dict]:
     return out
 
 
-def completion_logprobs(entries: list[dict], top_n: int, text_offset_start: int = 0) -> dict:
-    """Node logprob entries → OpenAI completions `logprobs`."""
-    tokens, token_logprobs, top, offsets = [], [], [], []
-    offset = text_offset_start
+class TextOffsets:
+    """Where each token's text begins in a completion's text, in characters counted from the tokens' bytes:
+    the byte-piece tokens of one character share its offset (their own texts, "\ufffd" each, would count one
+    character apiece)."""
+
+    def __init__(self) -> None:
+        self.chars = 0
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def next(self, entry: dict) -> int:
+        """The offset of this entry's token; the count moves past it."""
+        offset = self.chars
+        raw = entry.get("bytes")
+        try:
+            data = bytes(raw) if isinstance(raw, list) else str(entry.get("token", "")).encode()
+        except (TypeError, ValueError):   # not bytes: the token's text
+            data = str(entry.get("token", "")).encode()
+        self.chars += len(self._decoder.decode(data))
+        return offset
+
+
+def completion_logprobs(entries: list[dict], top_n: int, offsets: TextOffsets | None = None) -> dict:
+    """Node logprob entries → OpenAI completions `logprobs` (`offsets`: the choice's count so far)."""
+    offsets = offsets or TextOffsets()
+    tokens, token_logprobs, top, text_offsets = [], [], [], []
     for e in entries:
         token = str(e.get("token", ""))
         tokens.append(token)
@@ -69,10 +91,9 @@ def completion_logprobs(entries: list[dict], top_n: int, text_offset_start: int 
             alternatives.setdefault(str(t.get("token", "")), t.get("logprob"))
         alternatives.setdefault(token, e.get("logprob"))   # the sampled token's always: up to logprobs + 1
         top.append(alternatives)
-        offsets.append(offset)
-        offset += len(token)
+        text_offsets.append(offsets.next(e))
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
-            "text_offset": offsets}
+            "text_offset": text_offsets}
 
 
 def usage_of(node_usage: Any) -> dict:
@@ -155,7 +176,7 @@ class ChunkWriter:
         self.n = n
         self.include_usage = include_usage
         self.logprobs_top = logprobs_top
-        self.text_offsets = [0] * n
+        self.text_offsets = [TextOffsets() for _ in range(n)]
         self.finished: set[int] = set()
         self._plain: dict[int, tuple[str, str]] = {}   # index -> the chunk around its text
         # a chat answer parsed for tool calls: per choice, and the logprobs of its tokens not yet sent (the
@@ -195,9 +216,6 @@ class ChunkWriter:
                 self._unsent_logprobs[index].append(entry)
             return self._deltas(index, self.tools[index].push(text))
         with_logprobs = self.logprobs_top is not None and isinstance(entry, dict)
-        offset = self.text_offsets[index] if index < self.n else 0
-        if with_logprobs and index < self.n:   # each token's own text, as the whole answer counts them
-            self.text_offsets[index] += len(str(entry.get("token", "")))
         if not with_logprobs:
             # The same chunk every time but for its text: serialised once per choice, then only the
             # text is encoded (once per token per stream, this is the gateway's hottest line).
@@ -206,7 +224,8 @@ class ChunkWriter:
         if self.kind == CHAT:
             lp = {"content": chat_logprob_content([entry], self.logprobs_top)}
         else:
-            lp = completion_logprobs([entry], self.logprobs_top, offset)
+            offsets = self.text_offsets[index] if index < self.n else None
+            lp = completion_logprobs([entry], self.logprobs_top, offsets)
         return self._chunk([self._token_choice(index, text, lp)])
 
     def _around(self, index: int) -> tuple[str, str]:

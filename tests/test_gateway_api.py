@@ -226,6 +226,22 @@ def test_a_completion_streams_the_text_offsets_its_whole_answer_has():
     assert offsets == whole["choices"][0]["logprobs"]["text_offset"] == [0, 1, 3, 4]
 
 
+
+def test_the_tokens_of_one_character_share_its_text_offset():
+    """An emoji in byte-piece tokens: each token's text is "\ufffd", the answer's text has the emoji once;
+    the offsets index that text, streamed as in the whole answer."""
+    from app.responses import COMPLETIONS, ChunkWriter, text_completion
+    pieces = [b"A", "😀".encode()[:2], "😀".encode()[2:], b"b"]
+    entries = [{"token_id": i, "token": p.decode(errors="replace"), "bytes": list(p), "logprob": -1.0, "top": []}
+               for i, p in enumerate(pieces)]
+    whole = text_completion("r", "m", "m", "q", {"choices": [{"index": 0, "text": "A😀b", "logprobs": entries,
+                                                               "finish_reason": "length"}]}, 0)
+    assert whole["choices"][0]["logprobs"]["text_offset"] == [0, 1, 1, 2]
+    writer = ChunkWriter(COMPLETIONS, "r", "m", "m", "q", 1, False, 0)
+    streamed = [json.loads(writer.token({"index": 0, "text": "", "logprobs": e})[6:]) for e in entries]
+    assert [c["choices"][0]["logprobs"]["text_offset"][0] for c in streamed] == [0, 1, 1, 2]
+
+
 # -- streaming -----------------------------------------------------------------------------------
 
 def test_chat_streaming_with_usage(client, auth, node):
