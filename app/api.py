@@ -238,12 +238,13 @@ def stream_failure(exc: NodeStreamError) -> APIError:
     return APIError(502, f"The engine node failed during generation: {exc}", code="engine_error")
 
 
-def _cut_short_usage(req: InferenceRequest, completion_tokens: int, client_left: bool = False) -> dict:
-    """What a request cut short has used: the prompt's estimate and the tokens it got; nothing when the
-    nodes failed it before its first token, like a request refused before it started. A client that left
-    once a node had taken the request pays its prompt: the node may have computed it (else leaving before
-    the first token would make long prompts free)."""
-    prompt = req.estimated_tokens if completion_tokens or client_left else 0
+def _cut_short_usage(req: InferenceRequest, completion_tokens: int, client_left: bool = False,
+                     counted: int | None = None) -> dict:
+    """What a request cut short has used: its prompt (as the node counted it, else the estimate) and the
+    tokens it got; nothing when the nodes failed it before its first token, like a request refused before
+    it started. A client that left once a node had taken the request pays its prompt: the node may have
+    computed it (else leaving before the first token would make long prompts free)."""
+    prompt = (req.estimated_tokens if counted is None else counted) if completion_tokens or client_left else 0
     return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
             "total_tokens": prompt + completion_tokens}
 
@@ -259,8 +260,8 @@ def _settle_usage(tokens: TokenLimiter, metrics: GatewayMetrics, req: InferenceR
 
 def _settle_cut_short(req: InferenceRequest, outcome: NodeStream | PromptBatch | None, reservation,
                       started: float, client_left: bool = False) -> None:
-    read = outcome.tokens_read if outcome is not None else 0
-    _settle_usage(_tokens(), _metrics(), req, reservation, _cut_short_usage(req, read, client_left),
+    read, counted = (outcome.tokens_read, outcome.prompt_tokens) if outcome is not None else (0, None)
+    _settle_usage(_tokens(), _metrics(), req, reservation, _cut_short_usage(req, read, client_left, counted),
                   time.perf_counter() - started)
 
 
@@ -407,7 +408,7 @@ def _answer_stream(req: InferenceRequest, kind: str, outcome: NodeStream | Promp
         ended = time.perf_counter()
         outcome.close()
         usage = result["usage"] or _cut_short_usage(req, result["completion_tokens"],
-                                                    result["status"] == CLIENT_CLOSED)
+                                                    result["status"] == CLIENT_CLOSED, outcome.prompt_tokens)
         _settle_usage(tokens, metrics, req, reservation, usage, ended - started)
         metrics.request_done(req.org, endpoint, result["status"])
         if trace is not None:

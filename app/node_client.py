@@ -29,7 +29,8 @@ from app.node_faults import NodeFaults
 from app.router import TRANSPORT_ERRORS, NodePool
 from app.tracing import end_node_span, start_node_span, traced_rank
 from engine.client_socket import ClientGone
-from engine.protocol import REQUEST_ID_HEADER, SECRET_HEADER, STATE_FIELD, STATE_HEADER, APIError, NodeState
+from engine.protocol import (PROMPT_TOKENS_HEADER, REQUEST_ID_HEADER, SECRET_HEADER, STATE_FIELD, STATE_HEADER,
+                             APIError, NodeState)
 
 if TYPE_CHECKING:
     from engine.tracing import Tracing
@@ -73,6 +74,7 @@ class NodeStream:
         self._lines: Iterator[bytes] | None = None
         self.started = False     # a token (or the done event) was read: no failover from here on
         self.tokens_read = 0     # token events read: what a request cut short has cost
+        self.prompt_tokens: int | None = None   # the prompt's tokens, as the node that took it counted them
         self.finished = False    # the node's "done" event was read
         self.abandoned = False   # no one reads it any more (a closed PromptBatch): no failover
         self._closing = False
@@ -128,6 +130,7 @@ class NodeStream:
                 if url in self._needs_load:
                     self._client.pool.load_result(self._req.model.key, url, state, served=resp.status == 200)
             if resp.status == 200:
+                self.prompt_tokens = _count(resp.headers.get(PROMPT_TOKENS_HEADER))
                 with self._lock:
                     self.node, self.response, self._conn, self._lines = url, resp, conn, _lines(resp)
                     if self.abandoned:   # while it failed over: its first read ends at once
@@ -315,6 +318,11 @@ def _read_events(lines: Iterator[bytes], node: str) -> Iterator[dict]:
     except TRANSPORT_ERRORS as exc:
         raise NodeStreamError(f"connection to the engine node broke: {exc.__class__.__name__}") from None
     raise NodeStreamError("the engine node closed the stream before it finished")
+
+
+def _count(value: str | None) -> int | None:
+    """A node header's count; None where it is missing or no count."""
+    return int(value) if value is not None and value.isascii() and value.isdigit() else None
 
 
 def _node_error(resp: http.client.HTTPResponse) -> dict:

@@ -64,6 +64,12 @@ class PromptBatch:
     def tokens_read(self) -> int:
         return sum(s.tokens_read for s in self.streams)
 
+    @property
+    def prompt_tokens(self) -> int | None:
+        """The prompts' tokens as their nodes counted them; None unless every prompt's node has."""
+        counts = [s.prompt_tokens for s in self.streams]
+        return None if None in counts else sum(counts)
+
     def accept(self) -> None:
         """Every prompt's node answer (APIError at the first that no node takes: the others are closed)."""
         try:

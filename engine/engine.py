@@ -288,7 +288,9 @@ class Engine:
         piece = "" if stop_token else o.detok.push(token)
         text, stopped = o.stop.push(piece, may_stop=long_enough)
         reason = None
-        if stopped or grammar_done or stop_token:
+        if message is not None:   # the grammar broke down: what follows would not conform
+            reason = "error"
+        elif stopped or grammar_done or stop_token:
             reason = "stop"
         elif p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
             reason = "length"
@@ -298,7 +300,7 @@ class Engine:
             if not stopped:  # the stream ends: release held-back bytes and stop-string prefixes
                 tail, stopped = o.stop.push(o.detok.flush(), may_stop=long_enough)
                 text += tail if stopped else tail + o.stop.flush()
-                reason = "stop" if stopped else reason
+                reason = "stop" if stopped and reason != "error" else reason
             self.scheduler.finish(seq, reason, message)
             return self._finished_delta(seq, [token], text, lp)
         return self._delta(seq, [token], text, lp)

@@ -24,6 +24,7 @@ SECRET_HEADER = "X-Node-Secret"       # every node endpoint but /health, /ready 
 REQUEST_ID_HEADER = "X-Request-Id"
 STATE_HEADER = "X-Node-State"         # the node's state in brief (NodeState.to_header) on its /v1/ answers
 STATE_FIELD = "state"                 # the same, in the final event of a /v1/generate stream
+PROMPT_TOKENS_HEADER = "X-Prompt-Tokens"   # a /v1/generate stream's prompt tokens, known as it starts
 
 
 # -------------------------------------------------------------------------- development node secret

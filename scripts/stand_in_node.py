@@ -20,7 +20,7 @@ from typing import Any
 
 from app.config import load_config
 from app.devtoken import mint_token
-from engine.protocol import STATE_FIELD, STATE_HEADER, NodeState
+from engine.protocol import PROMPT_TOKENS_HEADER, STATE_FIELD, STATE_HEADER, NodeState
 from scripts.local_processes import free_port
 
 NODE_SECRET = "test-node-secret"
@@ -298,6 +298,7 @@ class StandInNode:
                 self.send_header("Content-Type", "text/event-stream")
                 self.send_header("Transfer-Encoding", "chunked")
                 self.send_header(STATE_HEADER, node.state_brief())
+                self.send_header(PROMPT_TOKENS_HEADER, str(usage["prompt_tokens"]))
                 self.end_headers()
                 sent = 0
                 try:

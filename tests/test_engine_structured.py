@@ -82,6 +82,6 @@ def test_a_grammar_that_breaks_down_ends_its_sequence_with_the_reason(engine):
     finished = []
     while engine.has_unfinished():
         finished += [d for d in engine.step() if d.finished]
-    assert len(finished) == 1 and finished[0].finish_message is not None
+    assert len(finished) == 1 and finished[0].finish_reason == "error"
     assert "could not be enforced" in finished[0].finish_message and "max is 2000" in finished[0].finish_message
     assert engine.pool.usage == 0.0

@@ -703,10 +703,12 @@ def test_failure_after_the_first_token_is_an_error_event(client, auth, node, kno
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_an_answer_cut_short_counts_the_tokens_the_org_is_charged(client, auth, node, stream):
-    """The node fails after 3 tokens: the org's bucket is charged the prompt's estimate and those 3, and
-    its token counters say as much, for a JSON answer (a 502) as for a stream."""
+    """The node fails after 3 tokens: the org's bucket is charged the prompt as the node counted it (the
+    stand-in: 200 for 800 characters, where the gateway's estimate is 267) and those 3, and its token
+    counters say as much, for a JSON answer (a 502) as for a stream."""
     node.fail_after_tokens = 3
-    r = client.post(CHAT, headers=auth, json=chat_body(stream=stream, max_tokens=10))
+    r = client.post(COMPLETIONS, headers=auth, json={"model": "zen-small", "prompt": "a" * 800, "max_tokens": 10,
+                                                      "stream": stream})
     r.get_data()
     r.close()
     assert r.status_code == (200 if stream else 502)
@@ -715,7 +717,7 @@ def test_an_answer_cut_short_counts_the_tokens_the_org_is_charged(client, auth, 
         return [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                 if line.startswith(f"zen_gateway_org_{name}_total{{") and 'org="acme"' in line]
     assert counter("completion_tokens") == [3.0]
-    assert len(counter("prompt_tokens")) == 1 and counter("prompt_tokens")[0] > 0
+    assert counter("prompt_tokens") == [200.0]
 
 
 def test_a_node_shutdown_after_the_first_token_keeps_its_code(client, auth, node):
@@ -1278,3 +1280,10 @@ def test_completion_top_logprobs_keep_the_likeliest_of_one_text_and_the_sampled_
     top = responses.completion_logprobs(entries, top_n=2)["top_logprobs"]
     assert top[0] == {"D": -0.4, "E": -1.0, "T": -7.6}     # OpenAI: up to logprobs + 1, the sampled one always
     assert top[1] == {"\ufffd": -1.0}                       # two byte tokens print alike: the likelier one's
+
+
+def test_a_prompt_of_digits_is_estimated_a_token_a_digit():
+    """SmolLM2's and Gemma's tokenizers split every digit: three bytes a token reserved a third of them."""
+    from app.inference import PromptInput
+    assert PromptInput(prompt="3141592653" * 30).estimated_tokens == 300
+    assert PromptInput(prompt="Say hi").estimated_tokens == 2

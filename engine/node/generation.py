@@ -159,7 +159,7 @@ class Generation:
             c.cached_tokens = d.num_cached_tokens
             if d.finish_reason is not None:
                 c.finish_reason = d.finish_reason
-            if d.finish_message is not None:   # the constraint broke down: its output would not conform
+            if d.finish_reason == "error":   # the constraint broke down: its output would not conform
                 raise RequestError(d.finish_message, param=GRAMMAR_PARAM, code="structured_output_failed")
             yield d
 

@@ -12,8 +12,8 @@ from engine.node.generation import SSEBody, collect, model_not_found, prompt_tok
 from engine.node.node import Node
 from engine.node.registry import ModelBusy, ModelNotFound, ModelUnavailable
 from engine.node.tracing import EXTENSION_KEY as TRACING_KEY, GenerationTrace
-from engine.protocol import (APIError, DetokenizeRequest, GenerateRequest, TokenizeRequest, bad_value, optional_str,
-                             parse_json)
+from engine.protocol import (PROMPT_TOKENS_HEADER, APIError, DetokenizeRequest, GenerateRequest, TokenizeRequest,
+                             bad_value, optional_str, parse_json)
 from engine.request_body import request_body
 from models.inspect import check_quantization
 
@@ -145,7 +145,8 @@ def generate():
         gen.trace = GenerationTrace(tracing, request.headers)
     if call.stream:
         return Response(SSEBody(gen), mimetype="text/event-stream",
-                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                 PROMPT_TOKENS_HEADER: str(len(gen.req.prompt_token_ids))})
     return collect(gen)
 
 
