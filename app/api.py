@@ -218,12 +218,19 @@ def _generate(body: Mapping[str, Any], kind: str) -> Response:
         _settle_cut_short(req, outcome, reservation, started)
         raise stream_failure(exc) from None
     except APIError as exc:
-        _tokens().settle(reservation, 0)
+        _refund(reservation)
         _name_prompt_param(exc, kind, g.max_tokens_param)
         raise
     except BaseException:
-        _tokens().settle(reservation, 0)
+        _refund(reservation)
         raise
+
+
+def _refund(reservation) -> None:
+    """Give the whole reservation back (no node served the request); the answer's token headers say so."""
+    result = _tokens().settle(reservation, 0)
+    if result is not None:
+        g.token_limit_headers = token_headers(result)
 
 
 def stream_failure(exc: NodeStreamError) -> APIError:
@@ -424,6 +431,9 @@ def _answer_stream(req: InferenceRequest, kind: str, outcome: NodeStream | Promp
         # no node took the request: the error the view would have raised, with finish()'s bookkeeping
         exc = error if isinstance(error, APIError) else unexpected_error(req.request_id)
         _name_prompt_param(exc, kind, max_tokens_param)
+        bucket = tokens.settle(reservation, 0)   # given back now: the answer's token headers show it
+        if bucket is not None:
+            exc.headers.update(token_headers(bucket))
         result["status"] = exc.status
         if trace is not None:
             record_status(trace, exc.status)

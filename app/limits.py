@@ -161,21 +161,23 @@ class TokenLimiter:
             raise token_limit_error(org, tier, cost, result)
         return Reservation(org, tier, cost, result, shared)
 
-    def settle(self, reservation: Reservation, used_tokens: int) -> None:
+    def settle(self, reservation: Reservation, used_tokens: int) -> BucketResult | None:
         """Charge the real usage: give back what the request reserved but did not use, to the bucket that
-        holds the reservation (a refund elsewhere would credit tokens that bucket never charged)."""
+        holds the reservation (a refund elsewhere would credit tokens that bucket never charged). The
+        bucket after it; None where nothing changed."""
         if reservation.settled:
-            return
+            return None
         reservation.settled = True
         refund = reservation.cost - max(0, used_tokens)
         if refund == 0:
-            return
+            return None
         tier = reservation.tier
         buckets = self._shared if reservation.shared and self._shared is not None else self._memory
         try:
-            buckets.settle(reservation.org, refund, tier.burst_tokens, tier.tokens_per_second)
+            return buckets.settle(reservation.org, refund, tier.burst_tokens, tier.tokens_per_second)
         except STORAGE_ERRORS as exc:   # the shared store went down since: the reservation stays charged
             self.health.failed(exc)
+            return None
 
 
 # -- headers and 429 bodies -------------------------------------------------------------------

@@ -210,8 +210,11 @@ def test_failed_dispatch_gives_the_reservation_back(node):  # noqa: F811
         h = bearer(cfg, "globex")
         node.busy = True
         body = {"model": "zen-small", "prompt": "Say hi", "max_tokens": 150}
-        for _ in range(3):
-            assert c.post("/v1/completions", headers=h, json=body).status_code == 503
+        for stream in (False, True, False):
+            r = c.post("/v1/completions", headers=h, json={**body, "stream": stream})
+            assert r.status_code == 503
+            assert r.headers["x-ratelimit-remaining-tokens"] == "200"   # its 152 given back: the answer says so
+            r.close()
         node.busy = False
         assert c.post("/v1/completions", headers=h, json=body).status_code == 200
     finally:
