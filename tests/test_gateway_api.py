@@ -554,8 +554,7 @@ def test_a_stream_no_node_accepts_is_an_http_503_with_its_headers(two_nodes):
         assert "busy" in err["message"] and r.headers["Retry-After"] == "2"
         assert r.headers["Content-Type"] == "application/json"
         assert int(r.headers["x-ratelimit-remaining-requests"]) >= 0
-        held = int(r.headers["x-ratelimit-remaining-tokens"])   # after the request's reservation
-        assert held < 10000
+        assert r.headers["x-ratelimit-remaining-tokens"] == "10000"   # its reservation given back
         assert len(a.received) == 1 and len(b.received) == 1
         metrics = c.get("/metrics", headers=METRICS_HEADERS).get_data(as_text=True)
         assert 'zen_gateway_org_errors_total{org="acme",status="503"} 1.0' in metrics
@@ -563,7 +562,7 @@ def test_a_stream_no_node_accepts_is_an_http_503_with_its_headers(two_nodes):
         r = c.post(CHAT, headers=bearer(cfg), json=chat_body(stream=True, max_tokens=3))
         assert r.status_code == 200 and sse_events(r.get_data(as_text=True))[-1] == "[DONE]"
         r.close()
-        assert int(r.headers["x-ratelimit-remaining-tokens"]) == held   # the refused one's reservation came back
+        assert 10000 - 100 < int(r.headers["x-ratelimit-remaining-tokens"]) < 10000   # this one's reservation only
     finally:
         close_app(app)
 
