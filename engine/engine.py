@@ -40,6 +40,11 @@ class RequestError(ValueError):
         self.code = code
 
 
+def duplicate_request_id(request_id: str) -> RequestError:
+    return RequestError(f"request id {request_id!r} is already in use", param="request_id",
+                        code="duplicate_request_id")
+
+
 @dataclass
 class SequenceDelta:
     """What one step added to one sequence of a request (stream it; the last one has finish_reason)."""
@@ -193,8 +198,7 @@ class Engine:
                                f"use min_tokens <= {self.max_seq_tokens - n}", param="min_tokens",
                                code="context_length_exceeded")
         if request.request_id in self._requests:
-            raise RequestError(f"request id {request.request_id!r} is already in use", param="request_id",
-                               code="duplicate_request_id")
+            raise duplicate_request_id(request.request_id)
         if p.structured_output is not None and request.grammar is None:
             request.grammar = self._compile(p.structured_output)
 
@@ -236,6 +240,9 @@ class Engine:
                 deltas.append(self._delta(seq, [], "", []))
             self._outputs.pop(seq.seq_id, None)
         return deltas
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0

@@ -887,3 +887,34 @@ def test_a_step_budget_smaller_than_the_batch_is_refused():
     with pytest.raises(ValueError, match="must be at least max_num_seqs"):
         SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4)
     assert SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=8).max_num_batched_tokens == 8
+
+
+def test_a_request_id_is_refused_while_a_request_with_it_waits_to_be_added(tiny_gguf):
+    """Two requests with one id before the step thread has added the first: the second is refused at
+    submit (a duplicate_request_id error to its client), not failed later on a stream already answered."""
+    import threading
+    from engine.node.loop import EngineLoop
+
+    loop = EngineLoop(make_engine(tiny_gguf))
+    held, release = threading.Event(), threading.Event()
+
+    def hold(engine, seconds, deltas):
+        held.set()
+        release.wait(10)
+
+    loop.step_listeners.append(hold)
+    try:
+        loop.submit(req("blocker", prompt(90, 4), max_tokens=3))
+        assert held.wait(10)                       # the step thread is held: nothing more is added
+        first = loop.submit(req("dup", prompt(91, 4), max_tokens=2))
+        with pytest.raises(RequestError) as err:
+            loop.submit(req("dup", prompt(92, 4), max_tokens=2))
+        assert err.value.code == "duplicate_request_id" and err.value.param == "request_id"
+        loop.step_listeners.remove(hold)
+        release.set()
+        assert [d.finish_reason for d in first][-1] == "length"
+        dup_again = loop.submit(req("dup", prompt(92, 4), max_tokens=2))   # free again once it ended
+        assert [d.finish_reason for d in dup_again][-1] == "length"
+    finally:
+        release.set()
+        loop.stop()

@@ -12,7 +12,7 @@ import threading
 import time
 from collections import deque
 
-from engine.engine import Engine, RequestError, SequenceDelta
+from engine.engine import Engine, RequestError, SequenceDelta, duplicate_request_id
 from engine.request import EngineRequest
 
 log = logging.getLogger(__name__)
@@ -166,6 +166,8 @@ class EngineLoop:
         named `name`."""
         self.engine = engine
         self._cmds: deque = deque()
+        self._queued_ids: set[str] = set()   # the ids of the requests submitted and not yet added
+        self._ids_lock = threading.Lock()
         self._streams: dict[str, RequestStream] = {}
         self._stopping = False
         self._stopped = threading.Event()   # set by the step thread once it has let go of this loop
@@ -187,6 +189,10 @@ class EngineLoop:
         if self.failed is not None:
             raise RuntimeError(f"the engine loop has failed: {self.failed}")
         self.engine.validate(request)
+        with self._ids_lock:   # its id is in use from now: queued here, then the engine's until it ends
+            if request.request_id in self._queued_ids or self.engine.has_request(request.request_id):
+                raise duplicate_request_id(request.request_id)
+            self._queued_ids.add(request.request_id)
         stream = RequestStream(self, request)
         self._cmds.append(("add", request, stream))
         self._wake.set()
@@ -246,7 +252,9 @@ class EngineLoop:
             kind, arg, stream = self._cmds.popleft()
             if kind == "add":
                 try:
-                    self.engine.add_request(arg)
+                    with self._ids_lock:   # from queued to the engine's in one move: submit sees it in one
+                        self._queued_ids.discard(arg.request_id)
+                        self.engine.add_request(arg)
                     self._streams[arg.request_id] = stream
                 except RequestError as e:
                     stream._put(e)
