@@ -636,6 +636,9 @@ class _GilHoldingEngine:
     def add_request(self, request):
         self.pending = 3
 
+    def has_request(self, request_id):
+        return False
+
     def has_unfinished(self):
         return self.pending > 0
 
@@ -670,6 +673,9 @@ class _CountingEngine:
 
     def add_request(self, request):
         self.pending[request.request_id] = request.sampling.max_tokens
+
+    def has_request(self, request_id):
+        return request_id in self.pending
 
     def has_unfinished(self):
         return bool(self.pending)
