@@ -66,13 +66,12 @@ def prompt_token_ids(tok, prompt: str | None, messages: list | None, add_special
         render = functools.partial(tok.apply_chat_template, add_generation_prompt=add_generation_prompt,
                                    chat_template=chat_template)
         literal = LiteralText(tok)
-        messages, tools = literal.quote(messages), literal.quote(tools)
         if not uses_tools(messages, tools):
-            text = render(messages)
-        elif renders_tools(template):
-            text = render(template_messages(messages), tools=tools)
-        else:
-            text = render(render_tool_prompt(messages, tools))
+            text = render(literal.quote(messages))
+        else:   # quoted once the calls' arguments are decoded: JSON escapes in them spell special tokens too
+            messages, tools = literal.quote(template_messages(messages)), literal.quote(tools)
+            text = render(messages, tools=tools) if renders_tools(template) else render(
+                render_tool_prompt(messages, tools))
         return literal.encode(text, add_special_tokens)
     except TemplateCompileError as e:   # the request's template, or the model's own
         raise bad_value(str(e), "chat_template" if chat_template else "messages") from None
