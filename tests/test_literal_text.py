@@ -113,3 +113,11 @@ def test_special_tokens_spelled_in_json_escapes_of_a_calls_arguments_are_text(to
     def text(c):
         return tok.decode(ids(c), skip_special_tokens=False)
     assert text(call).count("<|im_start|>") == text(plain).count("<|im_start|>") + 1   # the argument's, as text
+
+
+def test_the_special_token_pattern_takes_the_longest_token_at_a_place():
+    import re
+
+    from models.tokenizer import _any_of
+    pattern = re.compile(_any_of(["<a", "<a>", "<ab>", "<b>", "x"]))
+    assert pattern.findall("<ab><a><a<b>x<c>") == ["<ab>", "<a>", "<a", "<b>", "x"]
