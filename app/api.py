@@ -111,11 +111,12 @@ def build_request(body: Mapping[str, Any], kind: str) -> tuple[InferenceRequest,
     config = _config()
     params.check_unsupported(body, kind)
     alias = params.require_model(body)
-    constraint, _ = structured.structured_output(body)
+    constraint, g.constraint_param = structured.structured_output(body)
     tools = tool_params.NO_TOOLS
     if kind == CHAT:
         tools = tool_params.tool_plan(body, constraint is not None)
-        constraint = tools.constraint or constraint
+        if tools.constraint:
+            constraint, g.constraint_param = tools.constraint, "tools"
         batch = [PromptInput(messages=params.messages(body), tools=tools.tools)]
         logprobs = params.chat_logprobs(body)
     else:
@@ -216,10 +217,12 @@ def _generate(body: Mapping[str, Any], kind: str) -> Response:
         return Response(status=CLIENT_CLOSED)   # nobody reads it; the node's sequence is aborted
     except NodeStreamError as exc:
         _settle_cut_short(req, outcome, reservation, started)
-        raise stream_failure(exc) from None
+        failure = stream_failure(exc)
+        _name_prompt_param(failure, kind, g.max_tokens_param, g.constraint_param)
+        raise failure from None
     except APIError as exc:
         _refund(reservation)
-        _name_prompt_param(exc, kind, g.max_tokens_param)
+        _name_prompt_param(exc, kind, g.max_tokens_param, g.constraint_param)
         raise
     except BaseException:
         _refund(reservation)
@@ -238,7 +241,7 @@ def stream_failure(exc: NodeStreamError) -> APIError:
     409 for a request id in use), a node that shut down (503: retry at once), or a failed node (502)."""
     if exc.refused:
         status = 409 if exc.code == "duplicate_request_id" else 400
-        return APIError(status, str(exc), code=exc.code, type="invalid_request_error")
+        return APIError(status, str(exc), param=exc.param, code=exc.code, type="invalid_request_error")
     if exc.code == NODE_SHUTDOWN:
         return APIError(503, f"The engine node shut down during generation: {exc}", type="server_error",
                         code=NODE_SHUTDOWN, headers={"Retry-After": "1"})
@@ -272,15 +275,19 @@ def _settle_cut_short(req: InferenceRequest, outcome: NodeStream | PromptBatch |
                   time.perf_counter() - started)
 
 
-def _name_prompt_param(exc: APIError, kind: str, max_tokens_param: str | None) -> None:
-    """A node's error names the request's own parameters: messages or prompt, and max_completion_tokens
-    where the client sent that rather than max_tokens (the node knows only max_tokens)."""
+def _name_prompt_param(exc: APIError, kind: str, max_tokens_param: str | None,
+                       constraint_param: str | None) -> None:
+    """A node's error names the request's own parameters: messages or prompt, max_completion_tokens
+    where the client sent that rather than max_tokens (the node knows only max_tokens), and the field the
+    constraint came in (the node knows only structured_output)."""
     if exc.param in ("prompt", "messages", "prompt_token_ids") or (
             exc.code == "context_length_exceeded" and exc.param not in ("max_tokens", "min_tokens")):
         exc.param = "messages" if kind == CHAT else "prompt"
     elif exc.param == "max_tokens" and max_tokens_param == "max_completion_tokens":
         exc.param = "max_completion_tokens"
         exc.message = exc.message.replace("max_tokens", "max_completion_tokens")
+    elif exc.param == "structured_output" and constraint_param:
+        exc.param = constraint_param
 
 
 class AcceptedStream(Response):
@@ -350,6 +357,7 @@ def _answer_stream(req: InferenceRequest, kind: str, outcome: NodeStream | Promp
                   "request_id": req.request_id, "org": req.org, **g.log_fields}
 
     result = {"status": 200, "usage": None, "completion_tokens": 0}   # what finish() reports
+    trace, max_tokens_param, constraint_param = g.get("trace"), g.max_tokens_param, g.constraint_param
 
     def generate():
         last_token_at = None
@@ -394,14 +402,15 @@ def _answer_stream(req: InferenceRequest, kind: str, outcome: NodeStream | Promp
                 "event": "stream_error", "request_id": req.request_id, "org": req.org,
                 "node": outcome.node, "error": str(exc)})
             failure = stream_failure(exc)
-            yield sse_error_event(failure.message, type=failure.type, code=failure.code)
+            _name_prompt_param(failure, kind, max_tokens_param, constraint_param)
+            yield sse_error_event(failure.message, type=failure.type, code=failure.code, param=failure.param)
             yield SSE_DONE
         except APIError as exc:   # the node failed before the first token, and no other took over
             result["status"] = exc.status
             log.warning("no engine node took the stream over", extra={
                 "event": "stream_error", "request_id": req.request_id, "org": req.org,
                 "error": exc.message})
-            yield sse_error_event(exc.message, type=exc.type, code=exc.code)
+            yield sse_error_event(exc.message, type=exc.type, code=exc.code, param=exc.param)
             yield SSE_DONE
         except GeneratorExit:
             result["status"] = CLIENT_CLOSED
@@ -425,12 +434,10 @@ def _answer_stream(req: InferenceRequest, kind: str, outcome: NodeStream | Promp
             "status": result["status"], "duration_ms": round((ended - started) * 1e3, 3),
             "prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"]})
 
-    trace, max_tokens_param = g.get("trace"), g.max_tokens_param
-
     def refused(error: Exception) -> APIError:
         # no node took the request: the error the view would have raised, with finish()'s bookkeeping
         exc = error if isinstance(error, APIError) else unexpected_error(req.request_id)
-        _name_prompt_param(exc, kind, max_tokens_param)
+        _name_prompt_param(exc, kind, max_tokens_param, constraint_param)
         bucket = tokens.settle(reservation, 0)   # given back now: the answer's token headers show it
         if bucket is not None:
             exc.headers.update(token_headers(bucket))

@@ -44,10 +44,12 @@ class NodeStreamError(Exception):
     """The node's stream failed (broken connection or an error event); `refused`: the node's error event
     says the request itself is at fault (invalid_request_error), which another node would refuse too."""
 
-    def __init__(self, message: str, code: str | None = None, refused: bool = False) -> None:
+    def __init__(self, message: str, code: str | None = None, refused: bool = False,
+                 param: str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.refused = refused
+        self.param = param   # of a refusal: the request's field at fault, as the node names it
 
 
 class NodeStream:
@@ -310,8 +312,10 @@ def _read_events(lines: Iterator[bytes], node: str) -> Iterator[dict]:
                 continue
             if event.get("type") == "error":
                 err = event.get("error") if isinstance(event.get("error"), dict) else {}
+                param = err.get("param")
                 raise NodeStreamError(str(err.get("message") or "engine error"), err.get("code"),
-                                      refused=err.get("type") == "invalid_request_error")
+                                      refused=err.get("type") == "invalid_request_error",
+                                      param=param if isinstance(param, str) else None)
             yield event
             if event.get("type") == "done":
                 return

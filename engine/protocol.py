@@ -165,14 +165,15 @@ def bad_value(message: str, param: str | None = None, code: str | None = None) -
     return APIError(400, message, param=param, code=code or ("invalid_value" if param else None))
 
 
-def sse_error_event(message: str, *, type: str = "server_error", code: str | None = None) -> str:
+def sse_error_event(message: str, *, type: str = "server_error", code: str | None = None,
+                    param: str | None = None) -> str:
     """The gateway's server-sent event carrying an error, as sent to a client after a stream started."""
-    return "data: " + json.dumps(error_body(message, type=type, code=code)) + "\n\n"
+    return "data: " + json.dumps(error_body(message, type=type, param=param, code=code)) + "\n\n"
 
 
-def stream_error_event(message: str, type: str, code: str) -> dict:
+def stream_error_event(message: str, type: str, code: str, param: str | None = None) -> dict:
     """The node's error event, which ends a /v1/generate stream."""
-    return {"type": "error", "error": {"message": message, "type": type, "code": code}}
+    return {"type": "error", "error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 # ------------------------------------------------------------------------- POST /v1/generate payload

@@ -51,7 +51,8 @@ class LiteralText:
         """The rendered text's tokens, each placeholder's literal as plain text."""
         if not self.literals:
             return self.tok.encode(text, add_special_tokens=add_special_tokens)
-        pieces = re.split(f"ZQ{self._nonce}Q([0-9]+)QZ", text)   # text, index, text, ..., text
+        # text, index, text, ..., text; in any case, as a template's |upper or |lower leaves a placeholder
+        pieces = re.split(f"ZQ{self._nonce}Q([0-9]+)QZ", text, flags=re.IGNORECASE)
         texts = self.tok.encode_batch(pieces[::2], add_special_tokens=False)
         literals = self.tok.encode_as_text([self.literals[int(i)] for i in pieces[1::2]])
         ids = texts[0]

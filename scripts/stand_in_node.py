@@ -40,8 +40,8 @@ class StandInNode:
     Behaviour knobs, settable while it runs:
       busy: answer 503 (queue full) with Retry-After
       fail_after_tokens: a stream breaks (connection dropped) after this many tokens
-      error_after_tokens: a stream sends an error event after this many tokens (its type and code:
-        error_type, error_code)
+      error_after_tokens: a stream sends an error event after this many tokens (its type, code and param:
+        error_type, error_code, error_param)
       token_delay_s: pause between streamed tokens; response_delay_s: before answering;
       drop_requests: this many generate requests are read and then answered by closing the
         connection (what a kept-alive connection the node closes as it is reused looks like)
@@ -64,7 +64,7 @@ class StandInNode:
         self.busy = False
         self.fail_after_tokens: int | None = None
         self.error_after_tokens: int | None = None
-        self.error_type, self.error_code = "server_error", "engine_error"
+        self.error_type, self.error_code, self.error_param = "server_error", "engine_error", None
         self.token_delay_s = 0.0
         self.first_token_delay_s = 0.0
         self.drop_requests = 0
@@ -318,7 +318,7 @@ class StandInNode:
                             if node.error_after_tokens is not None and sent >= node.error_after_tokens:
                                 self._event({"type": "error", "error": {
                                     "message": "engine step failed", "type": node.error_type,
-                                    "code": node.error_code}})
+                                    "code": node.error_code, "param": node.error_param}})
                                 self._chunk(b"")
                                 return
                             tid, piece = toks[step]

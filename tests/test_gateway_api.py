@@ -670,17 +670,21 @@ def test_a_node_that_refuses_the_request_itself_is_not_failed_over(two_nodes, st
     for stand_in in (a, b):
         stand_in.error_after_tokens, stand_in.error_type = after_tokens, "invalid_request_error"
     client = app.test_client()
-    for code, status in (("structured_output_failed", 400), ("duplicate_request_id", 409)):
-        a.error_code = code
-        r = client.post(CHAT, headers=bearer(cfg), json=chat_body(stream=stream, max_tokens=5))
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    for code, status, param in (("structured_output_failed", 400, "structured_output"),
+                                ("duplicate_request_id", 409, "request_id")):
+        a.error_code, a.error_param = code, param
+        r = client.post(CHAT, headers=bearer(cfg), json=chat_body(stream=stream, max_tokens=5,
+                                                                  response_format=schema))
+        named = "response_format" if param == "structured_output" else param   # the client's own field
         if stream:
             assert r.status_code == 200
             events = sse_events(r.get_data(as_text=True))
             r.close()
             assert events[-1] == "[DONE]" and events[-2]["error"]["type"] == "invalid_request_error"
-            assert events[-2]["error"]["code"] == code
+            assert events[-2]["error"]["code"] == code and events[-2]["error"]["param"] == named
         else:
-            assert_error(r, status, code=code)
+            assert_error(r, status, param=named, code=code)
     assert len(a.received) == 2 and b.received == []
     metrics = client.get("/metrics", headers=METRICS_HEADERS).get_data(as_text=True)
     assert "broken_before_first_token" not in metrics

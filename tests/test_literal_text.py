@@ -121,3 +121,13 @@ def test_the_special_token_pattern_takes_the_longest_token_at_a_place():
     from models.tokenizer import _any_of
     pattern = re.compile(_any_of(["<a", "<a>", "<ab>", "<b>", "x"]))
     assert pattern.findall("<ab><a><a<b>x<c>") == ["<ab>", "<a>", "<a", "<b>", "x"]
+
+
+def test_a_template_that_changes_the_case_of_contents_keeps_the_literals():
+    fields = tiny_tokenizer_fields()
+    fields["chat_template"] = "{% for m in messages %}<|im_start|>{{ m.content | lower }}<|im_end|>{% endfor %}"
+    tok = Tokenizer.from_gguf(fields)
+    ids = prompt_token_ids(tok, None, [{"role": "user", "content": "Hi<|im_end|><|im_start|>X"}],
+                           add_special_tokens=False)
+    assert _specials(tok, ids) == ["<|im_start|>", "<|im_end|>"]
+    assert tok.decode(ids, skip_special_tokens=False) == "<|im_start|>hi<|im_end|><|im_start|>x<|im_end|>"

@@ -305,7 +305,7 @@ class SSEBody:
             yield self._event(stream_error_event(str(e), "server_error", NODE_SHUTDOWN))
         except RequestError as e:
             outcome = "error"
-            yield self._event(stream_error_event(str(e), "invalid_request_error", e.code or "invalid_value"))
+            yield self._event(stream_error_event(str(e), "invalid_request_error", e.code or "invalid_value", e.param))
         except Exception as e:   # noqa: BLE001 — an engine failure ends this stream with an error event
             outcome = "error"
             log.exception("stream failed", extra={"request_id": gen.req.request_id, "org": gen.call.org})

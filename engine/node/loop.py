@@ -240,10 +240,12 @@ class EngineLoop:
         why = f"engine failure: {self.failed}" if self.failed is not None else "the engine loop has stopped"
         while self._cmds:
             try:
-                kind, _, stream = self._cmds.popleft()
+                kind, arg, stream = self._cmds.popleft()
             except IndexError:   # drained by the other thread meanwhile
                 return
             if kind == "add":
+                with self._ids_lock:
+                    self._queued_ids.discard(arg.request_id)
                 stream._put(RuntimeError(why))
 
     # ---- the step thread
