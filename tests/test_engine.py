@@ -313,20 +313,16 @@ def test_a_preempted_stream_ages_by_its_time_in_the_queue_not_the_time_it_ran():
     assert kv.pool.prefix_query_tokens == 3 * 8
 
 
-def test_no_stream_is_preempted_for_a_request_that_would_still_not_fit():
-    """A realtime prompt needs 11 blocks; 6 are free and the batch stream holds 4 (the realtime one
-    holds the rest): preempting the batch stream would not admit it, so the stream keeps running."""
-    from engine.kv_cache import BlockPool, KVCacheManager
+def _schedule_arrivals(kv, config: SchedulerConfig, requests: list, arrivals: list):
+    """Requests (id, class, prompt tokens) scheduled step by step as they arrive (their ids per step), each
+    step's work taken as done; (scheduler, sequences by id, the last step's output)."""
     from engine.scheduler import Scheduler
     from engine.sequence import Sequence
-    kv = KVCacheManager(BlockPool(20), 4, "m")
-    sched = Scheduler(SchedulerConfig(), kv)
-    seqs = {}
-    for i, (rid, cls, n) in enumerate([("rt", LatencyClass.REALTIME, 36), ("batch", LatencyClass.BATCH, 14),
-                                       ("late", LatencyClass.REALTIME, 44)]):
-        seqs[rid] = Sequence(i, EngineRequest(rid, "m", list(range(100 * i, 100 * i + n)), SamplingParams(),
-                                              cls, arrival_time=0.0), 0, 0)
-    for step, arriving in enumerate([["rt", "batch"], ["late"]]):
+    sched = Scheduler(config, kv)
+    seqs = {rid: Sequence(i, EngineRequest(rid, "m", list(range(100 * i, 100 * i + n)), SamplingParams(), cls,
+                                           arrival_time=0.0), 0, 0)
+            for i, (rid, cls, n) in enumerate(requests)}
+    for arriving in arrivals:
         for rid in arriving:
             sched.add(seqs[rid])
         out = sched.schedule(now=0.0)
@@ -334,6 +330,19 @@ def test_no_stream_is_preempted_for_a_request_that_would_still_not_fit():
             seq.num_computed_tokens += n
             if seq.num_computed_tokens >= seq.num_tokens:
                 seq.append_token(5)
+    return sched, seqs, out
+
+
+def test_no_stream_is_preempted_for_a_request_that_would_still_not_fit():
+    """A realtime prompt needs 11 blocks; 6 are free and the batch stream holds 4 (the realtime one
+    holds the rest): preempting the batch stream would not admit it, so the stream keeps running."""
+    from engine.kv_cache import BlockPool, KVCacheManager
+    from engine.sequence import Sequence
+    kv = KVCacheManager(BlockPool(20), 4, "m")
+    sched, seqs, out = _schedule_arrivals(kv, SchedulerConfig(), [("rt", LatencyClass.REALTIME, 36),
+                                                                  ("batch", LatencyClass.BATCH, 14),
+                                                                  ("late", LatencyClass.REALTIME, 44)],
+                                          [["rt", "batch"], ["late"]])
     assert out.preempted == [] and sched.running == [seqs["rt"], seqs["batch"]] and sched.waiting == [seqs["late"]]
     assert kv.pool.num_free_blocks == 6 and kv.blocks_freed_by([seqs["batch"]]) == 4
     # a block two sequences share goes back only when both are freed
@@ -350,23 +359,11 @@ def test_no_stream_is_preempted_for_a_batch_slot_when_its_blocks_would_still_not
     """Two slots, both running (a realtime prompt of 40 tokens, a batch stream of 4): a realtime request of
     30 tokens needs 8 blocks, more than the batch stream's and the free ones, so it keeps its slot."""
     from engine.kv_cache import BlockPool, KVCacheManager
-    from engine.scheduler import Scheduler
-    from engine.sequence import Sequence
     kv = KVCacheManager(BlockPool(16), 4, "m", enable_prefix_caching=False)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=2), kv)
-    seqs = {}
-    for i, (rid, cls, n) in enumerate([("rt", LatencyClass.REALTIME, 40), ("batch", LatencyClass.BATCH, 4),
-                                       ("late", LatencyClass.REALTIME, 30)]):
-        seqs[rid] = Sequence(i, EngineRequest(rid, "m", list(range(100 * i, 100 * i + n)), SamplingParams(),
-                                              cls, arrival_time=0.0), 0, 0)
-    for arriving in (["rt", "batch"], [], ["late"]):
-        for rid in arriving:
-            sched.add(seqs[rid])
-        out = sched.schedule(now=0.0)
-        for seq, n in out.scheduled:
-            seq.num_computed_tokens += n
-            if seq.num_computed_tokens >= seq.num_tokens:
-                seq.append_token(5)
+    sched, seqs, out = _schedule_arrivals(kv, SchedulerConfig(max_num_seqs=2), [("rt", LatencyClass.REALTIME, 40),
+                                                                              ("batch", LatencyClass.BATCH, 4),
+                                                                              ("late", LatencyClass.REALTIME, 30)],
+                                          [["rt", "batch"], [], ["late"]])
     assert out.preempted == [] and sched.running == [seqs["rt"], seqs["batch"]] and sched.waiting == [seqs["late"]]
     assert (seqs["batch"], 1) in out.scheduled
     assert kv.pool.num_free_blocks + kv.blocks_freed_by([seqs["batch"]]) < 8
