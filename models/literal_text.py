@@ -53,9 +53,7 @@ class LiteralText:
             return self.tok.encode(text, add_special_tokens=add_special_tokens)
         # text, index, text, ..., text; in any case, as a template's |upper or |lower leaves a placeholder
         pieces = re.split(f"ZQ{self._nonce}Q([0-9]+)QZ", text, flags=re.IGNORECASE)
-        texts = self.tok.encode_batch(pieces[::2], add_special_tokens=False)
-        literals = self.tok.encode_as_text([self.literals[int(i)] for i in pieces[1::2]])
-        ids = texts[0]
-        for literal, following in zip(literals, texts[1:]):
-            ids += literal + following
+        encoded = self.tok.encode_pieces([(self.literals[int(p)], True) if i % 2 else (p, False)
+                                          for i, p in enumerate(pieces)])
+        ids = [t for piece in encoded for t in piece]
         return self.tok.framed(ids) if add_special_tokens else ids

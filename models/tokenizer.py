@@ -17,11 +17,11 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import jinja2
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 
 from models.chat_template import TemplateError, cached_chat_template, normalize_messages
 from models.tokenizer_spm import (  # noqa: F401 (the token types are re-exported)
-    TOKEN_BYTE, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_UNUSED, TOKEN_USER_DEFINED, spm_piece_bytes,
+    SPACE, TOKEN_BYTE, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_UNUSED, TOKEN_USER_DEFINED, spm_piece_bytes,
     spm_tokenizer,
 )
 
@@ -128,6 +128,9 @@ class Tokenizer:
         self._special_ids = frozenset(i for i, t in added.items() if t.special)
         specials = [t.content for t in added.values() if t.special and t.content]
         self.special_text = re.compile(_any_of(specials)) if specials else None
+        # a SentencePiece vocabulary that prefixes a space (Llama 2's): a text's continuation has none
+        prefixed = self.spm and hf.normalizer is not None and hf.normalizer.normalize_str("a") == SPACE + "a"
+        self._continued_normalizer = normalizers.Replace(" ", SPACE) if prefixed else None
         stops = [] if self._eos_id is None else [self._eos_id]
         for t in END_OF_TURN_TOKENS:
             i = self.hf.token_to_id(t)
@@ -317,13 +320,22 @@ class Tokenizer:
         with self._lock:
             return [e.ids for e in self.hf.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
 
-    def encode_as_text(self, texts: Sequence[str]) -> list[list[int]]:
-        """Token ids of each of `texts` with special-token strings in it encoded as plain text."""
-        with self._lock:   # the switch is the library instance's: no other encode sees it
-            self.hf.encode_special_tokens = True
+    def encode_pieces(self, pieces: Sequence[tuple[str, bool]]) -> list[list[int]]:
+        """Token ids of the pieces of one text, (text, literal) each: the first read as encode() reads a
+        text, each later one as the text's continuation (no space prefix of its own), and in a literal piece
+        special-token strings are plain text."""
+        with self._lock:   # the switches are the library instance's: no other encode sees them
+            normalizer = self.hf.normalizer
             try:
-                return [e.ids for e in self.hf.encode_batch(list(texts), add_special_tokens=False)]
+                out = []
+                for i, (text, literal) in enumerate(pieces):
+                    if i == 1 and self._continued_normalizer is not None:
+                        self.hf.normalizer = self._continued_normalizer
+                    self.hf.encode_special_tokens = literal
+                    out.append(self.hf.encode_batch([text], add_special_tokens=False)[0].ids)
+                return out
             finally:
+                self.hf.normalizer = normalizer
                 self.hf.encode_special_tokens = False
 
     def framed(self, ids: list[int]) -> list[int]:

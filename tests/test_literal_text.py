@@ -28,7 +28,7 @@ def test_special_token_text_in_a_message_is_text(tok):
     assert _specials(tok, forged) == _specials(tok, plain)       # the template's turns only
     assert tok.decode(forged, skip_special_tokens=False) == tok.apply_chat_template(
         [{"role": "user", "content": FORGED}])                     # the same characters
-    assert tok.encode("<|im_start|>", add_special_tokens=False) != tok.encode_as_text(["<|im_start|>"])[0]
+    assert tok.encode("<|im_start|>", add_special_tokens=False) != tok.encode_pieces([("<|im_start|>", True)])[0]
 
 
 def test_messages_without_special_token_text_encode_as_before(tok):
@@ -131,3 +131,17 @@ def test_a_template_that_changes_the_case_of_contents_keeps_the_literals():
                            add_special_tokens=False)
     assert _specials(tok, ids) == ["<|im_start|>", "<|im_end|>"]
     assert tok.decode(ids, skip_special_tokens=False) == "<|im_start|>hi<|im_end|><|im_start|>x<|im_end|>"
+
+
+@pytest.mark.parametrize("space_prefix", [False, True])
+def test_a_sentencepiece_vocabulary_gets_no_space_around_a_literal(space_prefix):
+    """Llama 2's SentencePiece vocabulary prefixes a space to a text: the pieces after the first are its
+    continuation, so the literal and the text after it get none of their own."""
+    from models.literal_text import LiteralText
+    from tests.tiny_gemma import tiny_spm_fields
+    tok = Tokenizer.from_gguf(dict(tiny_spm_fields(), **{"ggml.add_space_prefix": space_prefix}))
+    literal = LiteralText(tok)
+    ids = literal.encode("<start_of_turn>user\n" + literal.quote("the cat<start_of_turn>is"), False)
+    assert literal.literals == ["<start_of_turn>"] and _specials(tok, ids) == ["<start_of_turn>"]
+    head = tok.decode(tok.encode("<start_of_turn>user\nthe cat", add_special_tokens=False), skip_special_tokens=False)
+    assert tok.decode(ids, skip_special_tokens=False) == head + "<start_of_turn>is"
