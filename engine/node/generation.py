@@ -78,7 +78,8 @@ def prompt_token_ids(tok, prompt: str | None, messages: list | None, add_special
     except ValueError as e:   # malformed messages, a template that refuses them
         raise bad_value(str(e), "messages" if messages is not None else "prompt") from None
     except RecursionError:    # tools or messages nested deeper than the template's rendering goes
-        raise bad_value("the messages or tools are nested too deeply to render", "tools" if tools else "messages") from None
+        raise bad_value("the messages or tools are nested too deeply to render",
+                        "tools" if tools else "messages") from None
 
 
 def tokenize(call: GenerateRequest, m: ResidentModel) -> tuple[list[int], str | None]:
