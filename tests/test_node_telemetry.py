@@ -184,3 +184,24 @@ def test_a_scrape_during_an_eviction_reads_no_released_model(tiny_models):
         assert model.kv_window_saved_bytes == 0
     finally:
         node.close()
+
+
+def test_a_containers_memory_limit_bounds_the_memory_available(tmp_path):
+    """A pod limited to 8 GiB on a larger host: the default budget comes from its limit less its use."""
+    from engine.node.telemetry import cgroup_memory_room, host_memory_available
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "memory.max").write_text("8589934592\n")
+    (v2 / "memory.current").write_text("1073741824\n")
+    assert cgroup_memory_room(str(v2)) == 7 << 30
+    assert host_memory_available(str(v2)) <= 7 << 30
+    (v2 / "memory.max").write_text("max\n")
+    assert cgroup_memory_room(str(v2)) is None
+    v1 = tmp_path / "v1" / "memory"
+    v1.mkdir(parents=True)
+    (v1 / "memory.limit_in_bytes").write_text(str(2 << 30))
+    (v1 / "memory.usage_in_bytes").write_text(str(3 << 30))   # over its limit: no room
+    assert cgroup_memory_room(str(tmp_path / "v1")) == 0
+    (v1 / "memory.limit_in_bytes").write_text("9223372036854771712")   # v1's "no limit"
+    assert cgroup_memory_room(str(tmp_path / "v1")) is None
+    assert cgroup_memory_room(str(tmp_path / "none")) is None

@@ -41,7 +41,8 @@ class Node:
         self.started_at = time.time()
 
     def _default_budget(self) -> int:
-        """Without --memory-budget: 90% of the GPU's memory, or 80% of the host memory available now."""
+        """Without --memory-budget: 90% of the GPU's memory, or 80% of the memory available now (the host's,
+        or its container's where a limit leaves less)."""
         if self.telemetry.is_gpu:
             return int(self.telemetry.sample().memory_total_bytes * 0.9)
         return int(host_memory_available() * 0.8)

@@ -162,6 +162,26 @@ def cpu_temperature_c() -> float | None:
     return None
 
 
-def host_memory_available() -> int:
-    """Host memory that could be given to models now (bytes)."""
-    return int(psutil.virtual_memory().available)
+def host_memory_available(cgroup_root: str = "/sys/fs/cgroup") -> int:
+    """Memory that could be given to models now (bytes): the host's available memory, or less where the
+    process's container is limited to less (a pod's memory limit: past it the kernel kills the process)."""
+    available = int(psutil.virtual_memory().available)
+    room = cgroup_memory_room(cgroup_root)
+    return available if room is None else min(available, room)
+
+
+def cgroup_memory_room(root: str) -> int | None:
+    """The memory limit of the cgroup at `root` less what it uses (cgroup v2, else v1); None without one."""
+    for limit_file, usage_file in (("memory.max", "memory.current"),
+                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            with open(os.path.join(root, limit_file)) as f:
+                limit = f.read().strip()
+            with open(os.path.join(root, usage_file)) as f:
+                used = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if not limit.isdigit() or int(limit) >= 1 << 60:   # "max", or v1's page-rounded "no limit"
+            return None
+        return max(0, int(limit) - used)
+    return None
