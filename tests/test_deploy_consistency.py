@@ -150,7 +150,7 @@ def test_gateway_is_scraped_with_the_metrics_token_from_the_secret():
     monitor = find("ServiceMonitor", "zen-gateway")
     auth = monitor["spec"]["endpoints"][0]["authorization"]
     assert auth["type"] == "Bearer"
-    assert auth["credentials"] == {"name": "zen-secrets", "key": "METRICS_TOKEN"}
+    assert auth["credentials"] == {"name": "zen-metrics", "key": "METRICS_TOKEN"}   # that one alone
     gateway_env = _env(_main_container("gateway"))
     assert gateway_env["METRICS_TOKEN"]["valueFrom"]["secretKeyRef"] == auth["credentials"]
 
@@ -197,11 +197,11 @@ def test_every_environment_variable_set_is_read_by_the_code(role):
 
 
 def test_secrets_reach_the_gateway_and_the_node_from_the_secret():
-    secret_keys = set(find("Secret", "zen-secrets")["stringData"])
-    for role, wanted in (("gateway", secret_keys), ("node", {"NODE_SECRET"})):
+    secret_of = {key: name for name in ("zen-secrets", "zen-metrics") for key in find("Secret", name)["stringData"]}
+    for role, wanted in (("gateway", set(secret_of)), ("node", {"NODE_SECRET"})):
         env = _env(_main_container(role))
-        for name in wanted:
-            assert env[name]["valueFrom"]["secretKeyRef"] == {"name": "zen-secrets", "key": name}
+        for key in wanted:
+            assert env[key]["valueFrom"]["secretKeyRef"] == {"name": secret_of[key], "key": key}
     gateway_env = _env(_main_container("gateway"))
     mount = next(m for m in _main_container("gateway")["volumeMounts"] if m["name"] == "config")
     assert gateway_env["ZEN_CONFIG"]["value"] == f"{mount['mountPath']}/gateway.toml"

@@ -82,10 +82,10 @@ def test_kustomizations_name_every_manifest_but_the_secret():
 
 
 def test_secret_has_the_three_secrets_with_placeholders_that_are_not_the_development_values():
-    secret = find("Secret", "zen-secrets")
-    assert set(secret["stringData"]) == SECRET_KEYS
+    placeholders = {**find("Secret", "zen-secrets")["stringData"], **find("Secret", "zen-metrics")["stringData"]}
+    assert set(placeholders) == SECRET_KEYS and set(find("Secret", "zen-metrics")["stringData"]) == {"METRICS_TOKEN"}
     development = {s.env: s.value for s in DEVELOPMENT_SECRETS}
-    for key, value in secret["stringData"].items():
+    for key, value in placeholders.items():
         assert value and value != development[key], key
 
 
