@@ -41,6 +41,21 @@ def multiprocess_mode() -> bool:
     return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
 
 
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "CONNECT", "TRACE"})
+OTHER_METHOD = "OTHER"
+
+
+def bounded_methods(wsgi_app):
+    """The WSGI app with any method outside HTTP's own read as OTHER (which no route allows: a 405): the
+    exporter labels its series with the method, and a client, no token needed, made a series of each
+    method it invented."""
+    def app(environ, start_response):
+        if environ.get("REQUEST_METHOD") not in HTTP_METHODS:
+            environ["REQUEST_METHOD"] = OTHER_METHOD
+        return wsgi_app(environ, start_response)
+    return app
+
+
 def build_exporter() -> PrometheusMetrics:
     """prometheus-flask-exporter, created bare (bound later with init_app)."""
     # The generation routes have the gateway's own metrics: the exporter's would time a stream only to
@@ -151,6 +166,7 @@ def init_metrics(app: Flask, config: GatewayConfig) -> GatewayMetrics:
 
     exporter = build_exporter()
     exporter.init_app(app)
+    app.wsgi_app = bounded_methods(app.wsgi_app)
     metrics = GatewayMetrics(config, exporter.registry)
     app.extensions["zen.metrics"] = metrics
     app.extensions["zen.exporter"] = exporter

@@ -1204,6 +1204,11 @@ def test_metrics_per_org_and_latency(client, gateway, node):
     assert 'zen_gateway_inter_token_latency_seconds_count{latency_class="standard",model="zen-small"} 3.0' in text
     assert 'zen_gateway_e2e_request_latency_seconds_bucket{latency_class="standard",le="480.0",model="zen-small"} 3.0' in text
     assert "zen_gateway_flask_http_request_total" in text
+    # a method a client invents is a 405 labelled OTHER: a series per invented method was a series per request
+    for method in ("XQZJWKA", "BREW"):
+        assert_error(client.open("/v1/models", method=method, headers=bearer(cfg)), 405)
+    text = client.get("/metrics", headers=METRICS_HEADERS).get_data(as_text=True)
+    assert 'method="OTHER"' in text and "XQZJWKA" not in text and "BREW" not in text
 
 
 def test_failovers_are_labelled_with_the_nodes_a_dns_name_was_found_to_be(monkeypatch):
