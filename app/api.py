@@ -397,11 +397,12 @@ def _answer_stream(req: InferenceRequest, kind: str, outcome: NodeStream | Promp
                     return
             yield SSE_DONE
         except NodeStreamError as exc:
-            result["status"] = "stream"
+            failure = stream_failure(exc)
+            # the node's refusal of the request (a 400 or 409) is the client's error, not a failed stream
+            result["status"] = failure.status if exc.refused else "stream"
             log.warning("engine stream failed after the first token", extra={
                 "event": "stream_error", "request_id": req.request_id, "org": req.org,
-                "node": outcome.node, "error": str(exc)})
-            failure = stream_failure(exc)
+                "node": outcome.node, "error": str(exc), "status": result["status"]})
             _name_prompt_param(failure, kind, max_tokens_param, constraint_param)
             yield sse_error_event(failure.message, type=failure.type, code=failure.code, param=failure.param)
             yield SSE_DONE

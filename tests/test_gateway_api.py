@@ -688,6 +688,9 @@ def test_a_node_that_refuses_the_request_itself_is_not_failed_over(two_nodes, st
     assert len(a.received) == 2 and b.received == []
     metrics = client.get("/metrics", headers=METRICS_HEADERS).get_data(as_text=True)
     assert "broken_before_first_token" not in metrics
+    # counted as the client's errors, streamed or not: no stream failure of the service's
+    assert 'zen_gateway_org_errors_total{org="acme",status="400"} 1.0' in metrics
+    assert 'zen_gateway_org_errors_total{org="acme",status="409"} 1.0' in metrics and 'status="stream"' not in metrics
 
 
 @pytest.mark.parametrize("knob", ["fail_after_tokens", "error_after_tokens"])
