@@ -31,7 +31,7 @@ from app.responses import (CHAT, COMPLETIONS, SSE_DONE, ChunkWriter, chat_comple
                            text_completion, usage_of)
 from app.tracing import record_status, record_stream_end, request_span
 from engine.client_socket import ClientGone, client_gone
-from engine.protocol import NODE_SHUTDOWN, APIError, bad_value, finite_number, parse_json, sse_error_event
+from engine.protocol import NODE_SHUTDOWN, APIError, bad_value, parse_json, sse_error_event
 from engine.request_body import request_body
 
 log = logging.getLogger("zen.gateway")
@@ -335,9 +335,8 @@ def _answer_json(req: InferenceRequest, kind: str, node: str, result: dict, rese
     usage = body["usage"]
     metrics = _metrics()
     _settle_usage(_tokens(), metrics, req, reservation, usage, time.perf_counter() - started)
-    ttft_s = result["timings"].get("ttft_s")
-    if finite_number(ttft_s):
-        metrics.latency(m.alias, req.latency_class.label, ttft_s=float(ttft_s))
+    if result.get("first_token_at") is not None:   # from the request's arrival, as a stream's: routing included
+        metrics.latency(m.alias, req.latency_class.label, ttft_s=result["first_token_at"] - started)
     g.log_fields.update(prompt_tokens=usage["prompt_tokens"],
                         completion_tokens=usage["completion_tokens"])
     resp = jsonify(body)

@@ -631,10 +631,11 @@ def _closed_while_idle(kept_alive: bool, exc: BaseException) -> bool:
 
 def collect_result(stream: NodeStream, client_gone: Callable[[], bool]) -> dict:
     """A node stream gathered into the node's JSON answer: {"choices": [{"index", "text", "token_ids",
-    "finish_reason", "logprobs"}], "usage", "timings"}. ClientGone (upstream closed) when the client
+    "finish_reason", "logprobs"}], "usage", "timings", "first_token_at"}. ClientGone (upstream closed) when the client
     leaves; NodeStreamError when the node fails."""
     choices: dict[int, dict] = {}
     done: dict = {}
+    first_token_at = None   # perf_counter, as the gateway times its requests: its own time to first token
     checked = time.monotonic()
     try:
         for event in stream.events():
@@ -645,6 +646,7 @@ def collect_result(stream: NodeStream, client_gone: Callable[[], bool]) -> dict:
                     raise ClientGone()
             kind = event.get("type")
             if kind == "token":
+                first_token_at = first_token_at or time.perf_counter()
                 c = choices.setdefault(int(event.get("index", 0)), {"text": [], "token_ids": [], "logprobs": None})
                 if event.get("token_id") is not None:
                     c["token_ids"].append(event["token_id"])
@@ -663,4 +665,5 @@ def collect_result(stream: NodeStream, client_gone: Callable[[], bool]) -> dict:
                      "logprobs": choices.get(d["index"], {}).get("logprobs")}
                     for d in done.get("choices", [])],
         "usage": done.get("usage") or {}, "timings": done.get("timings") or {},
+        "first_token_at": first_token_at,
     }

@@ -1298,3 +1298,19 @@ def test_a_prompt_of_digits_is_estimated_a_token_a_digit():
     from app.inference import PromptInput
     assert PromptInput(prompt="3141592653" * 30).estimated_tokens == 300
     assert PromptInput(prompt="Say hi").estimated_tokens == 2
+
+
+def test_a_json_answers_time_to_first_token_is_the_gateways_as_a_streams(client, auth, node):
+    """Both from the request's arrival at the gateway to its first token there: the node's own figure
+    leaves out routing, a failover or a wait for a load."""
+    node.first_token_delay_s = 0.3
+    for stream in (False, True):
+        r = client.post(CHAT, headers=auth, json=chat_body(stream=stream, max_tokens=2))
+        r.get_data()
+        r.close()
+    text = client.get("/metrics", headers=METRICS_HEADERS).get_data(as_text=True)
+    sums = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("zen_gateway_time_to_first_token_seconds_sum{")]
+    counts = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("zen_gateway_time_to_first_token_seconds_count{")]
+    assert counts == [2.0] and sums[0] >= 0.6
