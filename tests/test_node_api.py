@@ -151,6 +151,8 @@ def test_metrics_present_and_moving(node):
     assert delta("zen_node_e2e_request_latency_seconds_count", **labels) == 2
     assert delta("zen_node_inter_token_latency_seconds_count", **labels) == 8
     assert delta("zen_node_request_queue_time_seconds_count", **labels) == 2
+    for name in ("zen_node_request_queue_time_seconds_bucket", "zen_node_request_prefill_time_seconds_bucket"):
+        assert any(n == name and ("le", "0.001") in ls for n, ls in after), name   # milliseconds resolved
     assert delta("zen_node_request_decode_time_seconds_count", **labels) == 2
     assert delta("zen_node_generation_tokens_total", **labels) == 10
     assert delta("zen_node_prompt_tokens_total", **labels) == 2 * len(prompt)

@@ -82,10 +82,11 @@ class NodeMetrics:
                                         ITL_BUCKETS)
         self.e2e_request_latency = hist("e2e_request_latency_seconds", "Time from arrival to the last token.",
                                         REQUEST_BUCKETS)
+        # parts of the time to first token, with its buckets: a millisecond or a few each on a short prompt
         self.request_queue_time = hist("request_queue_time_seconds", "Time waiting before first scheduled.",
-                                       REQUEST_BUCKETS)
+                                       TTFT_BUCKETS)
         self.request_prefill_time = hist("request_prefill_time_seconds",
-                                         "Time from first scheduled to the first token.", REQUEST_BUCKETS)
+                                         "Time from first scheduled to the first token.", TTFT_BUCKETS)
         self.request_decode_time = hist("request_decode_time_seconds", "Time from the first to the last token.",
                                         REQUEST_BUCKETS)
         self.iteration_batch_size = hist("iteration_batch_size", "Sequences computed in one engine step.",
