@@ -107,11 +107,13 @@ def record_status(trace: RequestTrace, status: int) -> None:
 
 
 def record_stream_end(trace: RequestTrace, node: str | None, status: int | str) -> None:
-    """A stream's server span, before it ends: the node that served it, and an error where the stream
-    ended in an error event, after its first token (status "stream") or with no node left to take it
-    over (5xx): its HTTP status stays the 200 it started with."""
+    """A stream's server span, before it ends: the node that served it, how the stream ended
+    (zen.stream_status: as the request's metrics and log line count it), and an error where it ended in an
+    error event, after its first token (status "stream") or with no node left to take it over (5xx): its
+    HTTP status stays the 200 it started with."""
     if node:
         trace.span.set_attribute("zen.node", node)
+    trace.span.set_attribute("zen.stream_status", str(status))   # 200, 499 (the client left), 400, "stream", ...
     if status == "stream" or (isinstance(status, int) and status >= 500):
         from opentelemetry.trace import Status, StatusCode
         trace.span.set_status(Status(StatusCode.ERROR, f"the stream ended in an error event ({status})"))

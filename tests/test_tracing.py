@@ -191,6 +191,7 @@ def test_a_stream_that_ends_in_an_error_event_is_an_error_on_both_gateway_spans(
     root, node_request = got["POST /v1/completions"], got["node_request"]
     assert root.status.status_code == StatusCode.ERROR and root.attributes["zen.node"] == broken.url
     assert node_request.status.status_code == StatusCode.ERROR and node_request.attributes["zen.node"] == broken.url
+    assert root.attributes["zen.stream_status"] == ("stream" if tokens else "503")   # as its metrics count it
 
 
 def test_without_an_endpoint_nothing_is_set_up(node, tiny_models):  # noqa: F811
