@@ -70,7 +70,7 @@ def test_node_draining_refuses_new_work_and_ends_what_outlives_the_grace(node_ap
     assert 0 < len(tokens) < LONG_STREAM_TOKENS
     last = events[-1]
     assert last["type"] == "error" and last["error"]["code"] == "node_shutdown"
-    assert set(last["error"]) == {"message", "type", "code"} and last["error"]["type"] == "server_error"
+    assert set(last["error"]) == {"message", "type", "param", "code"} and last["error"]["type"] == "server_error"
     drained.join(15)
     assert not drained.is_alive() and node.drain.in_flight == 0
     m = node.registry.resident()[0]
