@@ -21,6 +21,7 @@ def create_app(config: GatewayConfig | Mapping[str, Any] | None = None) -> Flask
     from app.load_records import open_load_records
     from app.logs import configure_logging, init_request_logging
     from app.node_client import NodeClient
+    from app.org_share import CONCURRENCY_KEY, OrgThreadShare
     from app.router import NodePool, load_record_hold_s
 
     cfg = config if isinstance(config, GatewayConfig) else load_config(overrides=config or None)
@@ -36,6 +37,7 @@ def create_app(config: GatewayConfig | Mapping[str, Any] | None = None) -> Flask
     tracer = tracing.init_tracing(app, cfg)   # 2. the request's span (when tracing is on)
     auth.init_auth(app, cfg)            # 3. g.caller from the bearer token
     limits.init_limits(app, cfg)        # 4. requests per minute, token bucket
+    app.extensions[CONCURRENCY_KEY] = OrgThreadShare(cfg.server)   # 5. an org's share of a worker's threads
     gateway_metrics = metrics.init_metrics(app, cfg)
 
     # the router records the loads it starts where the limits live: every worker and replica sees them

@@ -24,6 +24,7 @@ from app.errors import CLIENT_CLOSED, model_not_found, unexpected_error
 from app.inference import InferenceRequest, PromptInput, sampling_params
 from app.limits import TokenLimiter, request_limit_headers, token_headers
 from app.metrics import GatewayMetrics
+from app.org_share import CONCURRENCY_KEY
 from app.node_client import PING, NodeClient, NodeStream, NodeStreamError, collect_result
 from app.priority import LATENCY_CLASS_HEADER, latency_class_for
 from app.prompt_batch import PromptBatch
@@ -160,6 +161,13 @@ def build_request(body: Mapping[str, Any], kind: str) -> tuple[InferenceRequest,
                                           caller.max_latency_class, caller.default_latency_class)
     except ValueError as exc:
         raise bad_value(f"`{LATENCY_CLASS_HEADER}` header {exc}", LATENCY_CLASS_HEADER) from None
+    entries = len(batch) * n * max_tokens * ((logprobs or 0) + 1)
+    if logprobs is not None and not stream and entries > config.server.max_logprob_entries:
+        # a JSON answer is built whole in the gateway's memory: ~0.7 KB a logprob entry
+        raise bad_value(f"An answer that does not stream may hold at most {config.server.max_logprob_entries} "
+                        f"logprob entries (prompts x n x max_tokens x (alternatives + 1)); this request asks "
+                        f"for {entries}: stream it, or lower max_tokens, n or the alternatives",
+                        "top_logprobs" if kind == CHAT else "logprobs")
     theta = sampling_params(max_tokens=max_tokens, max_tokens_default=max_param is None, min_tokens=min_tokens, stop=stop,
                             stop_token_ids=stop_ids, logit_bias=bias, ignore_eos=ignore_eos,
                             n=n, logprobs=logprobs, structured_output=constraint, **sampling)
@@ -174,6 +182,25 @@ def _generate(body: Mapping[str, Any], kind: str) -> Response:
     g.log_fields.update(model=req.model.alias, latency_class=req.latency_class.label,
                         stream=req.stream)
     try:
+        release = current_app.extensions[CONCURRENCY_KEY].acquire(req.org)   # its thread, until it is answered
+    except APIError:
+        g.limited_by = "concurrency"
+        raise
+    try:
+        resp = _admitted(req, kind, include_usage, logprobs_top)
+    except BaseException:
+        release()
+        raise
+    if resp.is_streamed:
+        resp.call_on_close(release)
+    else:
+        release()
+    return resp
+
+
+def _admitted(req: InferenceRequest, kind: str, include_usage: bool, logprobs_top: int | None) -> Response:
+    """The request's answer, once its org has a thread for it: tokens reserved, a node, the answer."""
+    try:
         cost = req.token_cost()
         with request_span("limits.tokens", lambda: {"zen.org": req.org, "zen.tokens_reserved": cost}):
             reservation = _tokens().reserve(req.org, g.caller.tier, cost)
@@ -184,6 +211,8 @@ def _generate(body: Mapping[str, Any], kind: str) -> Response:
     g.token_limit_headers = token_headers(reservation.result)
     started = g.started
     sock = request.environ.get("gunicorn.socket")
+    if req.stream and sock is not None:   # a client that reads nothing for this long ends its stream
+        sock.settimeout(_config().server.write_timeout_s)   # (gunicorn clears it for the next request)
     gone = lambda: client_gone(sock)  # noqa: E731
     if not _config().limits.uses_redis:
         # a store in this process or on its disk: CPU work, done before the node's kernels start on the

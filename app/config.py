@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import os
 import tomllib
 import types
@@ -66,6 +67,9 @@ class ServerConfig:
     workers: int = 2
     threads: int = 16
     metrics_token: str = ""   # GET /metrics needs `Authorization: Bearer <it>`; empty = open to all
+    org_thread_share: float = 1.0       # most of a worker's threads one org's generations may hold at once
+    write_timeout_s: float = 30.0       # a stream whose client reads nothing for this long is ended
+    max_logprob_entries: int = 131_072  # n x max_tokens x (top_logprobs + 1) of one answer that does not stream
 
     def __post_init__(self) -> None:
         _require(0 < self.port < 65536, f"server.port out of range: {self.port}")
@@ -73,6 +77,10 @@ class ServerConfig:
         _require(1 <= self.max_n <= 128, "server.max_n must be in [1, 128]")
         _require(1 <= self.max_prompts <= 1024, "server.max_prompts must be in [1, 1024]")
         _require(self.workers >= 1 and self.threads >= 1, "server.workers/threads must be >= 1")
+        _require(0 < self.org_thread_share <= 1, "server.org_thread_share must be in (0, 1]")
+        _require(math.isfinite(self.write_timeout_s) and self.write_timeout_s > 0,
+                 "server.write_timeout_s must be a finite number > 0")
+        _require(self.max_logprob_entries >= 1, "server.max_logprob_entries must be >= 1")
         _require(self.log_level.upper() in LOG_LEVELS,
                  f"server.log_level must be one of {', '.join(LOG_LEVELS)}, not {self.log_level!r}")
 

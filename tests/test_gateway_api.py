@@ -1314,3 +1314,50 @@ def test_a_json_answers_time_to_first_token_is_the_gateways_as_a_streams(client,
     counts = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
               if line.startswith("zen_gateway_time_to_first_token_seconds_count{")]
     assert counts == [2.0] and sums[0] >= 0.6
+
+
+def test_an_answer_that_does_not_stream_has_a_bound_on_its_logprob_entries(client, auth, node):
+    """Built whole in the gateway's memory (~0.7 KB an entry): past the bound, a 400 that says to stream."""
+    body = chat_body(max_tokens=4000, n=8, logprobs=True, top_logprobs=20)   # 8 x 4000 x 21 entries
+    err = assert_error(client.post(CHAT, headers=auth, json=body), 400, param="top_logprobs")
+    assert "stream it" in err["message"] and node.received == []
+    r = client.post(CHAT, headers=auth, json={**body, "max_tokens": 4, "stream": False})
+    assert r.status_code == 200                                              # 8 x 4 x 21: within it
+    r = client.post(COMPLETIONS, headers=auth, json={"model": "zen-small", "prompt": "x", "max_tokens": 8000,
+                                                     "n": 8, "logprobs": 5})
+    assert_error(r, 400, param="logprobs")
+    r = client.post(CHAT, headers=auth, json={**body, "stream": True})          # streamed: relayed as it comes
+    assert r.status_code == 200
+    r.close()
+
+
+def test_one_org_holds_at_most_its_share_of_a_workers_threads():
+    """org_thread_share 0.5 of 4 threads: two of an org's generations at once; its third is a 429 while
+    another org's is served, and it is taken again once one of the two has ended."""
+    from app.org_share import OrgThreadShare
+    node = StandInNode().start()
+    node.token_delay_s = 0.05
+    cfg = make_config([node.url], server={"threads": 4, "org_thread_share": 0.5})
+    app = create_app(cfg)
+    try:
+        assert app.extensions["zen.org_share"].most == 2
+        c = app.test_client()
+        held = [c.post(CHAT, headers=bearer(cfg), json=chat_body(stream=True, max_tokens=40)) for _ in range(2)]
+        assert [r.status_code for r in held] == [200, 200]
+        third = c.post(CHAT, headers=bearer(cfg), json=chat_body(max_tokens=2))
+        err = assert_error(third, 429, code="concurrency_limit_exceeded")
+        assert err["type"] == "requests" and third.headers["retry-after"] == "1"
+        assert c.post(CHAT, headers=bearer(cfg, "globex"), json=chat_body(max_tokens=2)).status_code == 200
+        metrics = c.get("/metrics", headers=METRICS_HEADERS).get_data(as_text=True)
+        assert 'zen_gateway_org_rate_limited_total{limit="concurrency",org="acme"} 1.0' in metrics
+        held[0].close()                                  # its stream ended: its thread is free
+        assert c.post(CHAT, headers=bearer(cfg), json=chat_body(max_tokens=2)).status_code == 200
+        held[1].close()
+    finally:
+        close_app(app)
+        node.stop()
+    share = OrgThreadShare(cfg.server)
+    release = share.acquire("a")
+    release()
+    release()                                            # once only
+    assert share.held("a") == 0

@@ -1,5 +1,6 @@
 """The gateway under gunicorn with 4 workers sharing a real Redis: per-org limits hold
-exactly across workers, and /metrics aggregates every worker (multiprocess mode)."""
+exactly across workers, /metrics aggregates every worker (multiprocess mode), and a stream whose client
+reads nothing is ended once a write has waited write_timeout_s."""
 from __future__ import annotations
 
 import os
@@ -31,6 +32,7 @@ CONFIG = f"""
 host = "127.0.0.1"
 log_level = "WARNING"
 threads = 32            # one worker may take every concurrent test request at once
+write_timeout_s = 2.0
 [auth]
 algorithms = ["HS256"]
 issuer = "zen-test"
@@ -163,3 +165,35 @@ def test_token_bucket_holds_exactly_across_workers(stack):
     assert 'zen_gateway_org_completion_tokens_total{model="zen-small",org="bucketco"}' in text
     pids = {m.group(1) for f in os.listdir(metrics_dir) if (m := re.search(r"_(\d+)\.db$", f))}
     assert len(pids) >= 2, pids                 # both workers served the burst, and their metrics are summed
+
+
+def test_a_stream_whose_client_reads_nothing_gives_its_thread_back(stack):
+    """A client that sends a long stream's request and never reads: the gateway's write waits on a full
+    socket, and after write_timeout_s (2 s here) the stream ends as a client that left (499), its node
+    stream closed, rather than holding the thread until the client goes."""
+    import json
+    import socket
+    base, config, node, _ = stack
+    port = int(base.rsplit(":", 1)[1])
+    body = json.dumps({"model": "zen-small", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                       "max_tokens": 4000, "ignore_eos": True, "logprobs": True, "top_logprobs": 20}).encode()
+    token = mint_token(config, "stallco")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)   # about 6 MB of events will not fit
+    try:
+        sock.connect(("127.0.0.1", port))
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + token.encode() + b"\r\nContent-Length: " +
+                     str(len(body)).encode() + b"\r\n\r\n" + body)
+        pattern = re.compile(r'zen_gateway_org_requests_total\{endpoint="api.chat_completions",org="other",'
+                             r'status="499"\} ([\d.]+)')
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            text = requests.get(base + "/metrics", headers=METRICS_HEADERS, timeout=10).text
+            if pattern.search(text):
+                break
+            time.sleep(0.5)
+        else:
+            raise AssertionError("the stalled stream was never ended")
+    finally:
+        sock.close()
