@@ -3,7 +3,8 @@
 One loop serves prefill, chunked prefill, prefix hits and decode alike: every sequence has a gap
 between the tokens it has and the tokens whose K/V are computed, and a step closes part of each gap
 within a token budget. Order is by priority — latency class, then arrival — with an aging guard so
-batch work is never starved. When blocks run out, the lowest-priority, most recently admitted
+batch work is never starved; within a class, an org with fewer sequences running or queued ahead of
+it starts first, so one org's request of many prompts takes turns with other orgs' requests. When blocks run out, the lowest-priority, most recently admitted
 sequence is preempted: its blocks go back to the pool and it is recomputed later, never dropped. A
 request of a higher class preempts one of a lower class for batch slots or blocks, even one already
 scheduled in this step (its tokens go back to the budget).
@@ -11,6 +12,7 @@ scheduled in this step (its tokens go back to the budget).
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 from engine.kv_cache import KVCacheManager
@@ -121,7 +123,7 @@ class Scheduler:
 
         # Waiting sequences join while budget, batch slots and blocks allow.
         if not out.preempted:
-            self.waiting.sort(key=lambda s: self.priority(s, now))
+            self.waiting = self._fair_order(now)
             for seq in list(self.waiting):
                 if budget <= 0:
                     break
@@ -164,6 +166,18 @@ class Scheduler:
         return out
 
     # ---- helpers
+    def _fair_order(self, now: float) -> list[Sequence]:
+        """The waiting sequences in the order they may start: by latency class, then by how many sequences
+        of the same org run or come before in the queue, then by priority (arrival)."""
+        held = Counter(s.request.org for s in self.running)
+        keyed = []
+        for pri, seq in sorted(((self.priority(s, now), s) for s in self.waiting), key=lambda k: k[0]):
+            org = seq.request.org
+            keyed.append(((pri[0], held[org]) + pri[1:], seq))
+            held[org] += 1
+        keyed.sort(key=lambda k: k[0])
+        return [seq for _, seq in keyed]
+
     def _others_could_start(self, now: float) -> bool:
         """Whether a waiting request could start this step beside the running prompts: a batch slot
         is free and one waits that is not held back (an n > 1 sibling waiting for its leader's

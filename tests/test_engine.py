@@ -369,6 +369,33 @@ def test_no_stream_is_preempted_for_a_batch_slot_when_its_blocks_would_still_not
     assert kv.pool.num_free_blocks + kv.blocks_freed_by([seqs["batch"]]) < 8
 
 
+def test_within_a_class_the_org_with_fewer_sequences_in_service_starts_first():
+    """Two batch slots; org a's request of four prompts came first, b's and c's after: the slots go in
+    turns (a, b, a, c, a, a), not to all of a's prompts first; a realtime request of a's still goes
+    before every standard one."""
+    from engine.kv_cache import BlockPool, KVCacheManager
+    from engine.scheduler import Scheduler
+    from engine.sequence import Sequence
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2), KVCacheManager(BlockPool(64), 4, "m"))
+
+    def arrive(i, org, t, cls=LatencyClass.STANDARD):
+        seq = Sequence(i, EngineRequest(f"{org}{i}", "m", list(range(10 * i, 10 * i + 4)), SamplingParams(), cls,
+                                        org=org, arrival_time=t), 0, 0)
+        sched.add(seq)
+        return seq
+
+    for i, (org, t) in enumerate([("a", 0.0)] * 4 + [("b", 1.0), ("c", 2.0)]):
+        arrive(i, org, t)
+    started = []
+    for step in range(7):
+        if step == 3:
+            arrive(9, "a", 3.0, LatencyClass.REALTIME)
+        sched.schedule(now=4.0)
+        started += [s.request.request_id for s in sched.running if s.request.request_id not in started]
+        sched.finish(sched.running[0], "stop")   # one slot frees a step
+    assert started == ["a0", "b4", "a1", "c5", "a9", "a2", "a3"]
+
+
 def test_batch_work_is_not_starved(tiny_gguf):
     eng = make_engine(tiny_gguf, max_num_seqs=1, max_batched=16, starvation_s=0.05)
     eng.add_request(req("batch", prompt(30, 8), LatencyClass.BATCH, max_tokens=2))
