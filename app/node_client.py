@@ -68,6 +68,7 @@ class NodeStream:
         # the node_request span while tracing is on: its traceparent goes to every node tried
         self.span = None if client.tracing is None else start_node_span(client.tracing, req, self._headers)
         self._retry_after = 1
+        self._org_queue_full = 0          # nodes that refused it for the org's share of their queue
         self._last = "no node answered"   # why the last node did not: for the client, so no node address
         self.node = ""
         self.attempts = 0
@@ -95,6 +96,10 @@ class NodeStream:
         while True:
             url = next(self._candidates, None)
             if url is None:
+                if self._org_queue_full and self._org_queue_full == self.attempts:   # each node said so
+                    raise APIError(429, "Too many of this organization's requests are waiting on the engine "
+                                        "nodes; retry after some finish.", code="org_queue_full",
+                                   headers={"Retry-After": str(self._retry_after)})
                 raise APIError(503, f"No engine node could serve this request ({self._last}); retry "
                                     f"shortly.", code="no_node_available",
                                headers={"Retry-After": str(self._retry_after)})
@@ -153,13 +158,15 @@ class NodeStream:
         status = resp.status
         err = _node_error(resp)
         self._client.release(url, conn, resp)
-        if status == 503:
+        org_queue_full = status == 429 and err.get("code") == "org_queue_full"
+        if status == 503 or org_queue_full:   # another node may have room
             try:
                 self._retry_after = max(self._retry_after, int(float(resp.headers.get("Retry-After", 1))))
             except ValueError:
                 pass
             self._last = f"busy ({err.get('message')})"
-            self._failover(url, "busy")
+            self._org_queue_full += org_queue_full
+            self._failover(url, "org_queue_full" if org_queue_full else "busy")
         elif status == 404 or status >= 500:
             self._last = f"{status} {err.get('message')}"
             if status >= 500:

@@ -47,7 +47,8 @@ def _serve(args) -> int:
             models=[ModelSpec.parse(m) for m in args.models], host=args.host, port=args.port,
             node_id=args.node_id, secret=NodeConfig.secret_from_env(args.secret_env, host=args.host),
             memory_budget_bytes=parse_bytes(args.memory_budget) if args.memory_budget else None,
-            kv_cache_bytes=parse_bytes(args.kv_cache_bytes), max_waiting=args.max_waiting, backend=args.backend,
+            kv_cache_bytes=parse_bytes(args.kv_cache_bytes), max_waiting=args.max_waiting,
+            org_waiting_share=args.org_waiting_share, backend=args.backend,
             block_size=args.block_size, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
             preload=args.preload, load_wait_s=args.load_wait, threads=args.threads,
@@ -89,6 +90,9 @@ def main(argv=None) -> int:
     s.add_argument("--kv-cache-bytes", default="256MiB", metavar="BYTES", help="KV cache of each resident model")
     s.add_argument("--max-waiting", type=int, default=256,
                    help="sequences accepted but not yet started; beyond it: 503 with Retry-After")
+    s.add_argument("--org-waiting-share", type=float, default=1.0, metavar="SHARE",
+                   help="most of --max-waiting one org's sequences may take; beyond it: 429 org_queue_full "
+                        "(default 1: no bound of its own)")
     s.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda"])
     s.add_argument("--secret-env", default="NODE_SECRET",
                    help="environment variable holding the internal secret (X-Node-Secret)")

@@ -38,7 +38,8 @@ class StandInNode:
     """A stand-in engine node for the gateway's tests (replays TOKENS); not the engine.
 
     Behaviour knobs, settable while it runs:
-      busy: answer 503 (queue full) with Retry-After
+      busy: answer 503 (queue full) with Retry-After; org_queue_full: answer 429 (the org's share of the
+        queue is full) with Retry-After
       fail_after_tokens: a stream breaks (connection dropped) after this many tokens
       error_after_tokens: a stream sends an error event after this many tokens (its type, code and param:
         error_type, error_code, error_param)
@@ -62,6 +63,7 @@ class StandInNode:
         self.node_id = node_id
         self.models = models if models is not None else [(MODEL_ID, "q4_1")]
         self.busy = False
+        self.org_queue_full = False
         self.fail_after_tokens: int | None = None
         self.error_after_tokens: int | None = None
         self.error_type, self.error_code, self.error_param = "server_error", "engine_error", None
@@ -251,6 +253,9 @@ class StandInNode:
                     time.sleep(node.response_delay_s)
                 if node.busy:
                     return self._error(503, "queue full", "queue_full", {"Retry-After": "2"})
+                if node.org_queue_full:
+                    return self._error(429, "the org's share of the queue is full", "org_queue_full",
+                                       {"Retry-After": "3"})
                 if payload.get("model") != MODEL_ID:
                     return self._error(404, f"unknown model {payload.get('model')}", "model_not_found")
                 if node.prompt_tokens(payload) > 8192:

@@ -3,6 +3,9 @@ grace periods are the ones the gateway and the node actually use."""
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 from urllib.parse import urlparse
@@ -252,3 +255,18 @@ def test_node_grace_period_covers_the_end_wait_and_the_close():
         drain = int(_env(c)["NODE_DRAIN_GRACE_S"]["value"])
         grace = pod_spec(statefulset)["terminationGracePeriodSeconds"]
         assert grace >= _pre_stop_s(c) + drain + END_WAIT_S + 5
+
+
+@pytest.mark.parametrize("variant", ["cuda", "cpu"])
+def test_the_node_command_is_one_the_node_accepts(variant, tmp_path):
+    """Every option of the StatefulSet's command parses and passes the node's checks: started as written
+    (its model path aside, which is not on this machine), the node stops only for the missing model."""
+    statefulset = _workload("node") if variant == "cuda" else cpu_node_statefulset()
+    command = container(statefulset, "node")["command"]
+    assert command[:3] == ["python", "-m", "engine"]
+    args = [str(tmp_path / "absent.gguf") if a.endswith(".gguf") else a for a in command[3:]]
+    env = {**os.environ, "NODE_SECRET": "a-secret-of-the-deployment", **{
+        e["name"]: e["value"] for e in container(statefulset, "node").get("env", []) if "value" in e}}
+    out = subprocess.run([sys.executable, "-m", "engine", *args], cwd=REPO_ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2 and "error: model not found" in out.stderr, out.stderr[-2000:]

@@ -538,6 +538,30 @@ def test_all_nodes_busy_is_a_503_with_retry_after(two_nodes):
     assert a.url not in err["message"] and b.url not in err["message"]   # the nodes' addresses are the operator's
 
 
+def test_a_node_full_for_the_org_hands_the_request_on_and_all_of_them_is_a_429(two_nodes):
+    """A node whose queue holds its share of the org's requests (429 org_queue_full) is no fault: the
+    request goes to the next node; when every node says so, the client gets a 429 with Retry-After."""
+    app, cfg, a, b = two_nodes
+    c, h = app.test_client(), bearer(cfg)
+    first, second = sorted([a, b], key=lambda n: n.url)
+    first.org_queue_full = True
+    r = c.post(CHAT, headers=h, json=chat_body(max_tokens=2))
+    assert r.status_code == 200 and len(first.received) == 1 and len(second.received) == 1
+    second.org_queue_full = True
+    for stream in (False, True):
+        r = c.post(CHAT, headers=h, json=chat_body(max_tokens=2, stream=stream))
+        err = assert_error(r, 429, None, "org_queue_full")
+        assert err["type"] == "rate_limit_exceeded" and r.headers["Retry-After"] == "3"
+    first.busy = True   # one node busy, the other full for the org: the service's 503
+    assert_error(c.post(CHAT, headers=h, json=chat_body(max_tokens=2)), 503, None, "no_node_available")
+    metrics = c.get("/metrics", headers=METRICS_HEADERS).get_data(as_text=True)
+    assert 'reason="org_queue_full"' in metrics
+    first.busy = first.org_queue_full = second.org_queue_full = False
+    before = len(first.received)
+    assert c.post(CHAT, headers=h, json=chat_body(max_tokens=2)).status_code == 200
+    assert len(first.received) == before + 1   # still the first choice: its refusals were no fault
+
+
 def test_a_stream_no_node_accepts_is_an_http_503_with_its_headers(two_nodes):
     """When no node accepts a stream, the client gets the HTTP error (not a 200 stream), with the limit
     headers, and the org is charged nothing."""

@@ -63,3 +63,26 @@ def test_queue_full_503_and_leaving_while_waiting(start_node, tiny_models):
     assert metric(m, "zen_node_request_success_total", finished_reason="timeout") == 1          # D
     # with the queue empty again, requests are taken
     assert post(url, {"model": "tiny-a", "prompt": "d", "sampling": {"max_tokens": 2}}).status_code == 200
+
+
+def test_an_org_beyond_its_share_of_the_queue_is_a_429_while_another_org_is_taken(start_node, tiny_models):
+    """--org-waiting-share 0.5 of --max-waiting 4: one org's sequences wait two at most."""
+    url = start_node([tiny_models["a"] + "=tiny-a"], SECRET, max_num_seqs=1, max_waiting=4,
+                     extra_args=("--org-waiting-share", "0.5"))
+    running = open_stream(url, {"model": "tiny-a", "prompt_token_ids": [9], "org": "stayer",
+                                "sampling": {"max_tokens": 4000, "ignore_eos": True}}, SECRET)
+    assert next_event(running[1])["type"] == "token"
+    waiting = [open_stream(url, {"model": "tiny-a", "prompt_token_ids": [7, 8], "org": "big",
+                                 "sampling": {"max_tokens": 2, "n": 2}}, SECRET)]
+    wait_for(lambda: state(url)["queue"]["admitted"] == 2, what="big's two sequences waiting")
+    r = post(url, {"model": "tiny-a", "prompt": "c", "org": "big", "sampling": {"max_tokens": 2}})
+    err = assert_openai_error(r, 429, "org_queue_full")
+    assert int(r.headers["Retry-After"]) >= 1 and err["type"] == "rate_limit_exceeded"
+    waiting.append(open_stream(url, {"model": "tiny-a", "prompt_token_ids": [5], "org": "other",
+                                     "sampling": {"max_tokens": 2}}, SECRET))
+    wait_for(lambda: state(url)["queue"]["admitted"] == 3, what="other's sequence waiting")
+    assert metric(scrape(url), "zen_node_requests_rejected_total", reason="org_queue_full") == 1
+    for conn, _ in [*waiting, running]:
+        conn.close()
+    wait_for(lambda: state(url)["queue"]["admitted"] == 0 and state(url)["queue"]["running"] == 0,
+             what="every stream ended")

@@ -26,6 +26,8 @@ MODELS = [ModelSpec("model.gguf", "m")]    # NodeConfig does not open the file
     (dict(drain_grace_s=float("inf")), "drain_grace_s must be a finite number >= 0, got inf"),
     (dict(drain_grace_s=float("nan")), "drain_grace_s must be a finite number >= 0, got nan"),
     (dict(drain_grace_s=-1.0), "drain_grace_s must be a finite number >= 0"),
+    (dict(org_waiting_share=0.0), r"org_waiting_share must be in \(0, 1\], got 0.0"),
+    (dict(org_waiting_share=float("nan")), r"org_waiting_share must be in \(0, 1\], got nan"),
 ])
 def test_bad_start_up_values_are_refused(kwargs, words):
     with pytest.raises(ValueError, match=words):
@@ -47,6 +49,7 @@ def test_an_ipv6_host_is_bracketed_once(host, bind):
 @pytest.mark.parametrize("args, env, words", [
     (["--block-size", "3"], {}, "error: block_size must be a power of two, got 3"),
     (["--drain-grace-s", "inf"], {}, "error: drain_grace_s must be a finite number >= 0, got inf"),
+    (["--org-waiting-share", "1.5"], {}, "error: org_waiting_share must be in (0, 1], got 1.5"),
     ([], {"NODE_DRAIN_GRACE_S": "inf"}, "error: drain_grace_s must be a finite number >= 0, got inf"),
 ])
 def test_the_node_refuses_to_start_with_one_error_line(tmp_path, args, env, words):

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from engine.node.admission import Admission
+from engine.node.admission import Admission, QueueFull
 from engine.node.app import create_app as create_node_app
 from engine.node.config import ModelSpec, NodeConfig
 from engine.node.loop import DecodeStepFit
@@ -105,6 +105,33 @@ def test_admission_counts_work_by_latency_class():
     a.close()
     b.close()
     assert admission.by_class_snapshot() == ((0, 0, 0), (0, 0, 0)) and admission.waiting == 0
+
+
+def test_an_org_holds_at_most_its_share_of_the_queue():
+    """Share 0.5 of 8: an org's sequences wait 4 at most (a larger request only while it has none waiting);
+    another org still finds room, and the queue's own bound holds over both."""
+    admission = Admission(max_waiting=8, org_share=0.5)
+    big = admission.admit(("m", "q"), 3, org="a")
+    with pytest.raises(QueueFull) as e:
+        admission.admit(("m", "q"), 2, org="a")
+    assert e.value.code == "org_queue_full" and admission.by_org == {"a": 3}
+    small = admission.admit(("m", "q"), 1, org="a")
+    other = admission.admit(("m", "q"), 4, org="b")
+    with pytest.raises(QueueFull) as e:
+        admission.admit(("m", "q"), 1, org="c")
+    assert e.value.code == "queue_full"
+    big.started()
+    small.close()
+    assert admission.by_org == {"a": 2, "b": 4} and admission.waiting == 6
+    big.close()
+    other.started()
+    other.started()
+    alone = admission.admit(("m", "q"), 6, org="a")   # more than its share, with none of its own waiting
+    assert admission.waiting == 8 and admission.by_org == {"a": 6, "b": 2}
+    alone.close()
+    other.close()
+    assert admission.by_org == {} and admission.waiting == 0
+    assert Admission(max_waiting=3, org_share=0.1).max_per_org == 1
 
 
 def test_the_decode_step_line_is_fitted_from_steps_at_several_batch_sizes():

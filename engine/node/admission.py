@@ -1,38 +1,56 @@
 """Admission: the node's bounded waiting queue, and the Ticket each admitted request holds."""
 from __future__ import annotations
 
+import math
 import threading
 
 from engine.protocol import LatencyClass
 
 
+class QueueFull(Exception):
+    """No room for a request: in the queue (code queue_full) or in its org's share of it (org_queue_full)."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
 class Admission:
     """The node's bounded waiting queue: sequences accepted that have not produced a token yet, also
-    counted by latency class with their prompt tokens (what the router's latency estimate reads)."""
+    counted by latency class with their prompt tokens (what the router's latency estimate reads), and
+    by org, of which none may hold more than `org_share` of the bound."""
 
-    def __init__(self, max_waiting: int):
+    def __init__(self, max_waiting: int, org_share: float = 1.0):
         self.max_waiting = max_waiting
+        self.max_per_org = max(1, math.floor(org_share * max_waiting))
         self._lock = threading.Lock()
         self.waiting = 0
         self.by_model: dict[tuple[str, str], int] = {}
+        self.by_org: dict[str, int] = {}
         self.by_class = [0] * len(LatencyClass)
         self.tokens_by_class = [0] * len(LatencyClass)
 
-    def would_refuse(self, n: int) -> bool:
-        return self.waiting > 0 and self.waiting + n > self.max_waiting
+    def check(self, n: int, org: str = "") -> None:
+        """QueueFull unless n more sequences of org fit: a request larger than a bound is taken only while
+        nothing waits under it (the queue, or the org's share)."""
+        if self.waiting > 0 and self.waiting + n > self.max_waiting:
+            raise QueueFull("queue_full", "the node's waiting queue is full")
+        held = self.by_org.get(org, 0)
+        if held > 0 and held + n > self.max_per_org:
+            raise QueueFull("org_queue_full", f"this organization has {held} sequences waiting on the node, its "
+                                              f"share of the queue is {self.max_per_org}")
 
     def admit(self, key: tuple[str, str], n: int, latency_class: LatencyClass = LatencyClass.STANDARD,
-              prompt_tokens: int = 0) -> "Ticket | None":
-        """A ticket for n sequences of `prompt_tokens` each, or None when the queue is full (a request
-        larger than the bound is taken only into an empty queue)."""
+              prompt_tokens: int = 0, org: str = "") -> "Ticket":
+        """A ticket for n sequences of `prompt_tokens` each; QueueFull when they do not fit."""
         with self._lock:
-            if self.would_refuse(n):
-                return None
+            self.check(n, org)
             self.waiting += n
             self.by_model[key] = self.by_model.get(key, 0) + n
+            self.by_org[org] = self.by_org.get(org, 0) + n
             self.by_class[latency_class] += n
             self.tokens_by_class[latency_class] += n * prompt_tokens
-            return Ticket(self, key, n, latency_class, prompt_tokens)
+            return Ticket(self, key, n, latency_class, prompt_tokens, org)
 
     def by_class_snapshot(self) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
         """(sequences, prompt tokens) waiting for a first token, per latency class."""
@@ -45,6 +63,9 @@ class Admission:
             self.by_model[ticket.key] -= n
             if not self.by_model[ticket.key]:
                 del self.by_model[ticket.key]
+            self.by_org[ticket.org] -= n
+            if not self.by_org[ticket.org]:
+                del self.by_org[ticket.org]
             self.by_class[ticket.latency_class] -= n
             self.tokens_by_class[ticket.latency_class] -= n * ticket.prompt_tokens
 
@@ -53,9 +74,9 @@ class Ticket:
     """n sequences of one request, counted as waiting until each produces its first delta."""
 
     def __init__(self, admission: Admission, key, n: int, latency_class: LatencyClass = LatencyClass.STANDARD,
-                 prompt_tokens: int = 0):
+                 prompt_tokens: int = 0, org: str = ""):
         self.admission, self.key, self.pending = admission, key, n
-        self.latency_class, self.prompt_tokens = latency_class, prompt_tokens
+        self.latency_class, self.prompt_tokens, self.org = latency_class, prompt_tokens, org
 
     def started(self) -> None:
         """One sequence produced its first delta: it no longer waits."""

@@ -65,6 +65,7 @@ class NodeConfig:
     memory_budget_bytes: int | None = None     # weights + KV of resident models; None: from the device
     kv_cache_bytes: int = 256 << 20            # KV cache of each resident model
     max_waiting: int = 256                     # sequences accepted but not yet producing tokens
+    org_waiting_share: float = 1.0             # most of max_waiting one org's sequences may take (429 beyond)
     backend: str = "auto"
     block_size: int = 16
     max_num_seqs: int = 64
@@ -97,6 +98,8 @@ class NodeConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if not 0 < self.org_waiting_share <= 1:
+            raise ValueError(f"org_waiting_share must be in (0, 1], got {self.org_waiting_share}")
         for name in ("load_wait_s", "drain_grace_s"):   # both become timeouts: inf or nan would fail there
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")

@@ -44,6 +44,14 @@ def unavailable(message: str, code: str, retry_after: int = 1) -> APIError:
     return APIError(503, message, code=code, headers={"Retry-After": str(max(1, int(retry_after)))})
 
 
+def queue_full(e) -> APIError:
+    """A full queue is the node's (503: another node may take the request); a full share of it, the org's
+    (429 org_queue_full: another node may take it too, and the gateway says so when none does)."""
+    if e.code == "org_queue_full":
+        return APIError(429, str(e), code=e.code, headers={"Retry-After": "1"})
+    return unavailable(str(e), e.code)
+
+
 def model_not_found(e: LookupError) -> APIError:
     return APIError(404, str(e), param="model", code="model_not_found")
 

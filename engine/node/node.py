@@ -8,10 +8,10 @@ import time
 
 from engine.backends import backend_name
 from engine.engine import RequestError
-from engine.node.admission import Admission
+from engine.node.admission import Admission, QueueFull
 from engine.node.config import NodeConfig
 from engine.node.drain import RETRY_AFTER_S, Drain
-from engine.node.generation import Generation, model_not_found, request_error, tokenize, unavailable
+from engine.node.generation import Generation, model_not_found, queue_full, request_error, tokenize, unavailable
 from engine.node.metrics import ModelSnapshot, NodeMetrics, NodeSnapshot
 from engine.node.registry import ModelNotFound, ModelRegistry, ModelUnavailable, ResidentModel
 from engine.node.telemetry import Telemetry, host_memory_available
@@ -28,7 +28,7 @@ class Node:
         self.config = config
         # a CPU-backend node reports the host, not a GPU it does not use (nor sizes its budget from one)
         self.telemetry = telemetry or Telemetry(use_nvml=backend_name(config.backend) != "cpu")
-        self.admission = Admission(config.max_waiting)
+        self.admission = Admission(config.max_waiting, config.org_waiting_share)
         self.metrics = NodeMetrics(self.snapshot)
         budget = config.memory_budget_bytes or self._default_budget()
         self.registry = ModelRegistry(config.models, budget, config.engine_config,
@@ -128,8 +128,10 @@ class Node:
             self.registry.spec(call.model)
         except ModelNotFound as e:
             raise model_not_found(e) from None
-        if self.admission.would_refuse(call.sampling.n):   # before any cold load
-            raise unavailable("the node's waiting queue is full", "queue_full")
+        try:
+            self.admission.check(call.sampling.n, call.org)   # before any cold load
+        except QueueFull as e:
+            raise queue_full(e) from None
         try:
             m = self.registry.acquire(call.model, call.quantization, self.config.load_wait_s)
         except ModelUnavailable as e:
@@ -139,9 +141,10 @@ class Node:
             ids, text = tokenize(call, m)
             req = EngineRequest(call.request_id, m.id, ids, call.sampling, call.latency_class, call.org,
                                 arrival_time=received, queue_timeout_s=call.queue_timeout_s, prompt_text=text)
-            ticket = self.admission.admit(m.key, call.sampling.n, call.latency_class, len(ids))
-            if ticket is None:
-                raise unavailable("the node's waiting queue is full", "queue_full")
+            try:
+                ticket = self.admission.admit(m.key, call.sampling.n, call.latency_class, len(ids), call.org)
+            except QueueFull as e:
+                raise queue_full(e) from None
             try:
                 stream = m.loop.submit(req)
             except RequestError as e:
