@@ -110,6 +110,28 @@ def test_services_select_the_pods_of_their_workload():
         assert selector.items() <= labels.items(), service_name
 
 
+@pytest.mark.parametrize("policy, workload, peers", [
+    ("zen-node", NODE, [{"app.kubernetes.io/name": "zen-gateway"}, {"app.kubernetes.io/name": "prometheus"}]),
+    ("zen-redis", ("Deployment", "zen-redis", "redis"), [{"app.kubernetes.io/name": "zen-gateway"}]),
+])
+def test_network_policies_let_in_the_gateways_on_the_ports_their_pods_serve(policy, workload, peers):
+    """Each policy selects its workload's pods and lets in exactly these peers (the gateway's pods, which
+    its selector must match), on a port the pod's container names."""
+    spec = find("NetworkPolicy", policy)["spec"]
+    kind, name, container_name = workload
+    pods = find(kind, name)
+    assert spec["podSelector"]["matchLabels"].items() <= pods["spec"]["template"]["metadata"]["labels"].items()
+    assert spec["policyTypes"] == ["Ingress"]
+    named_ports = {p["name"] for p in container(pods, container_name)["ports"]}
+    allowed = []
+    for rule in spec["ingress"]:
+        assert {p["port"] for p in rule["ports"]} <= named_ports, policy
+        allowed += [peer["podSelector"]["matchLabels"] for peer in rule["from"]]
+    assert allowed == peers
+    gateway_labels = find(*GATEWAY[:2])["spec"]["template"]["metadata"]["labels"]
+    assert peers[0].items() <= gateway_labels.items()
+
+
 # -- probes and scraping -------------------------------------------------------------------------
 
 def _probe_paths() -> list[tuple[str, str, str]]:
