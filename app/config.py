@@ -51,6 +51,19 @@ DEVELOPMENT_SECRETS = (
 )
 
 
+def count_from_env(name: str, default: int) -> int:
+    """An integer >= 1 from the environment variable `name` (unset or empty: `default`); ConfigError else."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    _require(value >= 1, f"{name} must be an integer >= 1, got {text!r}")   # 0 workers: a master that never serves
+    return value
+
+
 def _require(cond: bool, message: str) -> None:
     if not cond:
         raise ConfigError(message)

@@ -9,12 +9,11 @@ worker's own (a thread is a worker's), not the limits store's: nothing to leak w
 from __future__ import annotations
 
 import math
-import os
 import threading
 from collections import Counter
 from typing import Callable
 
-from app.config import ServerConfig
+from app.config import ConfigError, ServerConfig, count_from_env
 from app.limits import retry_headers
 from engine.protocol import APIError
 
@@ -22,9 +21,12 @@ CONCURRENCY_KEY = "zen.org_share"
 
 
 def worker_threads(server: ServerConfig) -> int:
-    """The threads of this worker: GATEWAY_THREADS as config/gunicorn.conf.py reads it, else the config's."""
-    text = os.environ.get("GATEWAY_THREADS", "").strip()
-    return int(text) if text.isdigit() and int(text) >= 1 else server.threads
+    """The threads of this worker: GATEWAY_THREADS as config/gunicorn.conf.py reads it, else the config's
+    (a value gunicorn would refuse is the config's: outside gunicorn nothing else reads it)."""
+    try:
+        return count_from_env("GATEWAY_THREADS", server.threads)
+    except ConfigError:
+        return server.threads
 
 
 class OrgThreadShare:

@@ -18,7 +18,7 @@ import tempfile
 
 from gunicorn.glogging import Logger
 
-from app.config import ConfigError, load_config
+from app.config import ConfigError, count_from_env, load_config
 from app.limit_store import LIMITS_DIR_ENV, new_limits_dir
 from engine.memory_dir import memory_dir
 from engine.protocol import is_loopback_host
@@ -36,25 +36,14 @@ except ConfigError as exc:      # the reason alone, as `python -m app serve` pri
     _refuse(f"error: {exc}")
 
 
-def _count_from_env(name: str, default: int) -> int:
-    """An integer >= 1 from the environment variable `name` (unset or empty: `default`)."""
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:   # 0 workers would start a master that never serves
-        _refuse(f"error: {name} must be an integer >= 1, got {text!r}")
-    return value
-
-
 # an IPv6 literal in brackets, as gunicorn parses an address
 _host = f"[{_cfg.server.host}]" if ":" in _cfg.server.host and not _cfg.server.host.startswith("[") else _cfg.server.host
 bind = f"{_host}:{_cfg.server.port}"
-workers = _count_from_env("GATEWAY_WORKERS", _cfg.server.workers)
-threads = _count_from_env("GATEWAY_THREADS", _cfg.server.threads)
+try:
+    workers = count_from_env("GATEWAY_WORKERS", _cfg.server.workers)
+    threads = count_from_env("GATEWAY_THREADS", _cfg.server.threads)
+except ConfigError as exc:
+    _refuse(f"error: {exc}")
 worker_class = "gthread"
 timeout = 120            # heartbeat of the worker process, not a limit on stream length
 graceful_timeout = 30    # on SIGTERM a worker stops accepting and open streams get this long to finish
