@@ -4,6 +4,7 @@ admitted work by latency class, and the decode step's time fitted against the ba
 from __future__ import annotations
 
 import json
+import logging
 import time
 
 import pytest
@@ -157,3 +158,25 @@ def test_a_slow_first_decode_step_counts_as_much_as_those_after_it():
     for _ in range(200):
         fit.add(1, 0.001)
     assert fit.line()[0] == pytest.approx(0.001, rel=1e-3)
+
+
+def test_a_refusal_is_logged_with_its_request_and_org(node_app, caplog):
+    """The node's refusals leave a line: a warning for its own (a full queue: 503 queue_full), info for
+    the client's (a request without a prompt: 400)."""
+    client = node_app.test_client()
+    headers = {**_auth(node_app), "X-Request-Id": "req-refused-1"}
+    admission = node_app.extensions["zen_node"].admission
+    held = admission.admit(("filler", ""), admission.max_waiting)   # the queue is full
+    try:
+        with caplog.at_level(logging.INFO, logger="engine.node"):
+            r = client.post("/v1/generate", headers=headers, json={
+                "model": "tiny-a", "prompt": "hello", "org": "acme", "request_id": "req-refused-1",
+                "sampling": {"max_tokens": 3}})
+            bad = client.post("/v1/generate", headers=headers, json={"model": "tiny-a"})
+    finally:
+        held.close()
+    assert r.status_code == 503 and bad.status_code == 400
+    refused = [rec for rec in caplog.records if getattr(rec, "event", None) == "refused"]
+    assert [(rec.levelno, rec.status, rec.code, rec.request_id, rec.org) for rec in refused] == [
+        (logging.WARNING, 503, "queue_full", "req-refused-1", "acme"),
+        (logging.INFO, 400, refused[1].code, "req-refused-1", None)]

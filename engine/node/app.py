@@ -70,6 +70,10 @@ def register_error_handlers(app: Flask) -> None:
     @app.errorhandler(APIError)
     def _api_error(e: APIError):
         the_node().metrics.rejected(e.code or str(e.status))
+        # the node's own refusals (busy, full, draining) are the operator's business; a bad request, the client's
+        log.log(logging.WARNING if e.status == 429 or e.status >= 500 else logging.INFO, "request refused", extra={
+            "event": "refused", "request_id": getattr(g, "request_id", None), "org": getattr(g, "org", None),
+            "path": request.path, "status": e.status, "code": e.code})
         return e.response()
 
     @app.errorhandler(HTTPException)

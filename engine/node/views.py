@@ -138,7 +138,7 @@ def unload_model():
 def generate():
     received = time.monotonic()
     call = GenerateRequest.from_json(json_body(), check_quantization)
-    g.request_id = call.request_id
+    g.request_id, g.org = call.request_id, call.org
     gen = the_node().submit(call, received, request.environ.get("gunicorn.socket"))
     tracing = current_app.extensions.get(TRACING_KEY)
     if tracing is not None:
