@@ -87,6 +87,8 @@ def tool_plan(body: Mapping[str, Any], has_constraint: bool) -> ToolPlan:
     if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
         raise bad_value(f"`tools` must be an array of at most {MAX_TOOLS} function tools", "tools", "invalid_type")
     functions = [_function(t, i) for i, t in enumerate(tools)]
+    strict = [structured.strict(t["function"].get("strict"), f"tools[{i}].function", "tools")
+              for i, t in enumerate(tools)]
     names = [f["name"] for f in functions]
     if len(set(names)) != len(names):
         raise bad_value("`tools` names a function twice", "tools")
@@ -100,7 +102,10 @@ def tool_plan(body: Mapping[str, Any], has_constraint: bool) -> ToolPlan:
     if has_constraint:
         raise bad_value("`tool_choice` that forces a call cannot be combined with `response_format` or "
                         "another structured output", "tool_choice")
-    forced = functions if mode == "required" else [f for f in functions if f["name"] == choice["function"]["name"]]
+    # a strict function's forced arguments hold no properties its parameters do not name (OpenAI's `strict`)
+    enforced = [{**f, "parameters": structured.closed(f["parameters"], "tools")} if is_strict else f
+                for f, is_strict in zip(functions, strict)]
+    forced = enforced if mode == "required" else [f for f in enforced if f["name"] == choice["function"]["name"]]
     for f in forced:
         _enforceable(f, names.index(f["name"]))
     return ToolPlan(rendered, _forced_call(forced, parallel), parse)

@@ -119,6 +119,15 @@ def test_defaults_sent_to_the_node(client, auth, node):
     ({"response_format": {"type": "json_object"}}, {"type": "json", "value": {"type": "object"}}),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "integer"}}}},
      {"type": "json", "value": {"type": "integer"}}),
+    # strict: objects that do not say otherwise are closed; without it they stay open, as JSON Schema has them
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "strict": True, "schema": {
+        "type": "object", "properties": {"a": {"type": "object"}, "b": {"type": "object", "additionalProperties": True}}}}}},
+     {"type": "json", "value": {"type": "object", "properties": {
+         "a": {"type": "object", "additionalProperties": False}, "b": {"type": "object", "additionalProperties": True}},
+         "additionalProperties": False}}),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "strict": False, "schema": {
+        "type": "object", "properties": {"a": {"type": "object"}}}}}},
+     {"type": "json", "value": {"type": "object", "properties": {"a": {"type": "object"}}}}),
     ({"structured_outputs": {"regex": "[0-9]+"}}, {"type": "regex", "value": "[0-9]+"}),
     ({"structured_outputs": {"json": '{"type": "string"}'}}, {"type": "json", "value": {"type": "string"}}),
     ({"guided_choice": ["a", "b"]}, {"type": "choice", "value": ["a", "b"]}),
@@ -851,6 +860,9 @@ BAD_CHAT = [
     (chat_body(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}),
      "response_format"),
     (chat_body(response_format={"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}),
+     "response_format"),
+    (chat_body(response_format={"type": "json_schema", "json_schema": {"name": "x", "strict": "yes",
+                                                                       "schema": {"type": "object"}}}),
      "response_format"),
     (chat_body(structured_outputs={"regex": "[a-"}), "structured_outputs"),
     (chat_body(structured_outputs={"regex": "a", "choice": ["b"]}), "structured_outputs"),

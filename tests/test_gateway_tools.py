@@ -9,6 +9,9 @@ import llguidance
 import pytest
 
 from app.responses import CHAT, ChunkWriter, chat_completion
+from app.structured import closed
+from app.tool_params import tool_plan
+from engine.protocol import APIError
 from engine.tools import ToolCall, ToolCallParser, render_tool_prompt, tool_call_grammar
 from tests.test_gateway_support import auth, client, gateway, node  # noqa: F401 (fixtures)
 
@@ -72,6 +75,41 @@ def test_the_grammar_accepts_exactly_valid_calls():
     assert not accepts('<tool_call>{"name":"get_weather","arguments":{}}</tool_call>')      # city required
     assert not accepts('<tool_call>{"name":"now","arguments":{}}</tool_call>')
     assert not accepts('<tool_call>{"name":"get_weather","arguments":{"city":"a"}}</tool_call>\n' * 2)
+
+
+def test_a_strict_function_forced_call_holds_only_the_properties_its_parameters_name():
+    """`strict` closes the parameters' objects that do not say otherwise (OpenAI's strict mode); without it
+    they stay open, as JSON Schema has them. A strict flag that is no boolean is a 400 naming tools."""
+    tok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteTokenizer()))
+    params = {"type": "object", "properties": {"city": {"type": "string"},
+                                               "where": {"type": "object", "properties": {"lat": {"type": "number"}}}}}
+    extra = '<tool_call>{"name":"f","arguments":{"city":"a","where":{"lat":1,"alt":2}}}</tool_call>'
+    plain = '<tool_call>{"name":"f","arguments":{"city":"a","where":{"lat":1}}}</tool_call>'
+    for strict, takes_extra in ((None, True), (False, True), (True, False)):
+        tool = {"type": "function", "function": {"name": "f", "parameters": params, "strict": strict}}
+        plan = tool_plan({"tools": [tool], "tool_choice": "required"}, has_constraint=False)
+        grammar = llguidance.grammar_from("lark", plan.constraint["value"])
+
+        def accepts(text: str) -> bool:
+            m = llguidance.LLMatcher(tok, grammar, log_level=0)
+            return m.consume_tokens(list(text.encode())) and m.is_accepting()
+        assert accepts(plain) and accepts(extra) == takes_extra, strict
+        assert plan.tools[0]["function"]["parameters"] == params   # the model reads them as given
+    bad = {"type": "function", "function": {"name": "f", "strict": "yes"}}
+    with pytest.raises(APIError) as e:
+        tool_plan({"tools": [bad]}, has_constraint=False)
+    assert e.value.param == "tools" and "strict" in e.value.message
+
+
+def test_closing_a_schema_leaves_all_of_as_given_and_refuses_one_nested_past_recursion():
+    composed = {"allOf": [{"type": "object", "properties": {"a": {}}}, {"properties": {"b": {}}}]}
+    assert closed(composed, "response_format") == composed
+    deep = {"type": "object"}
+    for _ in range(5000):
+        deep = {"type": "array", "items": deep}
+    with pytest.raises(APIError) as e:
+        closed(deep, "response_format")
+    assert e.value.status == 400 and e.value.param == "response_format"
 
 
 def _plan(field: str = "steps", definition: str = "Step") -> dict:
