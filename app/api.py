@@ -32,11 +32,12 @@ from app.responses import (CHAT, COMPLETIONS, SSE_DONE, ChunkWriter, chat_comple
                            text_completion, usage_of)
 from app.tracing import record_status, record_stream_end, request_span
 from engine.client_socket import ClientGone, client_gone
-from engine.protocol import NODE_SHUTDOWN, APIError, bad_value, parse_json, sse_error_event
+from engine.protocol import NODE_SHUTDOWN, ORG_QUEUE_FULL, APIError, bad_value, parse_json, sse_error_event
 from engine.request_body import request_body
 
 log = logging.getLogger("zen.gateway")
 bp = Blueprint("api", __name__, url_prefix="/v1")
+NODE_QUEUE_LIMIT = "node_queue"   # the limit label of a 429 for the org's share of the nodes' queues
 
 
 def _config() -> GatewayConfig:
@@ -252,6 +253,8 @@ def _admitted(req: InferenceRequest, kind: str, include_usage: bool, logprobs_to
     except APIError as exc:
         _refund(reservation)
         _name_prompt_param(exc, kind, g.max_tokens_param, g.constraint_param)
+        if exc.code == ORG_QUEUE_FULL:
+            g.limited_by = NODE_QUEUE_LIMIT
         raise
     except BaseException:
         _refund(reservation)
@@ -471,6 +474,8 @@ def _answer_stream(req: InferenceRequest, kind: str, outcome: NodeStream | Promp
         if bucket is not None:
             exc.headers.update(token_headers(bucket))
         result["status"] = exc.status
+        if exc.code == ORG_QUEUE_FULL:
+            metrics.limited(req.org, NODE_QUEUE_LIMIT)
         if trace is not None:
             record_status(trace, exc.status)
         return exc

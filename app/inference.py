@@ -97,6 +97,7 @@ class InferenceRequest:
     tool_calls: str | None = None   # the answer is parsed for tool calls: "single" or "parallel" (app/tool_params)
     # completions given a list of prompts: all of them (`inputs` is the first), each answered by n choices
     batch: tuple[PromptInput, ...] = ()
+    group: str | None = None        # a part's: the node id of the request it is a prompt of
 
     @property
     def parts(self) -> list[InferenceRequest]:
@@ -104,7 +105,8 @@ class InferenceRequest:
         id does (itself alone)."""
         if len(self.batch) < 2:
             return [self]
-        return [replace(self, inputs=x, batch=(), request_id=f"{self.request_id}/{i}") for i, x in enumerate(self.batch)]
+        return [replace(self, inputs=x, batch=(), request_id=f"{self.request_id}/{i}", group=self.node_request_id)
+                for i, x in enumerate(self.batch)]
 
     @property
     def num_choices(self) -> int:
@@ -132,4 +134,4 @@ class InferenceRequest:
             request_id=self.node_request_id, model=self.model.model, quantization=self.model.quantization,
             org=self.org, latency_class=self.latency_class, sampling=self.params, stream=stream,
             chat_template=self.model.chat_template if self.inputs.messages is not None else None,
-            **self.inputs.to_node())
+            group=self.group, **self.inputs.to_node())

@@ -2,9 +2,10 @@
 
 `send` writes the request to the router's best node and `NodeStream.accept` reads its answer,
 walking the ranked nodes until one accepts the request (HTTP 200: the node has queued it): on a
-connection error, a 503, a node that cannot serve the model or refuses the gateway's credentials, it
-tries the next one. A node's 400 (bad input, prompt over the context) is
-the client's error and is passed back as is. The accepted stream (`NodeStream`) still fails over
+connection error, a 503, a 429 `org_queue_full` (the org holds its share of that node's queue), a node
+that cannot serve the model or refuses the gateway's credentials, it tries the next one; when every node
+it tried refused it for the org's share, the client gets that 429. A node's 400 (bad input, prompt over
+the context) is the client's error and is passed back as is. The accepted stream (`NodeStream`) still fails over
 while no token has come: a node that breaks or answers an error event before its first token hands
 the request to the next node, unseen by the client. Once a token has come the request belongs to
 that node: a later failure becomes an error event for the client (app/api.py).
@@ -29,8 +30,8 @@ from app.node_faults import NodeFaults
 from app.router import TRANSPORT_ERRORS, NodePool
 from app.tracing import end_node_span, start_node_span, traced_rank
 from engine.client_socket import ClientGone
-from engine.protocol import (PROMPT_TOKENS_HEADER, REQUEST_ID_HEADER, SECRET_HEADER, STATE_FIELD, STATE_HEADER,
-                             APIError, NodeState)
+from engine.protocol import (ORG_QUEUE_FULL, PROMPT_TOKENS_HEADER, REQUEST_ID_HEADER, SECRET_HEADER, STATE_FIELD,
+                             STATE_HEADER, APIError, NodeState)
 
 if TYPE_CHECKING:
     from engine.tracing import Tracing
@@ -98,7 +99,7 @@ class NodeStream:
             if url is None:
                 if self._org_queue_full and self._org_queue_full == self.attempts:   # each node said so
                     raise APIError(429, "Too many of this organization's requests are waiting on the engine "
-                                        "nodes; retry after some finish.", code="org_queue_full",
+                                        "nodes; retry after some finish.", code=ORG_QUEUE_FULL,
                                    headers={"Retry-After": str(self._retry_after)})
                 raise APIError(503, f"No engine node could serve this request ({self._last}); retry "
                                     f"shortly.", code="no_node_available",
@@ -158,7 +159,7 @@ class NodeStream:
         status = resp.status
         err = _node_error(resp)
         self._client.release(url, conn, resp)
-        org_queue_full = status == 429 and err.get("code") == "org_queue_full"
+        org_queue_full = status == 429 and err.get("code") == ORG_QUEUE_FULL
         if status == 503 or org_queue_full:   # another node may have room
             try:
                 self._retry_after = max(self._retry_after, int(float(resp.headers.get("Retry-After", 1))))
@@ -166,7 +167,7 @@ class NodeStream:
                 pass
             self._last = f"busy ({err.get('message')})"
             self._org_queue_full += org_queue_full
-            self._failover(url, "org_queue_full" if org_queue_full else "busy")
+            self._failover(url, ORG_QUEUE_FULL if org_queue_full else "busy")
         elif status == 404 or status >= 500:
             self._last = f"{status} {err.get('message')}"
             if status >= 500:

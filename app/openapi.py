@@ -168,7 +168,8 @@ def build_openapi(max_n: int, max_prompts: int = 1) -> dict:
         "401": _error("Missing or invalid bearer token."),
         "404": _error("Unknown model, or one the caller's tier may not use."),
         "413": _error("Request body too large."),
-        "429": _error("Rate limit (requests or tokens) reached; see retry-after."),
+        "429": _error("Rate limit (requests, tokens or concurrent generations) reached, or the org's share of "
+                      "the nodes' queues is full (org_queue_full); see retry-after."),
         "503": _error("No engine node available, or rate-limit storage down (fail-closed)."),
     }
 

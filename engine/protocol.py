@@ -32,6 +32,7 @@ PROMPT_TOKENS_HEADER = "X-Prompt-Tokens"   # a /v1/generate stream's prompt toke
 # config/default.toml ships it ([nodes] secret), so it is public: nodes and gateways take it on loopback only.
 DEV_NODE_SECRET = "zen-development-node-secret"
 MAX_CHAT_TEMPLATE_CHARS = 100_000    # longest chat_template a request may carry (a catalog's template, app/config.py)
+ORG_QUEUE_FULL = "org_queue_full"    # error code (429): the org holds its share of a node's queue (another node may not)
 NODE_SHUTDOWN = "node_shutdown"      # error code: the node's drain ended the request (retry elsewhere), not a failure
 
 
@@ -216,6 +217,8 @@ class GenerateRequest:
     messages: list | None = None
     tools: list | None = None        # function tools the chat template renders (engine/tools.py); messages only
     chat_template: str | None = None   # a template's source, rendered in place of the model's own; messages only
+    group: str | None = None         # the client's request this is one prompt of (a request id): one request for
+                                     # the org's share of the node's queue, however many prompts it sends
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"request_id": self.request_id, "model": self.model,
@@ -235,6 +238,8 @@ class GenerateRequest:
         out["stream"] = self.stream
         if self.queue_timeout_s is not None:
             out["queue_timeout_s"] = self.queue_timeout_s
+        if self.group is not None:
+            out["group"] = self.group
         return out
 
     @classmethod
@@ -287,7 +292,8 @@ class GenerateRequest:
             raise bad_value("tools must be a list of tool objects, sent with messages", "tools")
         return cls(request_id, model, quantization, org, latency_class, params, stream,
                    None if qt is None else float(qt), **inputs, tools=tools or None,
-                   chat_template=chat_template_of(body, "messages" in inputs))
+                   chat_template=chat_template_of(body, "messages" in inputs),
+                   group=optional_str(body, "group") or None)
 
 
 def chat_template_of(body: Mapping, has_messages: bool) -> str | None:
@@ -527,7 +533,8 @@ class QueueState:
 
     def ahead_of(self, latency_class: LatencyClass) -> tuple[int, int]:
         """(sequences, prompt tokens) admitted and served before a new request of `latency_class`:
-        those of its class and the more urgent ones (the scheduler orders by class, then arrival)."""
+        those of its class and the more urgent ones (the scheduler orders by class first; within a class it
+        takes turns between orgs, so a request may start before some of its class's work)."""
         rank = int(latency_class) + 1
         return sum(self.admitted_by_class[:rank]), sum(self.admitted_tokens_by_class[:rank])
 

@@ -168,12 +168,13 @@ class Scheduler:
     # ---- helpers
     def _fair_order(self, now: float) -> list[Sequence]:
         """The waiting sequences in the order they may start: by latency class, then by how many sequences
-        of the same org run or come before in the queue, then by priority (arrival)."""
+        of the same org run or come before in the queue (none for a preempted one: a stream already under
+        way resumes first), then by priority (arrival)."""
         held = Counter(s.request.org for s in self.running)
         keyed = []
         for pri, seq in sorted(((self.priority(s, now), s) for s in self.waiting), key=lambda k: k[0]):
             org = seq.request.org
-            keyed.append(((pri[0], held[org]) + pri[1:], seq))
+            keyed.append(((pri[0], 0 if seq.num_preemptions else held[org]) + pri[1:], seq))
             held[org] += 1
         keyed.sort(key=lambda k: k[0])
         return [seq for _, seq in keyed]

@@ -394,6 +394,15 @@ def test_within_a_class_the_org_with_fewer_sequences_in_service_starts_first():
         started += [s.request.request_id for s in sched.running if s.request.request_id not in started]
         sched.finish(sched.running[0], "stop")   # one slot frees a step
     assert started == ["a0", "b4", "a1", "c5", "a9", "a2", "a3"]
+    # a preempted stream resumes before a newer request of an org with less in service
+    from engine.scheduler import SchedulerOutput
+    first, second = arrive(10, "a", 5.0), arrive(11, "a", 5.0)
+    sched.schedule(now=6.0)
+    assert sched.running == [first, second]
+    sched._preempt(first, SchedulerOutput(), 6.0)
+    late = arrive(12, "b", 7.0)
+    sched.schedule(now=8.0)
+    assert sched.running == [second, first] and sched.waiting == [late]
 
 
 def test_batch_work_is_not_starved(tiny_gguf):

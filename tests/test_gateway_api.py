@@ -565,6 +565,9 @@ def test_a_node_full_for_the_org_hands_the_request_on_and_all_of_them_is_a_429(t
     assert_error(c.post(CHAT, headers=h, json=chat_body(max_tokens=2)), 503, None, "no_node_available")
     metrics = c.get("/metrics", headers=METRICS_HEADERS).get_data(as_text=True)
     assert 'reason="org_queue_full"' in metrics
+    # both 429s (JSON and stream) under their own limit, not the requests per minute
+    assert 'zen_gateway_org_rate_limited_total{limit="node_queue",org="acme"} 2.0' in metrics
+    assert 'limit="requests"' not in metrics
     first.busy = first.org_queue_full = second.org_queue_full = False
     before = len(first.received)
     assert c.post(CHAT, headers=h, json=chat_body(max_tokens=2)).status_code == 200
@@ -1058,6 +1061,11 @@ def test_token_id_prompts_go_each_as_a_request_of_its_own(client, auth, node):
     assert r.status_code == 200 and [c["index"] for c in r.get_json()["choices"]] == [0, 1]
     sent = sorted(node.received[-2:], key=lambda x: x["request_id"])
     assert [x["prompt_token_ids"] for x in sent] == [[1, 2, 3], [4, 5]]
+    # one client request to the node's org share: each part names it as its group
+    assert [x["request_id"] for x in sent] == [sent[0]["group"] + "/0", sent[0]["group"] + "/1"]
+    assert sent[1]["group"] == sent[0]["group"]
+    client.post(COMPLETIONS, headers=auth, json={"model": "zen-small", "prompt": [1, 2], "max_tokens": 2})
+    assert "group" not in node.received[-1]
 
 
 @pytest.mark.parametrize("body, param", BAD_COMPLETIONS)

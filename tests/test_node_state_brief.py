@@ -133,6 +133,14 @@ def test_an_org_holds_at_most_its_share_of_the_queue():
     other.close()
     assert admission.by_org == {} and admission.waiting == 0
     assert Admission(max_waiting=3, org_share=0.1).max_per_org == 1
+    # the prompts of one client request (a group) are one request for the share: a later one is taken
+    # while only its own group waits, and another request of the org is not
+    parts = [admission.admit(("m", "q"), 3, org="a", group="a/r1") for _ in range(2)]
+    with pytest.raises(QueueFull):
+        admission.admit(("m", "q"), 1, org="a", group="a/r2")
+    for ticket in parts:
+        ticket.close()
+    assert admission.by_org == {} and admission.by_group == {} and admission.waiting == 0
 
 
 def test_the_decode_step_line_is_fitted_from_steps_at_several_batch_sizes():

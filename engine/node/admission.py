@@ -4,11 +4,11 @@ from __future__ import annotations
 import math
 import threading
 
-from engine.protocol import LatencyClass
+from engine.protocol import ORG_QUEUE_FULL, LatencyClass
 
 
 class QueueFull(Exception):
-    """No room for a request: in the queue (code queue_full) or in its org's share of it (org_queue_full)."""
+    """No room for a request: in the queue (code queue_full) or in its org's share of it (ORG_QUEUE_FULL)."""
 
     def __init__(self, code: str, message: str):
         super().__init__(message)
@@ -27,30 +27,35 @@ class Admission:
         self.waiting = 0
         self.by_model: dict[tuple[str, str], int] = {}
         self.by_org: dict[str, int] = {}
+        self.by_group: dict[str, int] = {}   # the prompts of one client request (GenerateRequest.group)
         self.by_class = [0] * len(LatencyClass)
         self.tokens_by_class = [0] * len(LatencyClass)
 
-    def check(self, n: int, org: str = "") -> None:
+    def check(self, n: int, org: str = "", group: str | None = None) -> None:
         """QueueFull unless n more sequences of org fit: a request larger than a bound is taken only while
-        nothing waits under it (the queue, or the org's share)."""
+        nothing else waits under it (the queue, or the org's share: the other prompts of its own client
+        request, its group, do not count there)."""
         if self.waiting > 0 and self.waiting + n > self.max_waiting:
             raise QueueFull("queue_full", "the node's waiting queue is full")
         held = self.by_org.get(org, 0)
-        if held > 0 and held + n > self.max_per_org:
-            raise QueueFull("org_queue_full", f"this organization has {held} sequences waiting on the node, its "
-                                              f"share of the queue is {self.max_per_org}")
+        others = held - (self.by_group.get(group, 0) if group is not None else 0)
+        if others > 0 and held + n > self.max_per_org:
+            raise QueueFull(ORG_QUEUE_FULL, f"this organization has {held} sequences waiting on the node, its "
+                                            f"share of the queue is {self.max_per_org}")
 
     def admit(self, key: tuple[str, str], n: int, latency_class: LatencyClass = LatencyClass.STANDARD,
-              prompt_tokens: int = 0, org: str = "") -> "Ticket":
+              prompt_tokens: int = 0, org: str = "", group: str | None = None) -> "Ticket":
         """A ticket for n sequences of `prompt_tokens` each; QueueFull when they do not fit."""
         with self._lock:
-            self.check(n, org)
+            self.check(n, org, group)
             self.waiting += n
             self.by_model[key] = self.by_model.get(key, 0) + n
             self.by_org[org] = self.by_org.get(org, 0) + n
+            if group is not None:
+                self.by_group[group] = self.by_group.get(group, 0) + n
             self.by_class[latency_class] += n
             self.tokens_by_class[latency_class] += n * prompt_tokens
-            return Ticket(self, key, n, latency_class, prompt_tokens, org)
+            return Ticket(self, key, n, latency_class, prompt_tokens, org, group)
 
     def by_class_snapshot(self) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
         """(sequences, prompt tokens) waiting for a first token, per latency class."""
@@ -63,9 +68,11 @@ class Admission:
             self.by_model[ticket.key] -= n
             if not self.by_model[ticket.key]:
                 del self.by_model[ticket.key]
-            self.by_org[ticket.org] -= n
-            if not self.by_org[ticket.org]:
-                del self.by_org[ticket.org]
+            for counts, name in ((self.by_org, ticket.org), (self.by_group, ticket.group)):
+                if name is not None:
+                    counts[name] -= n
+                    if not counts[name]:
+                        del counts[name]
             self.by_class[ticket.latency_class] -= n
             self.tokens_by_class[ticket.latency_class] -= n * ticket.prompt_tokens
 
@@ -74,9 +81,9 @@ class Ticket:
     """n sequences of one request, counted as waiting until each produces its first delta."""
 
     def __init__(self, admission: Admission, key, n: int, latency_class: LatencyClass = LatencyClass.STANDARD,
-                 prompt_tokens: int = 0, org: str = ""):
+                 prompt_tokens: int = 0, org: str = "", group: str | None = None):
         self.admission, self.key, self.pending = admission, key, n
-        self.latency_class, self.prompt_tokens, self.org = latency_class, prompt_tokens, org
+        self.latency_class, self.prompt_tokens, self.org, self.group = latency_class, prompt_tokens, org, group
 
     def started(self) -> None:
         """One sequence produced its first delta: it no longer waits."""

@@ -24,7 +24,7 @@ from engine.node.admission import Ticket
 from engine.node.drain import RETRY_AFTER_S, NodeShutdown
 from engine.node.metrics import FinishedSequence
 from engine.node.registry import ResidentModel
-from engine.protocol import NODE_SHUTDOWN, STATE_FIELD, APIError, GenerateRequest, bad_value, stream_error_event
+from engine.protocol import NODE_SHUTDOWN, ORG_QUEUE_FULL, STATE_FIELD, APIError, GenerateRequest, bad_value, stream_error_event
 from engine.request import EngineRequest
 from engine.tools import render_tool_prompt, template_messages, uses_tools
 from models.chat_template import TemplateCompileError, renders_tools
@@ -47,7 +47,7 @@ def unavailable(message: str, code: str, retry_after: int = 1) -> APIError:
 def queue_full(e) -> APIError:
     """A full queue is the node's (503: another node may take the request); a full share of it, the org's
     (429 org_queue_full: another node may take it too, and the gateway says so when none does)."""
-    if e.code == "org_queue_full":
+    if e.code == ORG_QUEUE_FULL:
         return APIError(429, str(e), code=e.code, headers={"Retry-After": "1"})
     return unavailable(str(e), e.code)
 

@@ -129,7 +129,7 @@ class Node:
         except ModelNotFound as e:
             raise model_not_found(e) from None
         try:
-            self.admission.check(call.sampling.n, call.org)   # before any cold load
+            self.admission.check(call.sampling.n, call.org, call.group)   # before any cold load
         except QueueFull as e:
             raise queue_full(e) from None
         try:
@@ -142,7 +142,8 @@ class Node:
             req = EngineRequest(call.request_id, m.id, ids, call.sampling, call.latency_class, call.org,
                                 arrival_time=received, queue_timeout_s=call.queue_timeout_s, prompt_text=text)
             try:
-                ticket = self.admission.admit(m.key, call.sampling.n, call.latency_class, len(ids), call.org)
+                ticket = self.admission.admit(m.key, call.sampling.n, call.latency_class, len(ids), call.org,
+                                              call.group)
             except QueueFull as e:
                 raise queue_full(e) from None
             try:
