@@ -185,3 +185,62 @@ def test_gateway_is_not_ready_while_its_only_node_is_too_hot_to_route_to():
     finally:
         close_app(app)
         node.stop()
+
+
+@pytest.fixture
+def slow_cold_load(tiny_models, monkeypatch):  # noqa: F811
+    """A node with tiny-a resident and tiny-b listed, whose load takes 3 s more; max_waiting 1."""
+    from engine.engine import Engine
+    from engine.node import registry
+    loading = threading.Event()
+
+    def slow_engine(cfg):
+        if cfg.model_id == "tiny-b":
+            loading.set()
+            time.sleep(3.0)
+        return Engine(cfg)
+
+    monkeypatch.setattr(registry, "Engine", slow_engine)
+    app = create_node_app(NodeConfig(models=[ModelSpec(tiny_models["a"], "tiny-a"), ModelSpec(tiny_models["b"], "tiny-b")],
+                                     backend="cpu", kv_cache_bytes=4 << 20, preload=["tiny-a"], max_waiting=1,
+                                     drain_grace_s=30))
+    node = app.extensions["zen_node"]
+    assert node.ready.wait(120)
+    answers = []
+
+    def cold_request():
+        r = app.test_client().post("/v1/generate", headers={SECRET_HEADER: node.config.secret},
+                                   json={"model": "tiny-b", "prompt": "hi", "sampling": {"max_tokens": 2}})
+        answers.append((r.status_code, (r.json or {}).get("error", {}).get("code"), time.monotonic()))
+
+    thread = threading.Thread(target=cold_request)
+    thread.start()
+    assert loading.wait(30)
+    yield app, node, answers, thread
+    thread.join(30)
+    node.close()
+
+
+def test_a_request_waiting_for_a_cold_load_holds_its_place_in_the_queue(slow_cold_load):
+    """The queue's bound counts the requests waiting for a load: past it, a 503 queue_full at once, not
+    a thread held for the whole load."""
+    app, node, answers, thread = slow_cold_load
+    assert node.admission.waiting == 1
+    t0 = time.monotonic()
+    r = app.test_client().post("/v1/generate", headers={SECRET_HEADER: node.config.secret},
+                               json={"model": "tiny-a", "prompt": "hi", "sampling": {"max_tokens": 2}})
+    assert r.status_code == 503 and r.json["error"]["code"] == "queue_full" and time.monotonic() - t0 < 1.0
+    thread.join(30)
+    assert answers[0][:2] == (200, None) and node.admission.waiting == 0
+
+
+def test_a_request_waiting_for_a_cold_load_is_sent_elsewhere_when_the_node_drains(slow_cold_load):
+    """It has not started: the drain answers it 503 node_draining at once (the gateway fails over), not
+    after the load, nor with a connection cut at the end of the grace period."""
+    app, node, answers, thread = slow_cold_load
+    began = time.monotonic()
+    node.drain.begin(30)
+    thread.join(30)
+    status, code, answered = answers[0]
+    assert (status, code) == (503, "node_draining") and answered - began < 1.0
+    assert node.admission.waiting == 0 and node.drain.in_flight == 0

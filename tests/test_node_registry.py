@@ -423,3 +423,41 @@ def test_cold_load_does_not_stall_other_streams(start_node, tiny_models, default
     # (12-18 ms when the GGUF reader parsed every token string, 35-52 ms without the GC freeze and the
     # short switch interval).
     assert max(during) < 0.06, f"a token gap of {max(during):.3f} s during the cold load"
+
+
+def test_a_failed_load_is_not_tried_again_at_each_request_nor_evicts_for_it(tiny_models, monkeypatch):
+    """A model whose engine fails to build: the next requests within LOAD_RETRY_S are told so at once,
+    without evicting the idle model for another try; an explicit load tries again."""
+    from engine.config import EngineConfig
+    from engine.node import registry
+    from engine.engine import Engine
+    tries = []
+
+    def engine(cfg):
+        if cfg.model_id == "broken":
+            tries.append(cfg.model_id)
+            raise MemoryError("device allocation failed")
+        return Engine(cfg)
+
+    def engine_config(spec, quantization):
+        return EngineConfig(model=spec.path, model_id=spec.id, quantization=quantization, backend="cpu",
+                            kv_cache_bytes=1 << 20)
+
+    reg = registry.ModelRegistry([ModelSpec(tiny_models["a"], "broken"), ModelSpec(tiny_models["a"], "tiny-a")],
+                                 ONE_MODEL_BUDGET, engine_config)
+    monkeypatch.setattr(registry, "Engine", engine)
+    try:
+        with pytest.raises(registry.ModelUnavailable) as e:
+            reg.acquire("broken", None, 60)
+        assert e.value.code == "model_load_failed" and "device allocation failed" in str(e.value)
+        reg.load("tiny-a", None, 60)
+        for _ in range(3):
+            with pytest.raises(registry.ModelUnavailable) as e:
+                reg.acquire("broken", None, 60)
+            assert e.value.code == "model_load_failed" and 1 <= e.value.retry_after <= 30
+        assert tries == ["broken"] and [m.id for m in reg.resident()] == ["tiny-a"]   # nothing evicted for it
+        with pytest.raises(registry.ModelUnavailable):
+            reg.load("broken", None, 60)
+        assert tries == ["broken", "broken"]
+    finally:
+        reg.close()

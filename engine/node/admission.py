@@ -43,32 +43,42 @@ class Admission:
             raise QueueFull(ORG_QUEUE_FULL, f"this organization has {held} sequences waiting on the node, its "
                                             f"share of the queue is {self.max_per_org}")
 
-    def admit(self, key: tuple[str, str], n: int, latency_class: LatencyClass = LatencyClass.STANDARD,
-              prompt_tokens: int = 0, org: str = "", group: str | None = None) -> "Ticket":
-        """A ticket for n sequences of `prompt_tokens` each; QueueFull when they do not fit."""
+    def reserve(self, n: int, latency_class: LatencyClass = LatencyClass.STANDARD, org: str = "",
+                group: str | None = None) -> "Ticket":
+        """A place in the queue for n sequences, taken before the model is found (a request waiting for a
+        cold load waits in the queue too: else a burst of them would hold every thread of the node past
+        the queue's bound); QueueFull when they do not fit. Ticket.admitted adds the model and prompt."""
         with self._lock:
             self.check(n, org, group)
             self.waiting += n
-            self.by_model[key] = self.by_model.get(key, 0) + n
             self.by_org[org] = self.by_org.get(org, 0) + n
             if group is not None:
                 self.by_group[group] = self.by_group.get(group, 0) + n
             self.by_class[latency_class] += n
-            self.tokens_by_class[latency_class] += n * prompt_tokens
-            return Ticket(self, key, n, latency_class, prompt_tokens, org, group)
+            return Ticket(self, n, latency_class, org, group)
+
+    def admit(self, key: tuple[str, str], n: int, latency_class: LatencyClass = LatencyClass.STANDARD,
+              prompt_tokens: int = 0, org: str = "", group: str | None = None) -> "Ticket":
+        """reserve, then admitted: a ticket for n sequences of `prompt_tokens` each of the model `key`."""
+        ticket = self.reserve(n, latency_class, org, group)
+        ticket.admitted(key, prompt_tokens)
+        return ticket
 
     def by_class_snapshot(self) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
         """(sequences, prompt tokens) waiting for a first token, per latency class."""
         with self._lock:
             return tuple(self.by_class), tuple(self.tokens_by_class)  # type: ignore[return-value]
 
+    def _admitted(self, ticket: "Ticket", key: tuple[str, str], prompt_tokens: int) -> None:
+        with self._lock:
+            ticket.key, ticket.prompt_tokens = key, prompt_tokens
+            self.by_model[ticket.key] = self.by_model.get(ticket.key, 0) + ticket.pending
+            self.tokens_by_class[ticket.latency_class] += ticket.pending * ticket.prompt_tokens
+
     def _release(self, ticket: "Ticket", n: int) -> None:
         with self._lock:
             self.waiting -= n
-            self.by_model[ticket.key] -= n
-            if not self.by_model[ticket.key]:
-                del self.by_model[ticket.key]
-            for counts, name in ((self.by_org, ticket.org), (self.by_group, ticket.group)):
+            for counts, name in ((self.by_model, ticket.key), (self.by_org, ticket.org), (self.by_group, ticket.group)):
                 if name is not None:
                     counts[name] -= n
                     if not counts[name]:
@@ -78,12 +88,19 @@ class Admission:
 
 
 class Ticket:
-    """n sequences of one request, counted as waiting until each produces its first delta."""
+    """n sequences of one request, counted as waiting until each produces its first delta; the model and
+    prompt are counted once known (admitted)."""
 
-    def __init__(self, admission: Admission, key, n: int, latency_class: LatencyClass = LatencyClass.STANDARD,
-                 prompt_tokens: int = 0, org: str = "", group: str | None = None):
-        self.admission, self.key, self.pending = admission, key, n
-        self.latency_class, self.prompt_tokens, self.org, self.group = latency_class, prompt_tokens, org, group
+    def __init__(self, admission: Admission, n: int, latency_class: LatencyClass, org: str, group: str | None):
+        self.admission, self.pending = admission, n
+        self.latency_class, self.org, self.group = latency_class, org, group
+        self.key: tuple[str, str] | None = None
+        self.prompt_tokens = 0
+
+    def admitted(self, key: tuple[str, str], prompt_tokens: int) -> None:
+        """The model it runs on and its prompt's tokens (what the router's estimates read)."""
+        assert self.key is None, "admitted once"
+        self.admission._admitted(self, key, prompt_tokens)
 
     def started(self) -> None:
         """One sequence produced its first delta: it no longer waits."""

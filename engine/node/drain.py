@@ -24,6 +24,7 @@ class Drain:
         self.in_flight = 0
         self.draining = False
         self.deadline: float | None = None   # monotonic end of the grace period, once draining
+        self.started = threading.Event()     # set when draining begins: what waits for a model gives up
 
     def enter(self) -> bool:
         """Count one more generation in flight; False (nothing counted) once draining."""
@@ -46,6 +47,7 @@ class Drain:
                 return False
             self.draining = True
             self.deadline = time.monotonic() + grace_s
+            self.started.set()
             return True
 
     @property

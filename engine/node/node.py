@@ -128,41 +128,37 @@ class Node:
             self.registry.spec(call.model)
         except ModelNotFound as e:
             raise model_not_found(e) from None
-        try:
-            self.admission.check(call.sampling.n, call.org, call.group)   # before any cold load
+        try:   # the queue's place is taken before any cold load: a request waiting for one waits in the queue
+            ticket = self.admission.reserve(call.sampling.n, call.latency_class, call.org, call.group)
         except QueueFull as e:
             raise queue_full(e) from None
-        try:
-            m = self.registry.acquire(call.model, call.quantization, self.config.load_wait_s)
-        except ModelUnavailable as e:
-            raise unavailable(str(e), e.code, e.retry_after) from None
         handed_over = False
         try:
-            ids, text = tokenize(call, m)
-            req = EngineRequest(call.request_id, m.id, ids, call.sampling, call.latency_class, call.org,
-                                arrival_time=received, queue_timeout_s=call.queue_timeout_s, prompt_text=text)
             try:
-                ticket = self.admission.admit(m.key, call.sampling.n, call.latency_class, len(ids), call.org,
-                                              call.group)
-            except QueueFull as e:
-                raise queue_full(e) from None
+                m = self.registry.acquire(call.model, call.quantization, self.config.load_wait_s,
+                                          stop=self.drain.started)
+            except ModelUnavailable as e:
+                raise unavailable(str(e), e.code, e.retry_after) from None
             try:
-                stream = m.loop.submit(req)
-            except RequestError as e:
-                ticket.close()
-                raise request_error(e) from None
-            except RuntimeError as e:   # the model's loop has failed
-                ticket.close()
-                raise unavailable(str(e), "engine_failure", 5) from None
-            except BaseException:       # anything else (a 500): the queue's place is not kept for good
-                ticket.close()
-                raise
-            gen = Generation(self, m, call, req, stream, ticket, sock)
-            handed_over = True   # the Generation releases the model when it closes
-            return gen
+                ids, text = tokenize(call, m)
+                req = EngineRequest(call.request_id, m.id, ids, call.sampling, call.latency_class, call.org,
+                                    arrival_time=received, queue_timeout_s=call.queue_timeout_s, prompt_text=text)
+                ticket.admitted(m.key, len(ids))
+                try:
+                    stream = m.loop.submit(req)
+                except RequestError as e:
+                    raise request_error(e) from None
+                except RuntimeError as e:   # the model's loop has failed
+                    raise unavailable(str(e), "engine_failure", 5) from None
+                gen = Generation(self, m, call, req, stream, ticket, sock)
+                handed_over = True   # the Generation releases the model and closes the ticket when it closes
+                return gen
+            finally:
+                if not handed_over:
+                    self.registry.release(m)
         finally:
-            if not handed_over:
-                self.registry.release(m)
+            if not handed_over:   # the queue's place is not kept for a request that did not start
+                ticket.close()
 
     # ---- state
     def snapshot(self) -> NodeSnapshot:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -31,6 +32,8 @@ from models.inspect import ModelFileInfo, inspect_model, resolve_quantization
 from models.loader import load_tokenizer
 
 log = logging.getLogger(__name__)
+
+LOAD_RETRY_S = 30.0   # a load that failed is not tried again (nor are idle models evicted for it) before this
 
 class ModelNotFound(LookupError):
     """The node has no such model (404)."""
@@ -86,6 +89,16 @@ class _LoadJob:
     error: str | None = None
 
 
+def _wait(done: threading.Event, deadline: float, stop: threading.Event | None) -> bool:
+    """Whether `done` is set before the monotonic deadline, or before `stop` is (checked every 0.1 s)."""
+    while not done.is_set():
+        left = deadline - time.monotonic()
+        if left <= 0 or (stop is not None and stop.is_set()):
+            return False
+        done.wait(left if stop is None else min(left, 0.1))
+    return True
+
+
 class ModelRegistry:
     def __init__(self, specs: list[ModelSpec], memory_budget_bytes: int,
                  engine_config: Callable[[ModelSpec, str | None], EngineConfig],
@@ -104,6 +117,7 @@ class ModelRegistry:
         self._exact_bytes: dict[tuple[str, str], int] = {}     # measured at an earlier load
         self.last_load_s: dict[tuple[str, str], float] = {}
         self.last_error: dict[str, str] = {}
+        self._failed_at: dict[tuple[str, str], float] = {}     # when a load last failed
         self._closed = False
         self._cpu_steps = StepThread("engine-cpu")
 
@@ -161,9 +175,11 @@ class ModelRegistry:
                  if m.id == model_id and (quantization is None or m.quantization == quantization)]
         return max(found, key=lambda m: m.last_used) if found else None
 
-    def acquire(self, model_id: str, quantization: str | None = None, wait_s: float = 0.0) -> ResidentModel:
-        """A resident model with one more lease (release() it); loads it if needed, waiting up to wait_s.
-        ModelNotFound, or ModelUnavailable when it is still loading or cannot fit."""
+    def acquire(self, model_id: str, quantization: str | None = None, wait_s: float = 0.0,
+                stop: threading.Event | None = None) -> ResidentModel:
+        """A resident model with one more lease (release() it); loads it if needed, waiting up to wait_s
+        (less if `stop` is set meanwhile: the node began to drain, and another node should take the
+        request now). ModelNotFound, or ModelUnavailable when it is still loading or cannot fit."""
         self.spec(model_id)
         deadline = time.monotonic() + wait_s
         for _ in range(8):   # a model just loaded can be evicted again before we lease it: retry a few times
@@ -178,7 +194,10 @@ class ModelRegistry:
             if m is not None:   # its engine loop died: drop it and load it again
                 self._drop_failed(m)
             job = self._start_load(model_id, quantization)
-            if not job.done.wait(max(0.0, deadline - time.monotonic())):
+            if not _wait(job.done, deadline, stop):
+                if stop is not None and stop.is_set():
+                    raise ModelUnavailable(f"The node began shutting down while {model_id!r} loaded; send the "
+                                           "request to another node", "node_draining", 1)
                 elapsed = time.monotonic() - job.started
                 expected = self.last_load_s.get(job.key, 5.0)
                 raise ModelUnavailable(f"The model {model_id!r} is loading on this node; retry shortly",
@@ -196,7 +215,11 @@ class ModelRegistry:
 
     # ---- loading and eviction
     def load(self, model_id: str, quantization: str | None = None, wait_s: float = 0.0) -> ResidentModel:
-        """Make the model resident (for /v1/models/load and the start-up preload)."""
+        """Make the model resident (for /v1/models/load and the start-up preload): asked for, a model whose
+        load failed is tried again at once (an operator who mended its file need not wait out LOAD_RETRY_S)."""
+        label, _ = self.resolve(model_id, quantization)
+        with self._lock:
+            self._failed_at.pop((model_id, label), None)
         m = self.acquire(model_id, quantization, wait_s)
         self.release(m)
         return m
@@ -214,16 +237,23 @@ class ModelRegistry:
                 job = _LoadJob(key, 0, time.monotonic())
                 job.done.set()
                 return job
+            since = time.monotonic() - self._failed_at.get(key, -math.inf)
+            if since < LOAD_RETRY_S:   # each try would evict idle models for a load that fails again
+                raise ModelUnavailable(
+                    f"The model {model_id!r} ({label}) failed to load on this node {since:.0f} s ago "
+                    f"({self.last_error.get(model_id)}); it is tried again {LOAD_RETRY_S:g} s after that",
+                    "model_load_failed", max(1.0, LOAD_RETRY_S - since))
             if need > self.memory_budget_bytes:
                 raise ModelUnavailable(
                     f"The model {model_id!r} ({label}) needs about {need} bytes; this node's memory budget "
                     f"is {self.memory_budget_bytes}", "insufficient_memory", 3600)
             evicted = self._make_room_locked(need)
             if evicted is None:
-                busy = ", ".join(f"{m.id} ({m.quantization})" for m in self._resident.values())
+                busy = ", ".join(f"{m.id} ({m.quantization})" for m in self._resident.values()) or "none"
+                loading = ", ".join(f"{i} ({q})" for i, q in self._loading) or "none"
                 raise ModelUnavailable(
                     f"No room to load {model_id!r} ({label}): the resident models are serving requests "
-                    f"({busy})", "insufficient_memory", 5)
+                    f"({busy}), and loads in progress hold the rest ({loading})", "insufficient_memory", 5)
             job = self._loading[key] = _LoadJob(key, need, time.monotonic())
         for m in evicted:
             self._stop(m, "evicted (least recently used) to load " + f"{model_id} ({label})")
@@ -285,6 +315,7 @@ class ModelRegistry:
                     self._exact_bytes[job.key] = m.bytes
                     self.last_load_s[job.key] = seconds
                     self.last_error.pop(spec.id, None)
+                    self._failed_at.pop(job.key, None)
                 self._loading.pop(job.key, None)
                 extra = []
                 if self._used_locked() > self.memory_budget_bytes:   # larger than estimated
@@ -304,6 +335,7 @@ class ModelRegistry:
             with self._lock:
                 self._loading.pop(job.key, None)
                 self.last_error[spec.id] = str(e)
+                self._failed_at[job.key] = time.monotonic()
         finally:
             job.done.set()
             self._share_cpu_while_loading()
