@@ -67,8 +67,11 @@ class TextOffsets:
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
 
     def next(self, entry: dict) -> int:
-        """The offset of this entry's token; the count moves past it."""
+        """The offset of this entry's token; the count moves past it (not past a special token the text
+        leaves out: the node marks it `skipped`)."""
         offset = self.chars
+        if entry.get("skipped"):
+            return offset
         raw = entry.get("bytes")
         try:
             data = bytes(raw) if isinstance(raw, list) else str(entry.get("token", "")).encode()

@@ -180,7 +180,10 @@ class Generation:
             known = token_id < tok.vocab_size
             return {"token_id": token_id, "token": tok.token_text(token_id) if known else "",
                     "bytes": list(tok.token_bytes(token_id)) if known else [], "logprob": _finite(logprob)}
-        return {**entry(lp.token_id, lp.logprob), "top": [entry(t, v) for t, v in lp.top]}
+        out = {**entry(lp.token_id, lp.logprob), "top": [entry(t, v) for t, v in lp.top]}
+        if self.req.sampling.skip_special_tokens and lp.token_id in tok.special_token_ids:
+            out["skipped"] = True   # a special token the text leaves out: it takes no room in it (text_offset)
+        return out
 
     def usage(self) -> dict:
         prompt = len(self.req.prompt_token_ids)
