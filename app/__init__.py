@@ -46,7 +46,7 @@ def create_app(config: GatewayConfig | Mapping[str, Any] | None = None) -> Flask
     pool = NodePool(cfg.nodes, cfg.routing, records=records)
     client = NodeClient(pool, pool_size=max(8, cfg.server.threads * 2))
     client.on_failover = gateway_metrics.failover
-    gateway_metrics.known_nodes = pool.discovery.known
+    gateway_metrics.node_entry = pool.discovery.entry_of
     client.tracing = tracer
     app.extensions["zen.nodes"] = client
 

@@ -86,6 +86,14 @@ class NodeDiscovery:
                     out.append(url)
         return out
 
+    def entry_of(self, url: str) -> str | None:
+        """The configured entry a current URL comes from: itself when plain, its dns+ name when a pod of it
+        (a bounded metric label: pod addresses change with every rollout); None when not current."""
+        for entry in self._entries:
+            if url in self._answers.get(entry, (entry,)):
+                return entry
+        return None
+
     def server_name(self, url: str) -> str | None:
         """The name a node found under a dns+https:// name proves in its TLS certificate: that name (a
         pod's address changes as it restarts; its certificate names the Service). None for other URLs."""

@@ -8,14 +8,14 @@ single process) the plain exporter serves the app's own registry.
 
 Label values are bounded: `org` is one of the configured orgs, or "other" (an
 unconfigured org) or "anonymous" (no valid token); `model` is a catalog alias or "none";
-`node` is a configured node URL, or one the gateway's discovery knows now (a pod of a dns+ name),
-or "other".
+`node` is a configured node URL, or the dns+ entry under which discovery found the pod (pod
+addresses change with every rollout), or "other".
 """
 from __future__ import annotations
 
 import hmac
 import os
-from typing import Callable, Iterable
+from typing import Callable
 
 from flask import Flask, request
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -76,7 +76,7 @@ class GatewayMetrics:
         self._models = frozenset(config.models)
         self._nodes = frozenset(config.nodes.urls)
         # the node URLs the router's discovery knows now (dns+ names resolved to pods): set by create_app
-        self.known_nodes: Callable[[], Iterable[str]] = tuple
+        self.node_entry: Callable[[str], str | None] = lambda url: None   # the discovery's entry_of
         by_org = ["org"]
         self.requests = Counter(f"{PREFIX}_org_requests", "Requests by org, endpoint and status (499: the client "
                                 "left first).",
@@ -117,7 +117,7 @@ class GatewayMetrics:
         return alias if alias in self._models else "none"
 
     def node_label(self, url: str) -> str:
-        return url if url in self._nodes or url in self.known_nodes() else "other"
+        return url if url in self._nodes else self.node_entry(url) or "other"
 
     # -- recording -------------------------------------------------------------------------
 

@@ -569,17 +569,17 @@ class NodeClient:
         The node always streams: a JSON answer is collected from the stream (collect_result), so the
         gateway can watch its client the whole time and close the node's stream — which aborts the
         sequence — when nobody is left to read it."""
-        if self.tracing is None:
-            ranked = self.pool.rank(req.model, req.inputs.estimated_tokens, req.params.max_tokens,
-                                    req.latency_class, req.inputs)
-        else:
-            ranked = traced_rank(self.tracing, self.pool, req)
+        def rank() -> list:   # the nodes passed over for their faults are left out before the ranking's
+            # claims, prefix records and sent counts, which go to the first node tried
+            return self.pool.rank(req.model, req.inputs.estimated_tokens, req.params.max_tokens,
+                                  req.latency_class, req.inputs, keep=self.faults.usable)
+        ranked = rank() if self.tracing is None else traced_rank(self.tracing, rank, req)
         if not ranked:
             if self.pool.lists_nowhere(req.model.model):
                 raise model_not_found(req.model.alias)
             raise APIError(503, "No engine node is available to serve this request; retry shortly.",
                            code="no_node_available", headers={"Retry-After": "1"})
-        stream = NodeStream(self, req, self.faults.usable([score.url for score in ranked]),
+        stream = NodeStream(self, req, [score.url for score in ranked],
                             frozenset(score.url for score in ranked if score.needs_load))
         try:
             stream.send()
@@ -594,7 +594,7 @@ def call_node(client: NodeClient, model: ResolvedModel, path: str, payload: dict
     send and accept do; the node's JSON answer, or APIError (the node's 4xx as is, 503 when none answers).
     The node loads the model for it, so a load the ranking claimed is settled by the answer as a
     generation's is."""
-    ranked = client.pool.rank(model, 1, 1)
+    ranked = client.pool.rank(model, 1, 1, keep=client.faults.usable, generation=False)
     if not ranked and client.pool.lists_nowhere(model.model):
         raise model_not_found(model.alias)
     body = json.dumps(payload).encode()

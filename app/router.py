@@ -57,6 +57,7 @@ from engine.protocol import SECRET_HEADER, LatencyClass, NodeState, json_value
 log = logging.getLogger("zen.gateway")
 
 DISCOVERY_WAIT_S = 0.5   # how long a poll waits for a DNS answer before it polls the nodes it knows
+POLL_POOLS = 256   # kept connection pools of the state poller: the nodes one worker polls, at most
 CLAIM_ROUNDS = 3     # a claim that meets records it had not seen ranks again with them, this often at most
 
 # What breaks a connection to a node, or a stream from it: urllib3's errors (the state poller),
@@ -195,7 +196,9 @@ class NodePool:
         # loads this worker started or learned of: the shared store's (the limits' store), else its own
         self.records = records or LoadRecords(None, load_record_hold_s(nodes))
         self._seen: dict[tuple[str, str], dict[str, LoadRecord]] = {}   # the store's records, last seen
-        self._http = urllib3.PoolManager(num_pools=max(4, len(nodes.urls)), maxsize=2, retries=False)
+        # a pool per node polled, discovered pods too (sized by the config's entries, a dns+ name of six pods
+        # dropped a pool at each poll and connected anew)
+        self._http = urllib3.PoolManager(num_pools=max(POLL_POOLS, len(nodes.urls)), maxsize=2, retries=False)
         self.discovery = NodeDiscovery(nodes.urls, nodes.dns_refresh_s, resolver, clock)
         self._views = {url: NodeView(url) for url in self.discovery.known()}
         self._lock = threading.Lock()
@@ -400,9 +403,11 @@ class NodePool:
         return {k: mean_rates(v) for k, v in rates.items()}, loads
 
     def rank(self, model: ResolvedModel, prompt_tokens: int, max_tokens: int,
-             latency_class: LatencyClass = LatencyClass.STANDARD,
-             inputs: PromptInput | None = None) -> list[Score]:
-        """Usable nodes for a request, in the order [routing] policy tries them (score: best first). With
+             latency_class: LatencyClass = LatencyClass.STANDARD, inputs: PromptInput | None = None,
+             keep: Callable[[list[str]], list[str]] | None = None, generation: bool = True) -> list[Score]:
+        """Usable nodes for a request, in the order [routing] policy tries them (score: best first); `keep`
+        filters the usable nodes' URLs first (the ones passed over for their faults); a call that is no
+        generation (a tokenizer call) is not counted as one sent to the first node. With
         the score policy, when the best one does not hold the model, the load there is claimed in the
         shared records first: if another worker's load (or a finished one) was recorded meanwhile, the
         nodes are ranked again with it, so that concurrent requests for a model no node holds cause one
@@ -417,6 +422,9 @@ class NodePool:
             if reason is None:
                 usable.append((view.url, view.state))
                 fetched_at[view.url] = view.fetched_at
+        if keep is not None:
+            kept = set(keep([url for url, _ in usable]))
+            usable = [(url, state) for url, state in usable if url in kept]
         prefix = self.policy.prefix_of(model, inputs)
         # what this worker sent since a node's state queues there where m is resident (elsewhere the load
         # records decide: requests waiting on one load must not make a second load look sooner)
@@ -424,7 +432,8 @@ class NodePool:
                   for url, state in usable]
         ranked = self._rank_claiming_loads(model, prompt_tokens, max_tokens, latency_class, views, queued, now,
                                            self.policy.cached_tokens(prefix, prompt_tokens))
-        return self.policy.order(ranked, dict(usable), fetched_at, prefix, latency_class, prompt_tokens)
+        return self.policy.order(ranked, dict(usable), fetched_at, prefix, latency_class, prompt_tokens,
+                                 count_sent=generation)
 
     def _rank_claiming_loads(self, model: ResolvedModel, prompt_tokens: int, max_tokens: int,
                              latency_class: LatencyClass, views: list[NodeView],

@@ -86,8 +86,9 @@ class RoutingPolicy:
 
     def order(self, ranked: Sequence[Score], states: Mapping[str, NodeState], fetched_at: Mapping[str, float],
               prefix: PromptPrefix | None, latency_class: LatencyClass = LatencyClass.STANDARD,
-              prompt_tokens: int = 0) -> list[Score]:
-        """The scored nodes in the order this policy tries them; the first is counted as sent the request."""
+              prompt_tokens: int = 0, count_sent: bool = True) -> list[Score]:
+        """The scored nodes in the order this policy tries them; the first is counted as sent the request
+        (unless not count_sent: a call that queues nothing there)."""
         if not ranked:
             return []
         if self.name == "round_robin":
@@ -98,7 +99,8 @@ class RoutingPolicy:
             ordered = list(ranked)
             if prefix is not None and prefix.hashes:
                 self.prefix_index.record(prefix.hashes, ordered[0].url)
-        self._count_sent(ordered[0].url, fetched_at.get(ordered[0].url, 0.0), latency_class, prompt_tokens)
+        if count_sent:
+            self._count_sent(ordered[0].url, fetched_at.get(ordered[0].url, 0.0), latency_class, prompt_tokens)
         return ordered
 
     def _in_turn(self, ranked: Sequence[Score]) -> list[Score]:

@@ -146,14 +146,14 @@ def close_tracing(app: Flask) -> None:
 
 # -- the node request ------------------------------------------------------------------------------
 
-def traced_rank(tracing: Tracing, pool, req) -> list:
-    """The router's ranking of nodes for `req`, in a `routing` span naming the chosen node and its score."""
+def traced_rank(tracing: Tracing, rank: Callable[[], list], req) -> list:
+    """`rank()`, the router's ranking of nodes for `req`, in a `routing` span naming the chosen node and its
+    score."""
     model = req.model
     with tracing.tracer.start_as_current_span("routing", attributes={
             "zen.model": model.alias, "gen_ai.request.model": model.model,
             "zen.quantization": model.quantization}) as span:
-        ranked = pool.rank(model, req.inputs.estimated_tokens, req.params.max_tokens, req.latency_class,
-                           req.inputs)
+        ranked = rank()
         span.set_attribute("zen.routing.candidates", len(ranked))
         if ranked:
             best = ranked[0]

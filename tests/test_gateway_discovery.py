@@ -198,6 +198,20 @@ def test_a_worker_exits_while_a_lookup_hangs():
     assert time.monotonic() - started < 30
 
 
+def test_the_poller_keeps_a_connection_pool_for_every_discovered_pod():
+    """Six pods under one dns+ name: six pools kept (sized by the config's one entry, the poller dropped a
+    pool at each poll, and connected again)."""
+    clock, resolver = FakeClock(), ChangingResolver([f"127.0.0.{i}" for i in range(2, 8)])
+    pool = NodePool(NodesConfig(urls=("dns+http://zen-node:9",), connect_timeout_s=0.2), RoutingConfig(),
+                    clock=clock, resolver=resolver)
+    try:
+        pool.refresh()
+        pool.refresh()
+        assert len(pool._http.pools) == 6
+    finally:
+        pool.close()
+
+
 def test_node_client_connects_to_discovered_nodes_and_lets_go_of_dropped_ones():
     clock, resolver = FakeClock(), ChangingResolver(["127.0.0.2"])
     pool = NodePool(NodesConfig(urls=("dns+http://zen-node:8001",)), RoutingConfig(), clock=clock,

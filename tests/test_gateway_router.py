@@ -337,6 +337,30 @@ def test_a_node_discovery_dropped_is_forgotten_by_the_faults_too():
     assert faults.usable(["http://a", "http://b"]) == ["http://b"]
 
 
+def test_nodes_left_out_are_not_ranked_nor_counted_and_a_tokenizer_call_counts_nothing():
+    """`keep` (the nodes passed over for their faults) filters before the ranking: what the ranking records
+    for its first node (the requests sent there) goes to the node that is tried, not to one passed over."""
+    a, b = StandInNode(node_id="a").start(), StandInNode(node_id="b").start()
+    a.state, b.state = {"utilization": 0.0}, {"utilization": 0.9}   # a ranks first when it may
+    pool = NodePool(_nodes_config([a.url, b.url], poll_interval_s=50, state_ttl_s=100), WEIGHTS)
+    try:
+        assert pool.rank(SMALL, 200, 200)[0].url == a.url                   # the poll; one sent to a
+        views = {v.url: v for v in pool.snapshot()}
+
+        def sent(url: str) -> int:
+            since = pool.policy._sent_since(url, views[url].fetched_at)
+            return 0 if since is None else sum(since.requests)
+        without_a = lambda urls: [u for u in urls if u != a.url]  # noqa: E731
+        assert [s.url for s in pool.rank(SMALL, 200, 200, keep=without_a)] == [b.url]
+        assert sent(a.url) == 1 and sent(b.url) == 1
+        pool.rank(SMALL, 1, 1, generation=False)
+        assert sent(a.url) == 1 and sent(b.url) == 1
+    finally:
+        pool.close()
+        a.stop()
+        b.stop()
+
+
 def test_pool_refuses_without_the_node_secret():
     node = StandInNode(secret="other").start()
     pool = NodePool(_nodes_config([node.url]), WEIGHTS)
