@@ -31,7 +31,7 @@ class Admission:
         self.by_class = [0] * len(LatencyClass)
         self.tokens_by_class = [0] * len(LatencyClass)
 
-    def check(self, n: int, org: str = "", group: str | None = None) -> None:
+    def _check_locked(self, n: int, org: str, group: str | None) -> None:
         """QueueFull unless n more sequences of org fit: a request larger than a bound is taken only while
         nothing else waits under it (the queue, or the org's share: the other prompts of its own client
         request, its group, do not count there)."""
@@ -49,7 +49,7 @@ class Admission:
         cold load waits in the queue too: else a burst of them would hold every thread of the node past
         the queue's bound); QueueFull when they do not fit. Ticket.admitted adds the model and prompt."""
         with self._lock:
-            self.check(n, org, group)
+            self._check_locked(n, org, group)
             self.waiting += n
             self.by_org[org] = self.by_org.get(org, 0) + n
             if group is not None:
