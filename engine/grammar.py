@@ -45,8 +45,10 @@ class GrammarError(SamplingParamError):
 
 
 def constraint_key(spec: dict) -> str:
-    """One string per distinct constraint (key order in a schema does not make a new one)."""
-    return json.dumps(spec, sort_keys=True, separators=(",", ":"))
+    """One string per distinct constraint, its keys in their order: a schema's property order is the
+    order the output writes them in (OpenAI's structured outputs: a "reasoning" listed before an "answer"
+    is written first)."""
+    return json.dumps(spec, separators=(",", ":"))
 
 
 def _grammar_source(spec: dict) -> str:

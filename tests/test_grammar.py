@@ -25,9 +25,22 @@ def test_a_constraint_seen_before_costs_no_compile(compiler):
     spec = {"type": "json", "value": {"type": "object", "properties": {"a": {"type": "integer"}}}}
     before = c.num_compiles
     first = c.compile(spec)
-    same = c.compile({"type": "json", "value": {"properties": {"a": {"type": "integer"}}, "type": "object"}})
+    same = c.compile({"type": "json", "value": {"type": "object", "properties": {"a": {"type": "integer"}}}})
     assert first is same and c.num_compiles == before + 1
-    assert constraint_key(spec) == constraint_key({"value": spec["value"], "type": "json"})
+
+
+def test_properties_are_written_in_the_schemas_order(compiler):
+    """A schema's property order is the output's (a "reasoning" listed first is written first); the same
+    properties in another order are another constraint."""
+    c, tok = compiler
+    schema = {"type": "object", "properties": {"reasoning": {"type": "string"}, "answer": {"type": "integer"}},
+              "required": ["reasoning", "answer"], "additionalProperties": False}
+    swapped = {**schema, "properties": dict(reversed(schema["properties"].items()))}
+    assert constraint_key({"type": "json", "value": schema}) != constraint_key({"type": "json", "value": swapped})
+    for spec, text, fits in ((schema, '{"reasoning":"r","answer":1}', True), (schema, '{"answer":1,"reasoning":"r"}', False),
+                             (swapped, '{"answer":1,"reasoning":"r"}', True)):
+        g = c.new_grammar(c.compile({"type": "json", "value": spec}))
+        assert all(g.advance(t) for t in tok.encode(text, add_special_tokens=False)) == fits, text
 
 
 def test_the_llguidance_tokenizer_is_built_once_per_tokenizer_and_width(compiler):
