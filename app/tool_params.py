@@ -105,10 +105,13 @@ def tool_plan(body: Mapping[str, Any], has_constraint: bool) -> ToolPlan:
     # a strict function's forced arguments hold no properties its parameters do not name (OpenAI's `strict`)
     enforced = [{**f, "parameters": structured.closed(f["parameters"], "tools")} if is_strict else f
                 for f, is_strict in zip(functions, strict)]
-    forced = enforced if mode == "required" else [f for f in enforced if f["name"] == choice["function"]["name"]]
+    if mode == "required":
+        forced = enforced
+    else:   # a named function: one call of it (a repeatable call ran on to max_tokens with small models)
+        forced, parallel = [f for f in enforced if f["name"] == choice["function"]["name"]], False
     for f in forced:
         _enforceable(f, names.index(f["name"]))
-    return ToolPlan(rendered, _forced_call(forced, parallel), parse)
+    return ToolPlan(rendered, _forced_call(forced, parallel), parse if mode == "required" else "single")
 
 
 def _enforceable(function: dict, i: int) -> None:

@@ -33,18 +33,21 @@ def test_auto_sends_the_tools_and_no_constraint(client, auth, node):  # noqa: F8
     assert "structured_output" not in sent["sampling"]
 
 
-@pytest.mark.parametrize("choice, names, parallel", [
-    ("required", ["get_weather", "now"], True),
-    ({"type": "function", "function": {"name": "now"}}, ["now"], False),
+@pytest.mark.parametrize("choice, names, parallel, repeats", [
+    ("required", ["get_weather", "now"], True, True),
+    ("required", ["get_weather", "now"], False, False),
+    ({"type": "function", "function": {"name": "now"}}, ["now"], False, False),
+    ({"type": "function", "function": {"name": "now"}}, ["now"], True, False),   # a named function: one call
 ])
-def test_a_forced_call_is_a_grammar_of_the_allowed_functions(client, auth, node, choice, names, parallel):  # noqa: F811
+def test_a_forced_call_is_a_grammar_of_the_allowed_functions(client, auth, node, choice, names, parallel,  # noqa: F811
+                                                             repeats):
     body = _chat(tools=[WEATHER, CLOCK], tool_choice=choice, parallel_tool_calls=parallel)
     assert client.post("/v1/chat/completions", headers=auth, json=body).status_code == 200
     grammar = node.received[-1]["sampling"]["structured_output"]
     assert grammar["type"] == "grammar"
     assert all(f'"const": "{n}"' in grammar["value"] for n in names)
     assert ('"const": "get_weather"' in grammar["value"]) == ("get_weather" in names)
-    assert grammar["value"].startswith("start: call (" if parallel else "start: call\n")
+    assert grammar["value"].startswith("start: call (" if repeats else "start: call\n")
 
 
 def test_none_sends_the_tools_but_no_constraint(client, auth, node):  # noqa: F811
