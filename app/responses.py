@@ -40,9 +40,12 @@ def _token_bytes(entry: dict) -> list[int]:
 
 
 def chat_logprob_content(entries: Iterable[dict], top_n: int) -> list[dict]:
-    """Node logprob entries → OpenAI chat `logprobs.content`."""
+    """Node logprob entries → OpenAI chat `logprobs.content`: the content's tokens, so not the special tokens
+    the text leaves out (the node marks them `skipped`: an end-of-turn token, one in mid-answer)."""
     out = []
     for e in entries:
+        if e.get("skipped"):
+            continue
         token = str(e.get("token", ""))
         out.append({
             "token": token,
@@ -218,7 +221,8 @@ class ChunkWriter:
             if self.logprobs_top is not None and isinstance(entry, dict):
                 self._unsent_logprobs[index].append(entry)
             return self._deltas(index, self.tools[index].push(text))
-        with_logprobs = self.logprobs_top is not None and isinstance(entry, dict)
+        with_logprobs = self.logprobs_top is not None and isinstance(entry, dict) and not (
+            self.kind == CHAT and entry.get("skipped"))   # a chat chunk's logprobs are its content's
         if not with_logprobs:
             # The same chunk every time but for its text: serialised once per choice, then only the
             # text is encoded (once per token per stream, this is the gateway's hottest line).

@@ -1135,6 +1135,18 @@ def test_logprobs_bytes_are_the_tokens_own():
     assert content[0]["top_logprobs"][0]["bytes"] == [240, 159]
 
 
+def test_chat_logprobs_leave_out_the_special_tokens_the_content_leaves_out():
+    """An end-of-turn token (marked skipped by the node) is not one of the content's tokens, whole or
+    streamed; the completions' logprobs keep it (OpenAI's legacy endpoint lists <|endoftext|> too)."""
+    entries = [{"token": "No", "bytes": [78, 111], "logprob": -0.1, "top": []},
+               {"token": "<|im_end|>", "bytes": list(b"<|im_end|>"), "logprob": -0.2, "top": [], "skipped": True}]
+    assert [c["token"] for c in responses.chat_logprob_content(entries, 0)] == ["No"]
+    writer = responses.ChunkWriter(responses.CHAT, "1", "zen-small", "m", "q4_1", 1, False, 0)
+    chunk = json.loads(writer.token({"index": 0, "text": "", "logprobs": entries[1]})[6:])
+    assert chunk["choices"][0]["logprobs"] is None
+    assert responses.completion_logprobs(entries, 0)["tokens"] == ["No", "<|im_end|>"]
+
+
 def test_prompt_over_the_context(client, auth, node):
     err = assert_error(client.post(COMPLETIONS, headers=auth, json={
         "model": "zen-small", "prompt": list(range(8000)), "max_tokens": 500}),

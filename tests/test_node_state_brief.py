@@ -193,10 +193,11 @@ def test_a_refusal_is_logged_with_its_request_and_org(node_app, caplog):
 def test_a_special_token_the_text_leaves_out_is_marked_and_takes_no_text_offset(node_app):
     """<|im_start|> (special, no stop) forced by logit_bias: its logprob entries say `skipped`, the text
     holds none of it, and the completions' text_offset does not move past it."""
-    from app.responses import completion_logprobs
+    from app.responses import chat_logprob_content, completion_logprobs
     r = node_app.test_client().post("/v1/generate", headers=_auth(node_app), json={
         "model": "tiny-a", "prompt": "hello", "sampling": {"max_tokens": 3, "logprobs": 0, "logit_bias": {"1": 100}}})
     choice = r.json["choices"][0]
     assert choice["token_ids"] == [1, 1, 1] and choice["text"] == ""
     assert [e.get("skipped") for e in choice["logprobs"]] == [True, True, True]
     assert completion_logprobs(choice["logprobs"], 0)["text_offset"] == [0, 0, 0]
+    assert chat_logprob_content(choice["logprobs"], 0) == []   # a chat's logprobs are its content's tokens
