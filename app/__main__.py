@@ -18,9 +18,11 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] != "serve":
         print("usage: python -m app serve [gunicorn options]", file=sys.stderr)
         return 2
-    from app.config import ConfigError, load_config
+    from app.config import ConfigError, count_from_env, load_config
     try:
         cfg = load_config()
+        for name, default in (("GATEWAY_WORKERS", cfg.server.workers), ("GATEWAY_THREADS", cfg.server.threads)):
+            count_from_env(name, default)   # refused here too: before the line that says it serves
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -273,6 +273,16 @@ def test_gateway_workers_and_threads_must_be_counts(tmp_path, name, value):
     assert "Traceback" not in out.stderr
 
 
+def test_serve_refuses_a_bad_count_before_it_says_it_serves():
+    import os
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "app", "serve"], env={**os.environ, "GATEWAY_WORKERS": "0"},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "error: GATEWAY_WORKERS must be an integer >= 1, got '0'" in out.stderr
+    assert "gateway on" not in out.stderr
+
+
 def test_gateway_workers_and_threads_from_the_environment(tmp_path):
     out = _gunicorn_settings(tmp_path, GATEWAY_WORKERS="3", GATEWAY_THREADS="5")
     assert out.returncode == 0, out.stderr[-2000:]
