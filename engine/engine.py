@@ -303,6 +303,8 @@ class Engine:
             reason = "length"
         elif seq.num_tokens >= self.max_seq_tokens:
             reason = "length"
+        if lp and (stop_token or (stopped and not text)):
+            lp[0].ends_text = True
         if reason is not None:
             if not stopped:  # the stream ends: release held-back bytes and stop-string prefixes
                 tail, stopped = o.stop.push(o.detok.flush(), may_stop=long_enough)

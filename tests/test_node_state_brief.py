@@ -201,3 +201,30 @@ def test_a_special_token_the_text_leaves_out_is_marked_and_takes_no_text_offset(
     assert [e.get("skipped") for e in choice["logprobs"]] == [True, True, True]
     assert completion_logprobs(choice["logprobs"], 0)["text_offset"] == [0, 0, 0]
     assert chat_logprob_content(choice["logprobs"], 0) == []   # a chat's logprobs are its content's tokens
+
+
+def test_the_token_that_ends_the_text_is_marked_skipped(node_app):
+    """A stop token, and a token that completes a stop string with none of its text output, are marked
+    `skipped` (a chat's logprobs leave them out); the tokens before them are not."""
+    from app.responses import chat_logprob_content
+    client = node_app.test_client()
+
+    def generate(**sampling):
+        r = client.post("/v1/generate", headers=_auth(node_app), json={
+            "model": "tiny-a", "prompt": "hello", "sampling": {"max_tokens": 8, "logprobs": 0, "ignore_eos": True,
+                                                               "seed": 7, **sampling}})
+        return r.json["choices"][0]
+
+    tok = node_app.extensions["zen_node"].registry.resident()[0].engine.tokenizer
+    free = generate()
+    ids = free["token_ids"]
+    stop_id = next(t for i, t in enumerate(ids) if i > 0 and ids.index(t) == i and t not in tok.special_token_ids)
+    by_id = generate(stop_token_ids=[stop_id])
+    assert by_id["token_ids"] == ids[:ids.index(stop_id) + 1] and by_id["finish_reason"] == "stop"
+    assert [bool(e.get("skipped")) for e in by_id["logprobs"]] == [False] * ids.index(stop_id) + [True]
+    assert len(chat_logprob_content(by_id["logprobs"], 0)) == ids.index(stop_id)
+    piece = tok.decode([stop_id])   # a stop string that this token alone completes (seeded: the same tokens)
+    assert piece and piece not in tok.decode(ids[:ids.index(stop_id)])
+    by_text = generate(stop=[piece])
+    assert by_text["token_ids"] == by_id["token_ids"] and by_text["finish_reason"] == "stop"
+    assert [bool(e.get("skipped")) for e in by_text["logprobs"]] == [False] * ids.index(stop_id) + [True]
