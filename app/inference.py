@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import uuid
 from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
@@ -97,7 +98,7 @@ class InferenceRequest:
     tool_calls: str | None = None   # the answer is parsed for tool calls: "single" or "parallel" (app/tool_params)
     # completions given a list of prompts: all of them (`inputs` is the first), each answered by n choices
     batch: tuple[PromptInput, ...] = ()
-    group: str | None = None        # a part's: the node id of the request it is a prompt of
+    group: str | None = None        # a part's: the id (the gateway's own) of the request it is a prompt of
 
     @property
     def parts(self) -> list[InferenceRequest]:
@@ -105,7 +106,8 @@ class InferenceRequest:
         id does (itself alone)."""
         if len(self.batch) < 2:
             return [self]
-        return [replace(self, inputs=x, batch=(), request_id=f"{self.request_id}/{i}", group=self.node_request_id)
+        group = f"{self.org}/{uuid.uuid4().hex}"   # not the client's id: a reused one would join another group
+        return [replace(self, inputs=x, batch=(), request_id=f"{self.request_id}/{i}", group=group)
                 for i, x in enumerate(self.batch)]
 
     @property

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from app.strict_schema import closed, is_strict
 from engine.grammar import check_constraint
 from engine.protocol import bad_value, json_value
 from engine.sampling import SamplingParamError, check_structured_output
@@ -32,52 +33,6 @@ def _schema(value: Any, param: str) -> dict:
     return value
 
 
-# where a schema holds schemas: under each key of a map, in a list, or as the value itself
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
-_SCHEMA_VALUES = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
-
-
-def closed(schema: Any, param: str) -> Any:
-    """The schema with every object that does not say `additionalProperties` closed (false): what `strict`
-    asks for (OpenAI refuses a strict schema whose objects are open; here they are closed for the client).
-    An object composed with `allOf`, and the `allOf` parts, stay as given: closing each part would refuse
-    the properties of the others. 400 naming `param` for a schema nested past Python's recursion."""
-    try:
-        return _closed(schema)
-    except RecursionError:
-        raise bad_value(f"`{param}` is nested too deeply", param) from None
-
-
-def _closed(schema: Any) -> Any:
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
-    for key in _SCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {name: _closed(sub) for name, sub in out[key].items()}
-    for key in _SCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [_closed(sub) for sub in out[key]]
-    for key in _SCHEMA_VALUES:
-        if key in out:
-            out[key] = [_closed(sub) for sub in out[key]] if isinstance(out[key], list) else _closed(out[key])
-    kind = out.get("type")
-    is_object = kind == "object" or (isinstance(kind, list) and "object" in kind) or (
-        kind is None and "properties" in out)
-    if is_object and "allOf" not in out and "additionalProperties" not in out \
-            and "unevaluatedProperties" not in out:
-        out["additionalProperties"] = False
-    return out
-
-
-def strict(value: Any, where: str, param: str) -> bool:
-    """A `strict` flag: true, false or absent (null); 400 naming `param` otherwise."""
-    if value is not None and not isinstance(value, bool):
-        raise bad_value(f"`{where}.strict` must be a boolean", param, "invalid_type")
-    return value is True
-
-
 def _from_response_format(fmt: Any) -> dict | None:
     param = "response_format"
     if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
@@ -95,11 +50,11 @@ def _from_response_format(fmt: Any) -> dict | None:
                         "invalid_type")
     if not isinstance(spec.get("name"), str) or not spec["name"]:
         raise bad_value("`response_format.json_schema.name` is required", param, "missing_required_parameter")
-    is_strict = strict(spec.get("strict"), "response_format.json_schema", param)
+    strict = is_strict(spec.get("strict"), "response_format.json_schema", param)
     if spec.get("schema") is None:
         return {"type": "json", "value": ANY_JSON_OBJECT}
     schema = _schema(spec["schema"], "response_format")
-    return {"type": "json", "value": closed(schema, param) if is_strict else schema}
+    return {"type": "json", "value": closed(schema, param) if strict else schema}
 
 
 def _from_structured_outputs(value: Any) -> dict:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from app import structured
+from app.strict_schema import closed, is_strict
 from engine.grammar import GrammarError, check_constraint
 from engine.protocol import bad_value
 from engine.tools import tool_call_grammar
@@ -87,8 +88,7 @@ def tool_plan(body: Mapping[str, Any], has_constraint: bool) -> ToolPlan:
     if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
         raise bad_value(f"`tools` must be an array of at most {MAX_TOOLS} function tools", "tools", "invalid_type")
     functions = [_function(t, i) for i, t in enumerate(tools)]
-    strict = [structured.strict(t["function"].get("strict"), f"tools[{i}].function", "tools")
-              for i, t in enumerate(tools)]
+    strict = [is_strict(t["function"].get("strict"), f"tools[{i}].function", "tools") for i, t in enumerate(tools)]
     names = [f["name"] for f in functions]
     if len(set(names)) != len(names):
         raise bad_value("`tools` names a function twice", "tools")
@@ -103,8 +103,7 @@ def tool_plan(body: Mapping[str, Any], has_constraint: bool) -> ToolPlan:
         raise bad_value("`tool_choice` that forces a call cannot be combined with `response_format` or "
                         "another structured output", "tool_choice")
     # a strict function's forced arguments hold no properties its parameters do not name (OpenAI's `strict`)
-    enforced = [{**f, "parameters": structured.closed(f["parameters"], "tools")} if is_strict else f
-                for f, is_strict in zip(functions, strict)]
+    enforced = [{**f, "parameters": closed(f["parameters"], "tools")} if s else f for f, s in zip(functions, strict)]
     if mode == "required":
         forced = enforced
     else:   # a named function: one call of it (a repeatable call ran on to max_tokens with small models)

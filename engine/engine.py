@@ -293,6 +293,7 @@ class Engine:
         # a stop token ends the text before it, as a stop string does; under min_tokens nothing stops
         stop_token = long_enough and (token in o.stop_ids or (not p.ignore_eos and token in self.eos_token_ids))
         piece = "" if stop_token else o.detok.push(token)
+        held = o.stop.held_chars   # earlier tokens' text this push may still emit
         text, stopped = o.stop.push(piece, may_stop=long_enough)
         reason = None
         if message is not None:   # the grammar broke down: what follows would not conform
@@ -303,7 +304,7 @@ class Engine:
             reason = "length"
         elif seq.num_tokens >= self.max_seq_tokens:
             reason = "length"
-        if lp and (stop_token or (stopped and not text)):
+        if lp and (stop_token or (stopped and len(text) <= held)):   # none of this token's own text is output
             lp[0].ends_text = True
         if reason is not None:
             if not stopped:  # the stream ends: release held-back bytes and stop-string prefixes

@@ -20,7 +20,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # (token id, logprob) of the most likely alternatives
-    ends_text: bool = False       # a stop token, or one completing a stop string with none of its text output
+    ends_text: bool = False       # a stop token, or one completing a stop string with none of its own text output
 
 
 @dataclass

@@ -23,6 +23,11 @@ class StopChecker:
     def stopped(self) -> bool:
         return self._done
 
+    @property
+    def held_chars(self) -> int:
+        """Characters held back (they may begin a stop string): emitted, if at all, by a later push."""
+        return len(self._held)
+
     def push(self, delta_text: str, may_stop: bool = True) -> tuple[str, bool]:
         """may_stop=False (under min_tokens): a stop string is text like any other, but the tail that may
         begin one is still held, so that one completed once stopping is allowed is caught whole."""

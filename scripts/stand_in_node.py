@@ -20,7 +20,7 @@ from typing import Any
 
 from app.config import load_config
 from app.devtoken import mint_token
-from engine.protocol import PROMPT_TOKENS_HEADER, STATE_FIELD, STATE_HEADER, NodeState
+from engine.protocol import ORG_QUEUE_FULL, PROMPT_TOKENS_HEADER, STATE_FIELD, STATE_HEADER, NodeState
 from scripts.local_processes import free_port
 
 NODE_SECRET = "test-node-secret"
@@ -254,7 +254,7 @@ class StandInNode:
                 if node.busy:
                     return self._error(503, "queue full", "queue_full", {"Retry-After": "2"})
                 if node.org_queue_full:
-                    return self._error(429, "the org's share of the queue is full", "org_queue_full",
+                    return self._error(429, "the org's share of the queue is full", ORG_QUEUE_FULL,
                                        {"Retry-After": "3"})
                 if payload.get("model") != MODEL_ID:
                     return self._error(404, f"unknown model {payload.get('model')}", "model_not_found")

@@ -957,3 +957,19 @@ def test_a_request_id_is_refused_while_a_request_with_it_waits_to_be_added(tiny_
     finally:
         release.set()
         loop.stop()
+
+
+def test_the_token_completing_a_stop_string_with_none_of_its_own_text_output_ends_the_text(tiny_gguf):
+    """Stop "lo!": "Hel" holds back its "l" (it may begin the stop string); "lo!" then stops, and the held
+    "l" goes out, none of "lo!"'s own text: that token ends the text (its logprob entry says so)."""
+    eng = make_engine(tiny_gguf)
+    eng.add_request(req("held", prompt(70, 4), max_tokens=8, stop=["lo!"], logprobs=0, ignore_eos=True))
+    pieces = iter(["Hel", "lo!"])
+    for seq in eng._requests["held"]:
+        eng._outputs[seq.seq_id].detok.push = lambda token: next(pieces)
+    texts, entries = [], []
+    while eng.has_unfinished():
+        for d in eng.step():
+            texts.append(d.text)
+            entries += d.logprobs
+    assert "".join(texts) == "Hel" and [e.ends_text for e in entries] == [False, True]

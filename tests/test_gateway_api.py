@@ -1061,9 +1061,14 @@ def test_token_id_prompts_go_each_as_a_request_of_its_own(client, auth, node):
     assert r.status_code == 200 and [c["index"] for c in r.get_json()["choices"]] == [0, 1]
     sent = sorted(node.received[-2:], key=lambda x: x["request_id"])
     assert [x["prompt_token_ids"] for x in sent] == [[1, 2, 3], [4, 5]]
-    # one client request to the node's org share: each part names it as its group
-    assert [x["request_id"] for x in sent] == [sent[0]["group"] + "/0", sent[0]["group"] + "/1"]
-    assert sent[1]["group"] == sent[0]["group"]
+    # one client request to the node's org share: each part names it as its group, an id of the gateway's
+    # own (a client reusing its X-Request-Id would join another request's group, and escape the share)
+    assert sent[0]["group"] == sent[1]["group"] and sent[0]["group"].startswith(sent[0]["org"] + "/")
+    again = {**auth, "X-Request-Id": "same-id"}
+    for _ in range(2):
+        client.post(COMPLETIONS, headers=again, json={"model": "zen-small", "prompt": [[1], [2]], "max_tokens": 2})
+    groups = [x["group"] for x in node.received[-4:]]
+    assert groups[0] == groups[1] != groups[2] == groups[3] and not any("same-id" in g for g in groups)
     client.post(COMPLETIONS, headers=auth, json={"model": "zen-small", "prompt": [1, 2], "max_tokens": 2})
     assert "group" not in node.received[-1]
 

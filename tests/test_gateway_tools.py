@@ -9,7 +9,7 @@ import llguidance
 import pytest
 
 from app.responses import CHAT, ChunkWriter, chat_completion
-from app.structured import closed
+from app.strict_schema import closed
 from app.tool_params import tool_plan
 from engine.protocol import APIError
 from engine.tools import ToolCall, ToolCallParser, render_tool_prompt, tool_call_grammar
@@ -104,9 +104,37 @@ def test_a_strict_function_forced_call_holds_only_the_properties_its_parameters_
     assert e.value.param == "tools" and "strict" in e.value.message
 
 
-def test_closing_a_schema_leaves_all_of_as_given_and_refuses_one_nested_past_recursion():
-    composed = {"allOf": [{"type": "object", "properties": {"a": {}}}, {"properties": {"b": {}}}]}
-    assert closed(composed, "response_format") == composed
+OBJ = {"type": "object", "properties": {"z": {"type": "integer"}}}   # a property value: closed in every case
+
+
+@pytest.mark.parametrize("schema, takes, refuses", [
+    # allOf parts, and a definition mixed in through allOf, add to the same object: none is closed
+    ({"allOf": [{"type": "object", "properties": {"a": {}}}, {"properties": {"b": {}, "o": OBJ}}]},
+     ['{"a":1,"b":2}'], ['{"o":{"z":1,"y":2}}']),
+    ({"$defs": {"Base": {"type": "object", "properties": {"a": {"type": "integer"}}}}, "type": "object",
+      "allOf": [{"$ref": "#/$defs/Base"}], "properties": {"b": {"type": "integer"}}, "required": ["b"]},
+     ['{"a":1,"b":2}'], []),
+    # branches beside the object's own properties add to it; a union's branches are each the whole value
+    ({"type": "object", "properties": {"kind": {"type": "string"}}, "required": ["kind"],
+      "anyOf": [{"properties": {"x": {"type": "integer"}}}, {"properties": {"y": {"type": "integer"}}}]},
+     ['{"kind":"k","x":1}'], []),
+    ({"type": "object", "properties": {"v": {"anyOf": [OBJ, {"type": "null"}]}}, "required": ["v"]},
+     ['{"v":{"z":1}}', '{"v":null}'], ['{"v":{"z":1,"y":2}}', '{"v":null,"w":1}']),
+    # a $ref with only a description is the referenced value: closed
+    ({"$defs": {"O": OBJ}, "type": "object", "properties": {"o": {"$ref": "#/$defs/O", "description": "d"}}},
+     ['{"o":{"z":1}}'], ['{"o":{"z":1,"y":2}}']),
+])
+def test_strict_closes_the_objects_of_values_and_leaves_those_composed_beside_others(schema, takes, refuses):
+    """Valid output of the schema stays valid once closed; what closing refuses is a property no schema of
+    that value names."""
+    tok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteTokenizer()))
+    grammar = llguidance.grammar_from("json_schema", json.dumps(closed(schema, "response_format")))
+    for text, fits in [(t, True) for t in takes] + [(t, False) for t in refuses]:
+        m = llguidance.LLMatcher(tok, grammar, log_level=0)
+        assert (m.consume_tokens(list(text.encode())) and m.is_accepting()) == fits, text
+
+
+def test_closing_refuses_a_schema_nested_past_recursion():
     deep = {"type": "object"}
     for _ in range(5000):
         deep = {"type": "array", "items": deep}

@@ -98,8 +98,11 @@ def test_a_load_in_progress_is_reported_with_its_times(node_app):
 
 def test_admission_counts_work_by_latency_class():
     admission = Admission(max_waiting=10)
-    a = admission.admit(("m", "q"), 2, LatencyClass.BATCH, prompt_tokens=100)
-    b = admission.admit(("m", "q"), 1, LatencyClass.REALTIME, prompt_tokens=7)
+    a = admission.reserve(2, LatencyClass.BATCH)
+    assert admission.by_class_snapshot() == ((0, 0, 2), (0, 0, 0))   # waiting for its model: no prompt yet
+    a.admitted(("m", "q"), 100)
+    b = admission.reserve(1, LatencyClass.REALTIME)
+    b.admitted(("m", "q"), 7)
     assert admission.by_class_snapshot() == ((1, 0, 2), (7, 0, 200))
     a.started()                                    # one of the batch request's sequences has its token
     assert admission.by_class_snapshot() == ((1, 0, 1), (7, 0, 100))
@@ -112,14 +115,14 @@ def test_an_org_holds_at_most_its_share_of_the_queue():
     """Share 0.5 of 8: an org's sequences wait 4 at most (a larger request only while it has none waiting);
     another org still finds room, and the queue's own bound holds over both."""
     admission = Admission(max_waiting=8, org_share=0.5)
-    big = admission.admit(("m", "q"), 3, org="a")
+    big = admission.reserve(3, org="a")
     with pytest.raises(QueueFull) as e:
-        admission.admit(("m", "q"), 2, org="a")
+        admission.reserve(2, org="a")
     assert e.value.code == "org_queue_full" and admission.by_org == {"a": 3}
-    small = admission.admit(("m", "q"), 1, org="a")
-    other = admission.admit(("m", "q"), 4, org="b")
+    small = admission.reserve(1, org="a")
+    other = admission.reserve(4, org="b")
     with pytest.raises(QueueFull) as e:
-        admission.admit(("m", "q"), 1, org="c")
+        admission.reserve(1, org="c")
     assert e.value.code == "queue_full"
     big.started()
     small.close()
@@ -127,7 +130,7 @@ def test_an_org_holds_at_most_its_share_of_the_queue():
     big.close()
     other.started()
     other.started()
-    alone = admission.admit(("m", "q"), 6, org="a")   # more than its share, with none of its own waiting
+    alone = admission.reserve(6, org="a")   # more than its share, with none of its own waiting
     assert admission.waiting == 8 and admission.by_org == {"a": 6, "b": 2}
     alone.close()
     other.close()
@@ -135,9 +138,9 @@ def test_an_org_holds_at_most_its_share_of_the_queue():
     assert Admission(max_waiting=3, org_share=0.1).max_per_org == 1
     # the prompts of one client request (a group) are one request for the share: a later one is taken
     # while only its own group waits, and another request of the org is not
-    parts = [admission.admit(("m", "q"), 3, org="a", group="a/r1") for _ in range(2)]
+    parts = [admission.reserve(3, org="a", group="a/r1") for _ in range(2)]
     with pytest.raises(QueueFull):
-        admission.admit(("m", "q"), 1, org="a", group="a/r2")
+        admission.reserve(1, org="a", group="a/r2")
     for ticket in parts:
         ticket.close()
     assert admission.by_org == {} and admission.by_group == {} and admission.waiting == 0
@@ -174,7 +177,7 @@ def test_a_refusal_is_logged_with_its_request_and_org(node_app, caplog):
     client = node_app.test_client()
     headers = {**_auth(node_app), "X-Request-Id": "req-refused-1"}
     admission = node_app.extensions["zen_node"].admission
-    held = admission.admit(("filler", ""), admission.max_waiting)   # the queue is full
+    held = admission.reserve(admission.max_waiting)   # the queue is full
     try:
         with caplog.at_level(logging.INFO, logger="engine.node"):
             r = client.post("/v1/generate", headers=headers, json={
@@ -187,7 +190,7 @@ def test_a_refusal_is_logged_with_its_request_and_org(node_app, caplog):
     refused = [rec for rec in caplog.records if getattr(rec, "event", None) == "refused"]
     assert [(rec.levelno, rec.status, rec.code, rec.request_id, rec.org) for rec in refused] == [
         (logging.WARNING, 503, "queue_full", "req-refused-1", "acme"),
-        (logging.INFO, 400, refused[1].code, "req-refused-1", None)]
+        (logging.INFO, 400, "missing_required_parameter", "req-refused-1", None)]
 
 
 def test_a_special_token_the_text_leaves_out_is_marked_and_takes_no_text_offset(node_app):

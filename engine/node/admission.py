@@ -57,13 +57,6 @@ class Admission:
             self.by_class[latency_class] += n
             return Ticket(self, n, latency_class, org, group)
 
-    def admit(self, key: tuple[str, str], n: int, latency_class: LatencyClass = LatencyClass.STANDARD,
-              prompt_tokens: int = 0, org: str = "", group: str | None = None) -> "Ticket":
-        """reserve, then admitted: a ticket for n sequences of `prompt_tokens` each of the model `key`."""
-        ticket = self.reserve(n, latency_class, org, group)
-        ticket.admitted(key, prompt_tokens)
-        return ticket
-
     def by_class_snapshot(self) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
         """(sequences, prompt tokens) waiting for a first token, per latency class."""
         with self._lock:
