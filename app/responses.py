@@ -224,8 +224,6 @@ class ChunkWriter:
         with_logprobs = self.logprobs_top is not None and isinstance(entry, dict) and not (
             self.kind == CHAT and entry.get("skipped"))   # a chat chunk's logprobs are its content's
         if not with_logprobs:
-            if not text:   # a token with no text of its own yet (part of a character, the stop token): no chunk
-                return ""
             # The same chunk every time but for its text: serialised once per choice, then only the
             # text is encoded (once per token per stream, this is the gateway's hottest line).
             around = self._plain.get(index) or self._around(index)

@@ -1147,10 +1147,8 @@ def test_chat_logprobs_leave_out_the_special_tokens_the_content_leaves_out():
                {"token": "<|im_end|>", "bytes": list(b"<|im_end|>"), "logprob": -0.2, "top": [], "skipped": True}]
     assert [c["token"] for c in responses.chat_logprob_content(entries, 0)] == ["No"]
     writer = responses.ChunkWriter(responses.CHAT, "1", "zen-small", "m", "q4_1", 1, False, 0)
-    assert writer.token({"index": 0, "text": "", "logprobs": entries[1]}) == ""   # no chunk of its own
-    chunk = json.loads(writer.token({"index": 0, "text": "!", "logprobs": {**entries[0], "token": "!",
-                                                                         "skipped": True}})[6:])
-    assert chunk["choices"][0]["logprobs"] is None and chunk["choices"][0]["delta"]["content"] == "!"
+    chunk = json.loads(writer.token({"index": 0, "text": "", "logprobs": entries[1]})[6:])
+    assert chunk["choices"][0]["logprobs"] is None
     assert responses.completion_logprobs(entries, 0)["tokens"] == ["No", "<|im_end|>"]
 
 
@@ -1336,8 +1334,7 @@ def test_logs_are_json_with_request_id_and_org(node):
 def test_a_token_chunk_is_its_full_serialisation(kind, include_usage):
     """The token chunk is built from a per-choice template around its text: byte for byte what
     serialising the whole chunk gives, for every choice, for text JSON must escape, and for a model
-    name that holds the template's own marker; a token with no text (part of a character, the stop token)
-    and no logprobs makes no chunk."""
+    name that holds the template's own marker."""
     marker = "\x00text\x00"
     for alias in ("zen-small", marker, '"' + marker):
         writer = responses.ChunkWriter(kind, "req_1", alias, MODEL_ID, "q4_1", 2, include_usage, None)
@@ -1349,7 +1346,7 @@ def test_a_token_chunk_is_its_full_serialisation(kind, include_usage):
                      "system_fingerprint": writer.fingerprint, "choices": [choice]}
             if include_usage:
                 chunk["usage"] = None
-            assert writer.token({"index": index, "text": text}) == (responses.sse(chunk) if text else "")
+            assert writer.token({"index": index, "text": text}) == responses.sse(chunk)
 
 
 def test_completion_top_logprobs_keep_the_likeliest_of_one_text_and_the_sampled_token():
