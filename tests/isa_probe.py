@@ -51,6 +51,11 @@ KERNELS = {
     "gelu_mul_row": (cpu_transforms.gelu_mul_row, (types.uint64, types.uint64, types.int64, types.uint64,
                                                    types.uint64)),
     "attention_scores16": (cpu_ops._scores16, (types.uint64,) * 6),
+    # one part of a one-token attention split over its keys (its K and V rows read ahead into L2)
+    "attention_part": (cpu_ops._attend_part, (types.int64, _F2, _arr(types.float32, 4), _arr(types.float32, 4),
+                                              _arr(types.int32, 2), _arr(types.int32, 1), _arr(types.int32, 1),
+                                              types.int64, types.int64, types.float32, _arr(types.float32, 3),
+                                              types.int64, _arr(types.float32, 1))),
     # the threads' wait inside one parallel region (scalar code: a spin hint, then sched_yield)
     "claims_wait": (cpu_claims.wait, (_arr(types.int64, 1), types.int64, types.int64)),
 }

@@ -123,7 +123,7 @@ def test_avx2_compiles_to_vpmaddubsw_on_ymm(tmp_path):
         assert "vpdpbusd" not in code[name] and "%zmm" not in code[name]
     for name in ("rows_q8_i8", "rows_q8h_i8"):   # byte codes: widened for one int16 dot of both planes
         assert re.search(r"vpmovzxbw\s+", code[name]), name
-    for name in ("rows_q4_i8", "rows_q5_i8"):   # their codes read ahead into L2 (cpu_int8.PREFETCH_AHEAD)
+    for name in ("rows_q4_i8", "rows_q5_i8", "attention_part"):   # read ahead into L2 (cpu_int8.PREFETCH_AHEAD; K, V)
         assert re.search(r"\bprefetcht1\s", code[name]), name
     assert re.search(r"\bpause\b", code["claims_wait"]) and "sched_yield" in code["claims_wait"]
 
@@ -137,7 +137,7 @@ def test_neondot_compiles_to_sdot_for_arm64(tmp_path):
     for name in ("rows_q4_i8", "rows_q5_i8", "rows_q8_i8"):
         assert re.search(r"\bsdot\s+v\d+\.4s, v\d+\.16b, v\d+\.16b", code[name]), name
         assert "llvm.aarch64" not in code[name]        # every intrinsic became an instruction
-    for name in ("rows_q4_i8", "rows_q5_i8"):          # their codes read ahead into L2
+    for name in ("rows_q4_i8", "rows_q5_i8", "attention_part"):   # their codes (and K, V) read ahead into L2
         assert re.search(r"\bprfm\s+pldl2keep", code[name]), name
     # q4's and q5's codes are below 128: one sdot per 4 bytes; q8's unsigned bytes take a second sdot (128 * b)
     assert re.search(r"\beor\s+v\d+\.16b", code["rows_q8_i8"])

@@ -397,6 +397,44 @@ def test_paged_attention_short_decode_runs_serially_and_long_in_parallel(rng):
     assert _rel(got, ref) < 2e-5, _msg("parallel attention")
 
 
+@pytest.mark.parametrize("h,hkv,dh,bs,n,window", [
+    (9, 3, 64, 16, 65, 0),      # two parts, the second of one key
+    (9, 3, 64, 16, 300, 0),     # SmolLM2's heads, a part boundary inside a block
+    (4, 1, 256, 5, 129, 0),     # Gemma 3's heads, blocks of 5 (parts cross blocks)
+    (8, 2, 128, 16, 1000, 0),
+    (4, 1, 64, 16, 400, 150),   # a sliding window: its first key is the first part's
+])
+def test_paged_attention_splits_a_long_one_token_context(rng, h, hkv, dh, bs, n, window):
+    """A one-token step with more keys than a part (a decode at batch 1) splits its attention over the keys,
+    every thread taking parts, and combines them: the same attention as the float64 reference."""
+    max_blocks = -(-n // bs)
+    tables = rng.permutation(max_blocks + 3)[None, :max_blocks].astype(np.int32)
+    kc, vc = _nonzero(rng, (max_blocks + 3, bs, hkv, dh)), _nonzero(rng, (max_blocks + 3, bs, hkv, dh))
+    qkv = _nonzero(rng, (1, (h + 2 * hkv) * dh))
+    pos = np.array([n - 1], np.int32)
+    how, parts, _ = ops._attention_plan(qkv, pos, kc, h, hkv, window, ops._NOTHING, ops._NOTHING,
+                                        len(ops.split_scratch(pos, h, dh)))
+    keys = min(n, window) if window else n
+    assert (how, parts) == (ops._SPLIT, -(-keys // ops.SPLIT_PART_KEYS))
+    out = np.full((1, h * dh), np.nan, np.float32)
+    ops.paged_attention(qkv, kc, vc, tables, pos, np.zeros(1, np.int32), h, hkv, np.float32(dh ** -0.5), out, window)
+    ref = R.paged_attention(qkv[:, :h * dh].reshape(1, h, dh), kc, vc, tables, np.array([n]), np.array([0, 1]),
+                            dh ** -0.5, window=window)
+    assert _rel(out.reshape(ref.shape), ref) < 2e-5, _msg(f"split attention n={n}")
+
+
+def test_attention_splits_only_one_token_with_more_keys_than_a_part(rng):
+    kc = np.zeros((40, 16, 3, 64), np.float32)
+    qkv = np.zeros((2, 15 * 64), np.float32)
+    for rows, position, room, want in ((1, ops.SPLIT_PART_KEYS - 1, 2, ops._ONE_ITEM),   # one part's keys
+                                       (1, ops.SPLIT_PART_KEYS, 2, ops._SPLIT),
+                                       (1, 300, 2, ops._ONE_ITEM),                      # no room for its parts
+                                       (2, 300, 8, ops._CHUNKS)):                       # two tokens
+        pos = np.full(rows, position, np.int32)
+        how = ops._attention_plan(qkv[:rows], pos, kc, 9, 3, 0, ops._NOTHING, ops._NOTHING, room)[0]
+        assert how == want, (rows, position, room)
+
+
 def test_paged_attention_head_size_not_a_multiple_of_16(rng):
     got, ref = _attention_case(rng, [(9, 3), (4, 1)], h=4, hkv=2, dh=24, bs=4)
     assert _rel(got, ref) < 2e-5, _msg("scalar attention")
@@ -603,16 +641,18 @@ def _decode_logits(model, seq_counts, context, bs=16):
     return np.concatenate(out)
 
 
-@pytest.mark.parametrize("heads,context", [(4, 5), (4, 150), (8, 40)])
-def test_layer_loop_in_one_region_matches_a_region_per_kernel(rng, monkeypatch, heads, context):
+@pytest.mark.parametrize("heads,head_dim,context", [(4, None, 5), (4, None, 150), (8, None, 40), (4, 64, 150)])
+def test_layer_loop_in_one_region_matches_a_region_per_kernel(rng, monkeypatch, heads, head_dim, context):
     """Steps of at most CLAIMED_MAX_ROWS rows run the layer loop in one parallel region, threads claiming
     the items of each product and attention (run_layers_claimed): the logits are those of run_layers bit
     for bit. Decodes of 1, 3 and 8 sequences; short contexts (attention as one item, o's weights warmed
-    by the other thread), long ones (attention in claimed chunks), and 8 heads of 8 (plain attention items)."""
+    by the other thread), long ones (attention in claimed chunks; with heads of 64, one sequence's split
+    over its keys and combined), and 8 heads of 8 (plain attention items)."""
     from engine.backends import cpu_claims, cpu_layers
     from models.llama import LlamaModel
     from tests.tiny_model import make_tiny_weights
-    w = make_tiny_weights(seed=int(rng.integers(1 << 30)), fmt="q4_1", heads=heads, max_position=256)
+    w = make_tiny_weights(seed=int(rng.integers(1 << 30)), fmt="q4_1", heads=heads, head_dim=head_dim,
+                          max_position=256)
     model = LlamaModel(w, CpuBackend(int8_activations=True))
     assert model.layer_stack is not None
     regions = []
@@ -639,20 +679,21 @@ from tests.test_gemma3 import run_chunks
 from tests.tiny_gemma import make_tiny_gemma_weights
 from tests.tiny_model import make_tiny_weights
 
-llama = LlamaModel(make_tiny_weights(seed=3, fmt="q4_1", max_position=256), CpuBackend(int8_activations=True))
+llama = LlamaModel(make_tiny_weights(seed=3, fmt="q4_1", head_dim=64, max_position=256),
+                   CpuBackend(int8_activations=True))
 gemma = Gemma3Model(make_tiny_gemma_weights(5, fmt="q8_0", hidden=64, window=5), CpuBackend(int8_activations=True))
 assert llama.layer_stack is not None and gemma.layer_stack is not None
 tokens = list(np.random.default_rng(1).integers(0, gemma.config.vocab_size, 12))
 runs = {}
 for max_rows in (0, cpu_claims.CLAIMED_MAX_ROWS):
     cpu_claims.CLAIMED_MAX_ROWS = max_rows
-    runs[max_rows] = (_decode_logits(llama, (1, 3, 8), 40), run_chunks(gemma, tokens, [6] + [1] * 6))
+    runs[max_rows] = (_decode_logits(llama, (1, 3, 8), 100), run_chunks(gemma, tokens, [6] + [1] * 6))
 # two workers in the region, numba at one thread: its iterations run in turn on it
 cpu_layers.get_num_threads = cpu_gemma3_layers.get_num_threads = lambda: 2
 numba.set_num_threads(1)
 for a, b in zip(runs[0], runs[cpu_claims.CLAIMED_MAX_ROWS]):
     np.testing.assert_array_equal(a, b)
-in_turn = (_decode_logits(llama, (1, 3, 8), 40), run_chunks(gemma, tokens, [6] + [1] * 6))
+in_turn = (_decode_logits(llama, (1, 3, 8), 100), run_chunks(gemma, tokens, [6] + [1] * 6))
 for a, b in zip(runs[0], in_turn):
     np.testing.assert_array_equal(a, b)
 print("ok")

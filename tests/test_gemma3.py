@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from engine.backends import cpu_ops as ops
 from engine.backends.cpu import CpuBackend
 from engine.llm import LLM
 from engine.sampling import SamplingParams
@@ -239,8 +240,9 @@ def test_layer_stack_matches_the_layer_loop_bit_for_bit(monkeypatch):
     """run_gemma3_layers (one call for every layer) runs the forward's kernels in its order: the logits are
     identical, with formats that change from layer to layer and within q|k|v (as in a K-quant mix), scales
     of both kinds (halves in the legacy formats, float32 in the K-quants), every layer group and slot of
-    the cache, prefill chunks and decodes across the window. Chunks of at most CLAIMED_MAX_ROWS rows (the
-    7-token chunk, the decodes) run in one parallel region (run_gemma3_layers_claimed)."""
+    the cache, prefill chunks and decodes across the window, and past one split attention part in the global
+    layers. Chunks of at most CLAIMED_MAX_ROWS rows (the 7-token chunk, the decodes) run in one parallel
+    region (run_gemma3_layers_claimed)."""
     import dataclasses
 
     from engine.backends import cpu_gemma3_layers
@@ -265,7 +267,7 @@ def test_layer_stack_matches_the_layer_loop_bit_for_bit(monkeypatch):
     assert any(len(ly.qkv.parts) > 1 for ly in model.layers)
     # the layers read the packed weights: one copy, not two
     assert all(np.shares_memory(p.arrays[0], stack.codes) for p in parts)
-    tokens = list(np.random.default_rng(4).integers(0, w.config.vocab_size, 3 * 5 + 9))
+    tokens = list(np.random.default_rng(4).integers(0, w.config.vocab_size, ops.SPLIT_PART_KEYS + 8))
     regions = []
     claimed = cpu_gemma3_layers.run_gemma3_layers_claimed
     monkeypatch.setattr(cpu_gemma3_layers, "run_gemma3_layers_claimed",

@@ -168,14 +168,15 @@ def _slot_claimed(x, layout, i, slot, parts, codes, s16, out, accumulate, passes
     wait(counters, phase, total)
 
 
-_PHASES = 9   # q|k|v, q/k norms, rope and cache write, attention, o, post-attention norm, gate|up, down, post-FFN norm
+_PHASES = 10  # q|k|v, q/k norms, rope and cache write, attention, its parts combined, o, post-attention norm,
+              # gate|up, down, post-FFN norm
 
 
 @njit(cache=True, parallel=True)
 def run_gemma3_layers_claimed(h, qkv, attn, gate_up, branch, positions, token_seq, slot_mapping, block_tables,
                               window_slot_mapping, window_block_tables, k_cache, v_cache, cos, sin, num_heads,
                               num_kv_heads, scale, eps, passes, layer_kv, rope, window, norms, head_norms, layout,
-                              parts, codes, s16, counters, threads):
+                              parts, codes, s16, partial, counters, threads):
     """run_gemma3_layers in one parallel region, its products and attention as phases that the threads
     claim items of (cpu_claims; cpu_layers.run_layers_claimed says why); the serial steps between them are
     phases of one item. The same kernels on the same items: the same results bit for bit."""
@@ -194,21 +195,21 @@ def run_gemma3_layers_claimed(h, qkv, attn, gate_up, branch, positions, token_se
             o_codes, o_scales = _o_warm(parts, layout, i, codes, s16)
             ops.rope_attention_claimed(qkv, positions, cos[rope[i]], sin[rope[i]], k_cache[slot], v_cache[slot], slots,
                                        tables, token_seq, num_heads, num_kv_heads, scale, attn, o_codes, o_scales,
-                                       window[i], counters, ph + 2)
+                                       window[i], partial, counters, ph + 2)
             _slot_claimed(attn, layout, i, O, parts, codes, s16, branch, False, passes, X_PLAIN, no_aux, eps,
-                          counters, ph + 4, threads)
-            if claim(counters, ph + 5, 1) == 0:
+                          counters, ph + 5, threads)
+            if claim(counters, ph + 6, 1) == 0:
                 rmsnorm_add(branch, norms[i, 1], np.float32(eps), h)
-                finish(counters, ph + 5, 1)
-            wait(counters, ph + 5, 1)
+                finish(counters, ph + 6, 1)
+            wait(counters, ph + 6, 1)
             _slot_claimed(h, layout, i, GATE_UP, parts, codes, s16, gate_up, False, passes, X_RMSNORM,
-                          norms[i, 2], eps, counters, ph + 6, threads)
+                          norms[i, 2], eps, counters, ph + 7, threads)
             _slot_claimed(gate_up, layout, i, DOWN, parts, codes, s16, branch, False, passes, X_GELU_MUL, no_aux,
-                          eps, counters, ph + 7, threads)
-            if claim(counters, ph + 8, 1) == 0:
+                          eps, counters, ph + 8, threads)
+            if claim(counters, ph + 9, 1) == 0:
                 rmsnorm_add(branch, norms[i, 3], np.float32(eps), h)
-                finish(counters, ph + 8, 1)
-            wait(counters, ph + 8, 1)
+                finish(counters, ph + 9, 1)
+            wait(counters, ph + 9, 1)
 
 
 class Gemma3LayerStack:
@@ -286,7 +287,8 @@ class Gemma3LayerStack:
                 np.float32(scale), float(eps), self.passes, self.layer_kv, self.rope, self.window, self.norms,
                 self.head_norms, self.layout, self.parts, self.codes, self.s16)
         if h.shape[0] <= cpu_claims.CLAIMED_MAX_ROWS:
-            run_gemma3_layers_claimed(*args, phase_counters(_PHASES * len(self.layer_kv)), get_num_threads())
+            partial = ops.split_scratch(step.positions, num_heads, k_cache.shape[-1])
+            run_gemma3_layers_claimed(*args, partial, phase_counters(_PHASES * len(self.layer_kv)), get_num_threads())
         else:
             run_gemma3_layers(*args)
 

@@ -63,13 +63,14 @@ def run_layers(h, qkv, attn, gate_up, positions, cos, sin, k_cache, v_cache, slo
         _linear(gate_up, down_qs[i], down_sc[i], h, rows[3], True, passes, X_SILU_MUL, no_aux, eps)
 
 
-_PHASES = 6   # a layer's phases there: q|k|v, rope and cache write, attention, o, gate|up, down
+_PHASES = 7   # a layer's phases there: q|k|v, rope and cache write, attention, its parts combined, o, gate|up, down
 
 
 @njit(cache=True, parallel=True)
 def run_layers_claimed(h, qkv, attn, gate_up, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables,
                        token_seq, num_heads, num_kv_heads, scale, eps, passes, rows, attn_norm, ffn_norm,
-                       qkv_qs, qkv_sc, o_qs, o_sc, gu_qs, gu_sc, down_qs, down_sc, warm_a, warm_b, counters, threads):
+                       qkv_qs, qkv_sc, o_qs, o_sc, gu_qs, gu_sc, down_qs, down_sc, warm_a, warm_b, partial, counters,
+                       threads):
     """run_layers in one parallel region: `threads` workers go through every layer's products and attention
     as phases (cpu_claims), each taking the items it claims; the same kernels on the same items, so the
     same results bit for bit, without a fork and join per product."""
@@ -81,13 +82,13 @@ def run_layers_claimed(h, qkv, attn, gate_up, positions, cos, sin, k_cache, v_ca
                               counters, p, threads)
             ops.rope_attention_claimed(qkv, positions, cos, sin, k_cache[i], v_cache[i], slot_mapping, block_tables,
                                        token_seq, num_heads, num_kv_heads, scale, attn, warm_a[i], warm_b[i],
-                                       np.int64(0), counters, p + 1)
+                                       np.int64(0), partial, counters, p + 1)
             matmul_i8_claimed(attn, o_qs[i], o_sc[i], h, rows[1], True, passes, X_PLAIN, no_aux, eps,
-                              counters, p + 3, threads)
-            matmul_i8_claimed(h, gu_qs[i], gu_sc[i], gate_up, rows[2], False, passes, X_RMSNORM, ffn_norm[i], eps,
                               counters, p + 4, threads)
-            matmul_i8_claimed(gate_up, down_qs[i], down_sc[i], h, rows[3], True, passes, X_SILU_MUL, no_aux, eps,
+            matmul_i8_claimed(h, gu_qs[i], gu_sc[i], gate_up, rows[2], False, passes, X_RMSNORM, ffn_norm[i], eps,
                               counters, p + 5, threads)
+            matmul_i8_claimed(gate_up, down_qs[i], down_sc[i], h, rows[3], True, passes, X_SILU_MUL, no_aux, eps,
+                              counters, p + 6, threads)
 
 
 class LayerStack:
@@ -138,7 +139,8 @@ class LayerStack:
                 a["o"][1], a["gate_up"][0], a["gate_up"][1], a["down"][0], a["down"][1], *self.o_warm)
         if h.shape[0] <= cpu_claims.CLAIMED_MAX_ROWS:
             threads = get_num_threads()
-            run_layers_claimed(*args, phase_counters(_PHASES * len(self.attn_norm)), threads)
+            partial = ops.split_scratch(step.positions, num_heads, k_cache.shape[-1])
+            run_layers_claimed(*args, partial, phase_counters(_PHASES * len(self.attn_norm)), threads)
         else:
             run_layers(*args)
 

@@ -12,8 +12,8 @@ from engine.backends import cpu_claims, cpu_simd, cpu_transforms
 from engine.backends.cpu_cache import flush_stale_caches
 from engine.backends.cpu_claims import claim, finish, wait
 from engine.backends.cpu_simd import (
-    F, U, addr, ld_f, ld_i64, st_f, vadd, vbcast_f, vexp, vfma, vhmax, vload_f, vmax, vmul, vpairsum1, vpairsum2,
-    vpairsum4, vpairsum8, vstore_f, vsub, vsum, vzero_f,
+    F, U, addr, ld_f, ld_i64, prefetch_l2, st_f, vadd, vbcast_f, vexp, vfma, vhmax, vload_f, vmax, vmul, vpairsum1,
+    vpairsum2, vpairsum4, vpairsum8, vstore_f, vsub, vsum, vzero_f,
 )
 
 _NOTHING = np.zeros(0, np.uint8)
@@ -21,6 +21,9 @@ _NOTHING = np.zeros(0, np.uint8)
 # Attention runs on one thread below this much work (query heads x context positions of the step):
 # a parallel region costs more than a short decode context's whole attention.
 ATTN_PARALLEL_MIN_WORK = 4096
+# A one-token step whose context has more than SPLIT_PART_KEYS keys splits its attention over the keys, in
+# parts of SPLIT_PART_KEYS (a multiple of 16) that every thread takes, and combines the parts after.
+SPLIT_PART_KEYS = 64
 
 
 @njit(cache=True, nogil=True, fastmath=True)
@@ -76,7 +79,7 @@ def rope_store_kv(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_
 @njit(cache=True, nogil=True, fastmath=True, inline="always")
 def _softmax_numerators(sp, so, n, n16):
     """The n scores at sp[so:] -> exp(score - max), in place, with the row padded to n16 (a multiple of
-    16) by scores of -1e30 (numerators of 0); returns 1 / their sum."""
+    16) by scores of -1e30 (numerators of 0); returns (the max, the numerators' sum)."""
     for j in range(n, n16):
         st_f(sp, so + U(j), F(-1e30))
     mx = vload_f(sp, so)
@@ -88,7 +91,7 @@ def _softmax_numerators(sp, so, n, n16):
         e = vexp(vsub(vload_f(sp, so + U(j)), m))
         vstore_f(sp, so + U(j), e)
         tot = vadd(tot, e)
-    return F(1.0) / vsum(tot)
+    return vhmax(mx), vsum(tot)
 
 
 @njit(cache=True, nogil=True, fastmath=True)
@@ -130,7 +133,7 @@ def _attend_items(c, stride, qkv, k_cache, v_cache, block_tables, positions, tok
         n16 = (n + 15) // 16 * 16
         for gi in range(U(group)):
             so = gi * U(sld)
-            st_f(sp, so + U(n), _softmax_numerators(sp, so, n, n16))
+            st_f(sp, so + U(n), F(1.0) / _softmax_numerators(sp, so, n, n16)[1])
             for v in range(nv):
                 vstore_f(opp, gi * U(dh) + U(16) * v, vzero_f())
         # o = p @ V
@@ -218,7 +221,7 @@ def _attend_items64(c, stride, qkv, k_cache, v_cache, block_tables, positions, t
             so = gi * U(sld)
             for j0 in range(0, n16, 16):
                 vstore_f(sp, so + U(j0), vmul(_scores16(qp, qo, kp, kop, U(j0), nc), vscale))
-            inv = vbcast_f(_softmax_numerators(sp, so, n, n16))
+            inv = vbcast_f(F(1.0) / _softmax_numerators(sp, so, n, n16)[1])
             for ch in range(nc):
                 co = U(64) * ch
                 o0 = vzero_f()
@@ -239,19 +242,114 @@ def _attend_items64(c, stride, qkv, k_cache, v_cache, block_tables, positions, t
                 vstore_f(outp, oo + U(48), vmul(o3, inv))
 
 
+@njit(cache=True, nogil=True, fastmath=True)
+def _attend_part(part, qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads, scale,
+                 partial, window, scores):
+    """Part `part` of a one-token step's attention split over its keys (SPLIT_PART_KEYS a part), for head
+    sizes that are multiples of 64: per query head, the part's largest score m, the sum l of exp(score - m)
+    and the sum of exp(score - m) * v, into partial[part, head] (dh sums, then m and l). The scores go
+    16 keys at a time through every kv head's row of those keys (one key's heads lie side by side).
+    scores: scratch of num_heads * (SPLIT_PART_KEYS + 16)."""
+    bs, dh = k_cache.shape[1], k_cache.shape[3]
+    group = num_heads // num_kv_heads
+    s = token_seq[0]
+    k0 = first_key(positions[0], window) + part * SPLIT_PART_KEYS
+    n = min(positions[0] + 1 - k0, SPLIT_PART_KEYS)
+    n16 = (n + 15) // 16 * 16
+    sld = SPLIT_PART_KEYS + 16
+    kofs = np.empty(sld, np.int64)
+    pos_stride = num_kv_heads * dh
+    for j in range(n):     # item offset of each key's row (every kv head) in the cache; the padding repeats the last
+        key = k0 + j
+        kofs[j] = (block_tables[s, key // bs] * bs + key % bs) * pos_stride
+    for j in range(n, n16):
+        kofs[j] = kofs[n - 1]
+    qp, kp, vp, sp, kop, pp = addr(qkv), addr(k_cache), addr(v_cache), addr(scores), addr(kofs), addr(partial)
+    nc = U(dh // 64)
+    vscale = vbcast_f(scale)
+    row = U(4 * pos_stride)      # bytes of a key's row
+    for j in range(n):          # V is read after the scores: its lines come in meanwhile
+        for line in range(U(0), row, U(64)):
+            prefetch_l2(vp, U(4) * U(kofs[j]) + line)
+    for j0 in range(0, n16, 16):
+        for j in range(j0 + 16, min(j0 + 32, n)):    # the next 16 keys' rows
+            for line in range(U(0), row, U(64)):
+                prefetch_l2(kp, U(4) * U(kofs[j]) + line)
+        for h in range(num_heads):
+            kh = kp + U(4 * (h // group) * dh)     # bytes: this head's kv head within a key's row
+            vstore_f(sp, U(h) * U(sld) + U(j0), vmul(_scores16(qp, U(h) * U(dh), kh, kop, U(j0), nc), vscale))
+    for h in range(num_heads):
+        so = U(h) * U(sld)
+        m, total = _softmax_numerators(sp, so, n, n16)
+        po = (U(part) * U(num_heads) + U(h)) * U(dh + 2)
+        vh = U(h // group) * U(dh)
+        for ch in range(nc):
+            co = U(64) * ch + vh
+            o0 = vzero_f()
+            o1 = vzero_f()
+            o2 = vzero_f()
+            o3 = vzero_f()
+            for j in range(U(n)):
+                vo = U(ld_i64(kop, j)) + co
+                p = vbcast_f(ld_f(sp, so + j))
+                o0 = vfma(vload_f(vp, vo), p, o0)
+                o1 = vfma(vload_f(vp, vo + U(16)), p, o1)
+                o2 = vfma(vload_f(vp, vo + U(32)), p, o2)
+                o3 = vfma(vload_f(vp, vo + U(48)), p, o3)
+            oo = po + U(64) * ch
+            vstore_f(pp, oo, o0)
+            vstore_f(pp, oo + U(16), o1)
+            vstore_f(pp, oo + U(32), o2)
+            vstore_f(pp, oo + U(48), o3)
+        st_f(pp, po + U(dh), m)
+        st_f(pp, po + U(dh + 1), total)
+
+
+@njit(cache=True, nogil=True, fastmath=True)
+def _combine_parts(parts, partial, out):
+    """out[0] from the parts of a split attention: each part's sums scaled by exp(its max - the largest),
+    over the scaled numerators' total."""
+    num_heads, dh = partial.shape[1], partial.shape[2] - 2
+    for h in range(num_heads):
+        mx = partial[0, h, dh]
+        for k in range(1, parts):
+            mx = max(mx, partial[k, h, dh])
+        total = F(0.0)
+        for i in range(dh):
+            out[0, h * dh + i] = 0.0
+        for k in range(parts):
+            w = np.exp(partial[k, h, dh] - mx)
+            total += w * partial[k, h, dh + 1]
+            for i in range(dh):
+                out[0, h * dh + i] += w * partial[k, h, i]
+        inv = F(1.0) / total
+        for i in range(dh):
+            out[0, h * dh + i] *= inv
+
+
+def split_scratch(positions: np.ndarray, num_heads: int, head_dim: int) -> np.ndarray:
+    """Room for the parts of a split attention (rope_attention_claimed's `partial`) at a step's positions:
+    none unless the step has one token."""
+    parts = (int(positions.max()) + SPLIT_PART_KEYS) // SPLIT_PART_KEYS if positions.shape[0] == 1 else 0
+    return np.empty((parts, num_heads, head_dim + 2), np.float32)
+
+
 # How a step's attention is split into items (_attention_plan): one (token, kv head) an item in plain
 # code (head sizes not a multiple of 16); the whole attention as one item, with the warming of the next
-# matmul's weights as a second where given (small attentions); or up to 16 interleaved chunks of items.
-_PLAIN_ITEMS, _ONE_ITEM, _CHUNKS = 0, 1, 2
+# matmul's weights as a second where given (small attentions); up to 16 interleaved chunks of items; or,
+# for one token with a long context, parts of its keys that a last pass combines.
+_PLAIN_ITEMS, _ONE_ITEM, _CHUNKS, _SPLIT = 0, 1, 2, 3
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _attention_plan(qkv, positions, k_cache, num_heads, num_kv_heads, window, warm_a, warm_b):
+def _attention_plan(qkv, positions, k_cache, num_heads, num_kv_heads, window, warm_a, warm_b, split_room):
     """(how, items, the longest context) of the step's attention: items run in parallel.
     Items (token, kv head) run on one thread when the step's attention is small (short decodes), else
     spread over threads round-robin (a prefill's later tokens see longer contexts). While one thread
     does a small attention, another reads warm_a and warm_b (the next matmul's weights) into the
-    caches: memory would sit idle otherwise."""
+    caches: memory would sit idle otherwise. One token with a long context (a decode at batch 1) has
+    too few (token, kv head) items to keep every thread busy: its keys split into parts instead, where
+    split_room (the parts the caller has room for) allows."""
     max_n = 0
     work = 0
     for t in range(qkv.shape[0]):
@@ -261,6 +359,9 @@ def _attention_plan(qkv, positions, k_cache, num_heads, num_kv_heads, window, wa
     nitems = qkv.shape[0] * num_kv_heads
     if k_cache.shape[3] % 16:
         return _PLAIN_ITEMS, np.int64(nitems), np.int64(max_n)
+    parts = (max_n + SPLIT_PART_KEYS - 1) // SPLIT_PART_KEYS
+    if qkv.shape[0] == 1 and k_cache.shape[3] % 64 == 0 and 2 <= parts <= split_room:
+        return _SPLIT, np.int64(parts), np.int64(max_n)
     if work * num_heads < ATTN_PARALLEL_MIN_WORK or nitems == 1:
         return _ONE_ITEM, np.int64(2 if warm_a.shape[0] + warm_b.shape[0] > 0 else 1), np.int64(max_n)
     return _CHUNKS, np.int64(min(nitems, 16)), np.int64(max_n)
@@ -268,9 +369,13 @@ def _attention_plan(qkv, positions, k_cache, num_heads, num_kv_heads, window, wa
 
 @njit(cache=True, nogil=True, fastmath=True)
 def _attention_item(how, j, items, qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads,
-                    num_kv_heads, scale, out, max_n, window, warm_a, warm_b, sink):
+                    num_kv_heads, scale, out, max_n, window, warm_a, warm_b, sink, partial):
     """Item j of the plan's `items`."""
-    if how == _PLAIN_ITEMS:
+    if how == _SPLIT:
+        scores = np.empty(num_heads * (SPLIT_PART_KEYS + 16), np.float32)
+        _attend_part(j, qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads, scale,
+                     partial, window, scores)
+    elif how == _PLAIN_ITEMS:
         _attend_scalar(j, qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads,
                        scale, out, window)
     elif how == _CHUNKS:
@@ -289,16 +394,22 @@ def _paged_attention(qkv, k_cache, v_cache, block_tables, positions, token_seq, 
     """Causal attention over the paged cache: query token t of sequence token_seq[t] at positions[t]
     attends to that sequence's positions 0..positions[t] (the last `window` of them when window > 0),
     found through its block table. Its items (_attention_plan) in parallel."""
-    how, items, mx = _attention_plan(qkv, positions, k_cache, num_heads, num_kv_heads, window, warm_a, warm_b)
+    dh = k_cache.shape[3]
+    room = (positions.max() + SPLIT_PART_KEYS) // SPLIT_PART_KEYS if positions.shape[0] == 1 else 0
+    partial = np.empty((room, num_heads, dh + 2), np.float32)
+    how, items, mx = _attention_plan(qkv, positions, k_cache, num_heads, num_kv_heads, window, warm_a, warm_b,
+                                     partial.shape[0])
     # the helpers get exactly one signature each (a prange index is unsigned; literals are not)
     sc, win = F(scale), np.int64(window)
     if items == 1:
         _attention_item(how, np.int64(0), items, qkv, k_cache, v_cache, block_tables, positions, token_seq,
-                        num_heads, num_kv_heads, sc, out, mx, win, warm_a, warm_b, sink)
+                        num_heads, num_kv_heads, sc, out, mx, win, warm_a, warm_b, sink, partial)
     else:
         for j in prange(items):
             _attention_item(how, np.int64(j), items, qkv, k_cache, v_cache, block_tables, positions, token_seq,
-                            num_heads, num_kv_heads, sc, out, mx, win, warm_a, warm_b, sink)
+                            num_heads, num_kv_heads, sc, out, mx, win, warm_a, warm_b, sink, partial)
+    if how == _SPLIT:
+        _combine_parts(items, partial, out)
 
 
 @njit(cache=True, nogil=True, fastmath=True)
@@ -341,23 +452,30 @@ def rope_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, blo
 
 @njit(cache=True, nogil=True, fastmath=True)
 def rope_attention_claimed(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables, token_seq,
-                           num_heads, num_kv_heads, scale, out, warm_a, warm_b, window, counters, phase):
+                           num_heads, num_kv_heads, scale, out, warm_a, warm_b, window, partial, counters, phase):
     """One thread's part of rope_attention inside a parallel region that runs the whole layer loop
     (cpu_claims): the rotation and cache write as phase `phase` (one item), the attention's items as
-    phase + 1."""
+    phase + 1, and a split attention's combining as phase + 2 (one item). partial: split_scratch's room
+    for a split attention's parts, shared by the threads."""
     if claim(counters, phase, 1) == 0:
         rope_store_kv(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
         finish(counters, phase, 1)
     wait(counters, phase, 1)
-    how, items, mx = _attention_plan(qkv, positions, k_cache, num_heads, num_kv_heads, window, warm_a, warm_b)
+    how, items, mx = _attention_plan(qkv, positions, k_cache, num_heads, num_kv_heads, window, warm_a, warm_b,
+                                     partial.shape[0])
     sink = np.zeros(1, np.int64)
     j = claim(counters, phase + 1, 1)
     while j < items:
         _attention_item(how, j, items, qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads,
-                        num_kv_heads, F(scale), out, mx, np.int64(window), warm_a, warm_b, sink)
+                        num_kv_heads, F(scale), out, mx, np.int64(window), warm_a, warm_b, sink, partial)
         finish(counters, phase + 1, 1)
         j = claim(counters, phase + 1, 1)
     wait(counters, phase + 1, items)
+    if how == _SPLIT:
+        if claim(counters, phase + 2, 1) == 0:
+            _combine_parts(items, partial, out)
+            finish(counters, phase + 2, 1)
+        wait(counters, phase + 2, 1)
 
 
 @njit(cache=True, nogil=True)
