@@ -178,6 +178,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill", default="128,512", help="prompt lengths to time")
     ap.add_argument("--decode-steps", type=int, default=64)
     ap.add_argument("--batch", default="", help="also measure aggregate decode at these batch sizes, e.g. 16")
+    ap.add_argument("--decode-depth", default="", help="also measure batch-1 decode after a context of these many "
+                                                       "tokens, e.g. 1000,2000 (llama-bench's tg -d)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=str(ROOT / "bench-results" / "engine.json"))
     args = ap.parse_args(argv)
@@ -189,6 +191,7 @@ def main(argv=None) -> int:
     stored_formats = sorted(stored.formats())
     prefill_lens = [int(n) for n in args.prefill.split(",") if n]
     batches = [int(n) for n in args.batch.split(",") if n]
+    depths = [int(n) for n in args.decode_depth.split(",") if n]
     results = []
     for fmt in [f.strip() for f in args.formats.split(",") if f.strip()]:
         t0 = time.perf_counter()
@@ -203,6 +206,7 @@ def main(argv=None) -> int:
         prefill = {str(n): measure_prefill(model, n, args.repeats) for n in prefill_lens}
         decode = measure_decode_batch(model, 1, args.decode_steps)
         batched = {str(b): measure_decode_batch(model, b, max(8, args.decode_steps // 4)) for b in batches}
+        deep = {str(d): measure_decode_batch(model, 1, args.decode_steps, prompt_len=d) for d in depths}
         r1 = lambda d: {k: round(v, 1) for k, v in d.items()}  # noqa: E731
         row = {
             "format": fmt, "weight_formats": stored_formats if fmt == STORED else [fmt],
@@ -210,16 +214,18 @@ def main(argv=None) -> int:
             "prefill_tok_s": {n: round(v["median"], 1) for n, v in prefill.items()},
             "decode_tok_s": round(decode["median"], 1),
             "decode_batch_tok_s": {b: round(v["median"], 1) for b, v in batched.items()},
+            "decode_depth_tok_s": {d: round(v["median"], 1) for d, v in deep.items()},
             "best": {"prefill_tok_s": {n: r1(v)["best"] for n, v in prefill.items()},
                      "decode_tok_s": r1(decode)["best"],
-                     "decode_batch_tok_s": {b: r1(v)["best"] for b, v in batched.items()}},
+                     "decode_batch_tok_s": {b: r1(v)["best"] for b, v in batched.items()},
+                     "decode_depth_tok_s": {d: r1(v)["best"] for d, v in deep.items()}},
         }
         results.append(row)
         print(f"  {fmt}: done", file=sys.stderr, flush=True)
         del model, weights
 
     head = ["format", "weights MB"] + [f"prefill {n} tok/s" for n in prefill_lens] + ["decode b=1 tok/s"]
-    head += [f"decode b={b} tok/s" for b in batches]
+    head += [f"decode b={b} tok/s" for b in batches] + [f"decode b=1 @ {d} tok/s" for d in depths]
 
     def cell(median, best):
         return f"{median:.0f} ({best:.0f})"
@@ -227,6 +233,7 @@ def main(argv=None) -> int:
             + [cell(r["prefill_tok_s"][str(n)], r["best"]["prefill_tok_s"][str(n)]) for n in prefill_lens]
             + [cell(r["decode_tok_s"], r["best"]["decode_tok_s"])]
             + [cell(r["decode_batch_tok_s"][str(b)], r["best"]["decode_batch_tok_s"][str(b)]) for b in batches]
+            + [cell(r["decode_depth_tok_s"][str(d)], r["best"]["decode_depth_tok_s"][str(d)]) for d in depths]
             for r in results]
     print("median (best) of the timed runs")
     print_markdown_table(head, rows)

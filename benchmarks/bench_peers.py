@@ -46,6 +46,7 @@ VECTOR_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "
 MEASURES = (("decode b=1", "tg128", ("decode_tok_s",)),
             ("prefill 128", "pp128", ("prefill_tok_s", "128")),
             ("prefill 512", "pp512", ("prefill_tok_s", "512")))
+DEFAULT_DEPTHS = "1000,2000"   # batch-1 decode also after this many tokens of context (llama-bench -d)
 # Targets, ours / llama.cpp. Issue 21's for a Llama model: batch-1 decode by our level, prefill on every
 # level. Issue 23's for Gemma 3: at the level this CPU runs ("native"), decode 1.5x and prefill 1x.
 DECODE_TARGET = {"avx512vnni": 2.0, "avxvnni": 1.5, "avx2": 1.5}
@@ -59,8 +60,16 @@ def peer_level(isa: str) -> str:
     return isa if isa in LEVEL_OPTIONS else "native"
 
 
+def measures(depths: list[int]) -> tuple:
+    """MEASURES, and decode after each depth of context."""
+    return MEASURES + tuple((f"decode b=1 @ {d}", f"tg128@d{d}", ("decode_depth_tok_s", str(d))) for d in depths)
+
+
 def target_of(architecture: str, isa: str, level: str, test: str) -> float | None:
-    """The target ratio of one row: `isa` as asked (native, avx2, ...), `level` what it resolved to."""
+    """The target ratio of one row: `isa` as asked (native, avx2, ...), `level` what it resolved to. The
+    issues' targets are for an empty context: decode after a depth has none."""
+    if "@d" in test:
+        return None
     decode = test.startswith("tg")
     if architecture in NATIVE_TARGETS:
         return NATIVE_TARGETS[architecture][0 if decode else 1] if isa == "native" else None
@@ -94,27 +103,31 @@ def levels_to_run(requested: list[str], features: set[str]) -> tuple[list[str], 
     return sorted(run, key=lambda isa: isa != "native"), cannot
 
 
-def run_llama_bench(bench: Path, model: Path, threads: int, repetitions: int) -> dict:
-    """llama-bench's JSON rows for tg128, pp128 and pp512, keyed by test name."""
-    argv = [str(bench), "-m", str(model), "-t", str(threads), "-p", "128,512", "-n", "128",
-            "-r", str(repetitions), "-o", "json"]
-    log(f"llama-bench: {' '.join(argv[1:])}")
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=1800, check=False)
-    if proc.returncode != 0:
-        raise SystemExit(f"error: llama-bench exited with {proc.returncode}: {proc.stderr.strip()[-800:]}")
+def run_llama_bench(bench: Path, model: Path, threads: int, repetitions: int, depths: list[int]) -> dict:
+    """llama-bench's JSON rows for tg128, pp128 and pp512, and tg128 after each depth of context (tg128@d1000),
+    keyed by test name."""
+    runs = [["-p", "128,512", "-n", "128"]]
+    if depths:
+        runs.append(["-p", "0", "-n", "128", "-d", ",".join(map(str, depths))])
     rows = {}
-    for row in json.loads(proc.stdout):
-        name = f"tg{row['n_gen']}" if row["n_gen"] else f"pp{row['n_prompt']}"
-        rows[name] = row
+    for tests in runs:
+        argv = [str(bench), "-m", str(model), "-t", str(threads), *tests, "-r", str(repetitions), "-o", "json"]
+        log(f"llama-bench: {' '.join(argv[1:])}")
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=1800, check=False)
+        if proc.returncode != 0:
+            raise SystemExit(f"error: llama-bench exited with {proc.returncode}: {proc.stderr.strip()[-800:]}")
+        for row in json.loads(proc.stdout):
+            name = f"tg{row['n_gen']}" if row["n_gen"] else f"pp{row['n_prompt']}"
+            rows[name + (f"@d{row['n_depth']}" if row.get("n_depth") else "")] = row
     return rows
 
 
-def run_peer_builds(builds: dict, model: Path, threads: int, repetitions: int) -> dict:
+def run_peer_builds(builds: dict, model: Path, threads: int, repetitions: int, depths: list[int]) -> dict:
     """run_llama_bench's rows for each llama.cpp build, keyed by its level."""
-    return {level: run_llama_bench(b.bench, model, threads, repetitions) for level, b in builds.items()}
+    return {level: run_llama_bench(b.bench, model, threads, repetitions, depths) for level, b in builds.items()}
 
 
-def run_our_engine(model: Path, threads: int, isa: str, repeats: int) -> dict:
+def run_our_engine(model: Path, threads: int, isa: str, repeats: int, depths: list[int]) -> dict:
     """bench_engine.py's JSON for the stored format at one ISA level (`native`: cpu_isa's own pick)."""
     env = {**os.environ, "NUMBA_NUM_THREADS": str(threads)}
     env.pop("ZEN_CPU_ISA", None)
@@ -123,7 +136,8 @@ def run_our_engine(model: Path, threads: int, isa: str, repeats: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "engine.json"
         argv = [sys.executable, str(ROOT / "benchmarks" / "bench_engine.py"), "--model", str(model), "--formats",
-                STORED, "--prefill", "128,512", "--decode-steps", "128", "--repeats", str(repeats), "--out", str(out)]
+                STORED, "--prefill", "128,512", "--decode-steps", "128", "--repeats", str(repeats), "--out", str(out),
+                "--decode-depth", ",".join(map(str, depths))]
         log(f"bench_engine.py at {isa}: {' '.join(argv[2:])}")
         proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800, check=False)
         if proc.returncode != 0:
@@ -139,12 +153,12 @@ def our_figure(engine_json: dict, key: tuple) -> float:
     return float(value)
 
 
-def summarize(rounds: list[dict], isas: list[str], architecture: str = "llama") -> list[dict]:
+def summarize(rounds: list[dict], isas: list[str], architecture: str = "llama", depths: list[int] = ()) -> list[dict]:
     """Per our level and measure: medians over the rounds of both sides, the ratio and its target."""
     rows = []
     for isa in isas:
         level, peer_build = rounds[0]["ours"][isa]["machine"]["cpu_isa"], peer_level(isa)
-        for measure, test, key in MEASURES:
+        for measure, test, key in measures(list(depths)):
             peer = float(np.median([r["llama_bench"][peer_build][test]["avg_ts"] for r in rounds]))
             ours = float(np.median([our_figure(r["ours"][isa], key) for r in rounds]))
             target = target_of(architecture, isa, level, test)
@@ -182,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=1, help="rounds of both sides, which goes first alternating")
     ap.add_argument("--repetitions", type=int, default=5, help="llama-bench -r")
     ap.add_argument("--repeats", type=int, default=5, help="bench_engine.py --repeats (prefill)")
+    ap.add_argument("--depths", default=DEFAULT_DEPTHS, help="batch-1 decode also after these many tokens of "
+                                                              "context, comma-separated ('' for none)")
     ap.add_argument("--package", default=LLAMA_CPP_PACKAGE, help="the PyPI sdist llama.cpp is built from")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     args = ap.parse_args(argv)
@@ -189,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     if not model.exists():
         log(f"error: {model} is missing: run `make model` first")
         return 2
+    depths = [int(d) for d in args.depths.split(",") if d.strip()]
     isas, cannot = levels_to_run([x.strip() for x in args.isa.split(",") if x.strip()], cpu_isa.FEATURES)
     if cannot:
         log(f"note: this CPU cannot run our level(s) {', '.join(cannot)}: not measured")
@@ -198,18 +215,18 @@ def main(argv: list[str] | None = None) -> int:
     for k in range(args.rounds):
         this_round: dict = {"first": "llama.cpp" if k % 2 == 0 else "ours", "ours": {}}
         if k % 2 == 0:
-            this_round["llama_bench"] = run_peer_builds(llama, model, args.threads, args.repetitions)
+            this_round["llama_bench"] = run_peer_builds(llama, model, args.threads, args.repetitions, depths)
         for isa in isas:
-            this_round["ours"][isa] = run_our_engine(model, args.threads, isa, args.repeats)
+            this_round["ours"][isa] = run_our_engine(model, args.threads, isa, args.repeats, depths)
         if k % 2 == 1:
-            this_round["llama_bench"] = run_peer_builds(llama, model, args.threads, args.repetitions)
+            this_round["llama_bench"] = run_peer_builds(llama, model, args.threads, args.repetitions, depths)
         rounds.append(this_round)
-    rows = summarize(rounds, isas, read_gguf_fields(str(model), "general.").get("architecture", "llama"))
+    rows = summarize(rounds, isas, read_gguf_fields(str(model), "general.").get("architecture", "llama"), depths)
     print_table(rows, args.threads)
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["bench_peers.py"] + (argv if argv is not None else sys.argv[1:])),
-        "model": model.name, "threads": args.threads,
+        "model": model.name, "threads": args.threads, "depths": depths,
         "machine": {**machine_info(), "vector_flags": cpu_vector_flags(),
                     "our_levels": {isa: rounds[0]["ours"][isa]["machine"]["cpu_isa"] for isa in isas},
                     "levels_this_cpu_cannot_run": cannot,

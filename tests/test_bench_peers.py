@@ -3,8 +3,10 @@ passes, and the ratios and targets computed only from what was measured in the r
 from __future__ import annotations
 
 import io
+import json
 import os
 import stat
+import subprocess
 import tarfile
 
 import numpy as np
@@ -120,6 +122,37 @@ def test_engine_table_takes_medians_over_rounds_and_targets_by_level():
     assert avx2["llama_cpp_build"] == "avx2" and avx2["ratio"] == pytest.approx(2.8)
     assert avx2["target_ratio"] == 1.5 and avx2["met"] is True
     assert rows[("avx2", "pp128")]["ratio"] == pytest.approx(2.0)
+
+
+def test_decode_after_a_depth_of_context_is_compared_without_a_target():
+    peer = {"tg128": 100.0, "pp128": 100.0, "pp512": 100.0, "tg128@d1000": 80.0}
+    rnd = _round(peer, {"native": (210.0, 200.0, 200.0)})
+    rnd["ours"]["native"]["results"][0]["decode_depth_tok_s"] = {"1000": 120.0}
+    rows = {r["llama_bench_test"]: r for r in bench_peers.summarize([rnd], ["native"], depths=[1000])}
+    deep = rows["tg128@d1000"]
+    assert deep["measure"] == "decode b=1 @ 1000" and deep["ratio"] == pytest.approx(1.5)
+    assert deep["target_ratio"] is None and deep["met"] is None
+    assert rows["tg128"]["target_ratio"] == 2.0                             # the empty context keeps its target
+
+
+def test_llama_bench_rows_are_named_by_test_and_depth(tmp_path, monkeypatch):
+    """llama-bench's JSON rows: tg128, pp128, pp512 from one run, tg128@d<depth> from a second with -d."""
+    calls = []
+
+    def fake_run(argv, **_):
+        calls.append(argv)
+        if "-d" in argv:
+            rows = [{"n_prompt": 0, "n_gen": 128, "n_depth": int(d)} for d in argv[argv.index("-d") + 1].split(",")]
+        else:
+            rows = [{"n_prompt": 128, "n_gen": 0, "n_depth": 0}, {"n_prompt": 512, "n_gen": 0, "n_depth": 0},
+                    {"n_prompt": 0, "n_gen": 128, "n_depth": 0}]
+        return subprocess.CompletedProcess(argv, 0, json.dumps(rows), "")
+    monkeypatch.setattr(bench_peers.subprocess, "run", fake_run)
+    rows = bench_peers.run_llama_bench(tmp_path / "llama-bench", tmp_path / "m.gguf", 2, 3, [1000, 2000])
+    assert set(rows) == {"pp128", "pp512", "tg128", "tg128@d1000", "tg128@d2000"}
+    assert len(calls) == 2 and calls[1][calls[1].index("-d") + 1] == "1000,2000"
+    assert set(bench_peers.run_llama_bench(tmp_path / "llama-bench", tmp_path / "m.gguf", 2, 3, [])) == \
+        {"pp128", "pp512", "tg128"}
 
 
 def test_each_level_is_measured_against_the_llama_cpp_build_of_its_instructions():
