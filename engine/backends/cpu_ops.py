@@ -337,8 +337,15 @@ def split_scratch(positions: np.ndarray, num_heads: int, head_dim: int) -> np.nd
 # How a step's attention is split into items (_attention_plan): one (token, kv head) an item in plain
 # code (head sizes not a multiple of 16); the whole attention as one item, with the warming of the next
 # matmul's weights as a second where given (small attentions); up to 16 interleaved chunks of items; or,
-# for one token with a long context, parts of its keys that a last pass combines.
+# for one token with a long context, the warming first where given, then parts of its keys that a last
+# pass combines.
 _PLAIN_ITEMS, _ONE_ITEM, _CHUNKS, _SPLIT = 0, 1, 2, 3
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _warming(warm_a, warm_b):
+    """1 where there are next weights to warm (an item of their own), else 0."""
+    return np.int64(1 if warm_a.shape[0] + warm_b.shape[0] > 0 else 0)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -361,9 +368,9 @@ def _attention_plan(qkv, positions, k_cache, num_heads, num_kv_heads, window, wa
         return _PLAIN_ITEMS, np.int64(nitems), np.int64(max_n)
     parts = (max_n + SPLIT_PART_KEYS - 1) // SPLIT_PART_KEYS
     if qkv.shape[0] == 1 and k_cache.shape[3] % 64 == 0 and 2 <= parts <= split_room:
-        return _SPLIT, np.int64(parts), np.int64(max_n)
+        return _SPLIT, parts + _warming(warm_a, warm_b), np.int64(max_n)
     if work * num_heads < ATTN_PARALLEL_MIN_WORK or nitems == 1:
-        return _ONE_ITEM, np.int64(2 if warm_a.shape[0] + warm_b.shape[0] > 0 else 1), np.int64(max_n)
+        return _ONE_ITEM, 1 + _warming(warm_a, warm_b), np.int64(max_n)
     return _CHUNKS, np.int64(min(nitems, 16)), np.int64(max_n)
 
 
@@ -371,17 +378,17 @@ def _attention_plan(qkv, positions, k_cache, num_heads, num_kv_heads, window, wa
 def _attention_item(how, j, items, qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads,
                     num_kv_heads, scale, out, max_n, window, warm_a, warm_b, sink, partial):
     """Item j of the plan's `items`."""
-    if how == _SPLIT:
+    if how == _SPLIT and j >= _warming(warm_a, warm_b):
         scores = np.empty(num_heads * (SPLIT_PART_KEYS + 16), np.float32)
-        _attend_part(j, qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads, scale,
-                     partial, window, scores)
+        _attend_part(j - _warming(warm_a, warm_b), qkv, k_cache, v_cache, block_tables, positions, token_seq,
+                     num_heads, num_kv_heads, scale, partial, window, scores)
     elif how == _PLAIN_ITEMS:
         _attend_scalar(j, qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads,
                        scale, out, window)
     elif how == _CHUNKS:
         _attend(j, items, qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads,
                 scale, out, max_n, window)
-    elif j == 0:
+    elif how == _ONE_ITEM and j == 0:
         _attend(np.int64(0), np.int64(1), qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads,
                 num_kv_heads, scale, out, max_n, window)
     else:
@@ -409,7 +416,7 @@ def _paged_attention(qkv, k_cache, v_cache, block_tables, positions, token_seq, 
             _attention_item(how, np.int64(j), items, qkv, k_cache, v_cache, block_tables, positions, token_seq,
                             num_heads, num_kv_heads, sc, out, mx, win, warm_a, warm_b, sink, partial)
     if how == _SPLIT:
-        _combine_parts(items, partial, out)
+        _combine_parts(items - _warming(warm_a, warm_b), partial, out)
 
 
 @njit(cache=True, nogil=True, fastmath=True)
@@ -473,7 +480,7 @@ def rope_attention_claimed(qkv, positions, cos, sin, k_cache, v_cache, slot_mapp
     wait(counters, phase + 1, items)
     if how == _SPLIT:
         if claim(counters, phase + 2, 1) == 0:
-            _combine_parts(items, partial, out)
+            _combine_parts(items - _warming(warm_a, warm_b), partial, out)
             finish(counters, phase + 2, 1)
         wait(counters, phase + 2, 1)
 
