@@ -304,8 +304,9 @@ class Engine:
             reason = "length"
         elif seq.num_tokens >= self.max_seq_tokens:
             reason = "length"
-        if lp and (stop_token or (stopped and len(text) <= held)):   # none of this token's own text is output
-            lp[0].ends_text = True
+        if lp and (stop_token or (stopped and len(text) <= held)   # none of this token's own text is output
+                   or (p.skip_special_tokens and token in self.tokenizer.special_token_ids)):
+            lp[0].skipped = True
         if reason is not None:
             if not stopped:  # the stream ends: release held-back bytes and stop-string prefixes
                 tail, stopped = o.stop.push(o.detok.flush(), may_stop=long_enough)

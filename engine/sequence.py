@@ -20,7 +20,9 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # (token id, logprob) of the most likely alternatives
-    ends_text: bool = False       # a stop token, or one completing a stop string with none of its own text output
+    # the text leaves it out: a stop token, one completing a stop string with none of its own text output,
+    # or a special token the text skips (skip_special_tokens)
+    skipped: bool = False
 
 
 @dataclass

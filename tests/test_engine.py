@@ -959,9 +959,27 @@ def test_a_request_id_is_refused_while_a_request_with_it_waits_to_be_added(tiny_
         loop.stop()
 
 
+def test_a_special_token_the_text_skips_is_marked_skipped(tiny_gguf):
+    """skip_special_tokens leaves a special token out of the text: its logprob entry says so (no room in the
+    text for it); kept in the text, it is not marked."""
+    eng = make_engine(tiny_gguf)
+    special = min(eng.tokenizer.special_token_ids - set(eng.eos_token_ids))
+    for skip in (True, False):
+        eng.add_request(req(f"s{skip}", prompt(71, 4), max_tokens=2, logit_bias={special: 100.0}, logprobs=0,
+                            skip_special_tokens=skip))
+        texts, entries = [], []
+        while eng.has_unfinished():
+            for d in eng.step():
+                texts.append(d.text)
+                entries += d.logprobs
+        assert [e.token_id for e in entries] == [special, special]
+        assert [e.skipped for e in entries] == [skip, skip]
+        assert ("".join(texts) == "") == skip
+
+
 def test_the_token_completing_a_stop_string_with_none_of_its_own_text_output_ends_the_text(tiny_gguf):
     """Stop "lo!": "Hel" holds back its "l" (it may begin the stop string); "lo!" then stops, and the held
-    "l" goes out, none of "lo!"'s own text: that token ends the text (its logprob entry says so)."""
+    "l" goes out, none of "lo!"'s own text: that token ends the text (its logprob entry is marked skipped)."""
     eng = make_engine(tiny_gguf)
     eng.add_request(req("held", prompt(70, 4), max_tokens=8, stop=["lo!"], logprobs=0, ignore_eos=True))
     pieces = iter(["Hel", "lo!"])
@@ -972,4 +990,4 @@ def test_the_token_completing_a_stop_string_with_none_of_its_own_text_output_end
         for d in eng.step():
             texts.append(d.text)
             entries += d.logprobs
-    assert "".join(texts) == "Hel" and [e.ends_text for e in entries] == [False, True]
+    assert "".join(texts) == "Hel" and [e.skipped for e in entries] == [False, True]

@@ -181,7 +181,7 @@ class Generation:
             return {"token_id": token_id, "token": tok.token_text(token_id) if known else "",
                     "bytes": list(tok.token_bytes(token_id)) if known else [], "logprob": _finite(logprob)}
         out = {**entry(lp.token_id, lp.logprob), "top": [entry(t, v) for t, v in lp.top]}
-        if lp.ends_text or (self.req.sampling.skip_special_tokens and lp.token_id in tok.special_token_ids):
+        if lp.skipped:
             out["skipped"] = True   # a token the text leaves out (special, or the stop): no room in it (text_offset)
         return out
 
