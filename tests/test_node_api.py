@@ -271,7 +271,7 @@ def test_models_list_unload_and_cold_load(node):
     assert metric(scrape(node), "zen_node_model_loads_total", model="tiny-b") == 2
     # an explicit load of another quantization of the same model sits beside it
     r = requests.post(node + "/v1/models/load", json={"model": "tiny-b", "quantization": "q8_0"}, headers=AUTH,
-                      timeout=30)
+                      timeout=120)   # a load on a cold numba cache compiles its kernels
     assert r.status_code == 200 and r.json()["quantization"] == "q8_0"
     r = post(node, {"model": "tiny-b", "quantization": "q8_0", "prompt": "q8", "sampling": {"max_tokens": 2}})
     assert r.status_code == 200 and r.json()["quantization"] == "q8_0"

@@ -184,6 +184,27 @@ def _scores16(qp, qo, kp, kop, j0, nc):
     return vpairsum1(vpairsum2(vpairsum4(a0, a1), vpairsum4(a2, a3)), vpairsum2(vpairsum4(a4, a5), vpairsum4(a6, a7)))
 
 
+@njit(cache=True, nogil=True, fastmath=True, inline="always")
+def _weighted_v64(vp, kop, co, sp, so, n, dst, do, inv):
+    """dst[do : do + 64] = inv * the sum over keys j < n of weight sp[so + j] times the 64 values of V at item
+    kop[j] + co (four independent accumulators; every argument an address or item offset)."""
+    o0 = vzero_f()
+    o1 = vzero_f()
+    o2 = vzero_f()
+    o3 = vzero_f()
+    for j in range(U(n)):
+        vo = U(ld_i64(kop, j)) + co
+        p = vbcast_f(ld_f(sp, so + j))
+        o0 = vfma(vload_f(vp, vo), p, o0)
+        o1 = vfma(vload_f(vp, vo + U(16)), p, o1)
+        o2 = vfma(vload_f(vp, vo + U(32)), p, o2)
+        o3 = vfma(vload_f(vp, vo + U(48)), p, o3)
+    vstore_f(dst, do, vmul(o0, inv))
+    vstore_f(dst, do + U(16), vmul(o1, inv))
+    vstore_f(dst, do + U(32), vmul(o2, inv))
+    vstore_f(dst, do + U(48), vmul(o3, inv))
+
+
 @njit(cache=True, nogil=True, fastmath=True)
 def _attend_items64(c, stride, qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads,
                     scale, out, scores, kofs, window):
@@ -224,22 +245,7 @@ def _attend_items64(c, stride, qkv, k_cache, v_cache, block_tables, positions, t
             inv = vbcast_f(F(1.0) / _softmax_numerators(sp, so, n, n16)[1])
             for ch in range(nc):
                 co = U(64) * ch
-                o0 = vzero_f()
-                o1 = vzero_f()
-                o2 = vzero_f()
-                o3 = vzero_f()
-                for j in range(U(n)):
-                    vo = U(ld_i64(kop, j)) + co
-                    p = vbcast_f(ld_f(sp, so + j))
-                    o0 = vfma(vload_f(vp, vo), p, o0)
-                    o1 = vfma(vload_f(vp, vo + U(16)), p, o1)
-                    o2 = vfma(vload_f(vp, vo + U(32)), p, o2)
-                    o3 = vfma(vload_f(vp, vo + U(48)), p, o3)
-                oo = U(t) * old + U(kvh * group * dh) + gi * U(dh) + co
-                vstore_f(outp, oo, vmul(o0, inv))
-                vstore_f(outp, oo + U(16), vmul(o1, inv))
-                vstore_f(outp, oo + U(32), vmul(o2, inv))
-                vstore_f(outp, oo + U(48), vmul(o3, inv))
+                _weighted_v64(vp, kop, co, sp, so, n, outp, U(t) * old + U(kvh * group * dh) + gi * U(dh) + co, inv)
 
 
 @njit(cache=True, nogil=True, fastmath=True)
@@ -284,23 +290,7 @@ def _attend_part(part, qkv, k_cache, v_cache, block_tables, positions, token_seq
         po = (U(part) * U(num_heads) + U(h)) * U(dh + 2)
         vh = U(h // group) * U(dh)
         for ch in range(nc):
-            co = U(64) * ch + vh
-            o0 = vzero_f()
-            o1 = vzero_f()
-            o2 = vzero_f()
-            o3 = vzero_f()
-            for j in range(U(n)):
-                vo = U(ld_i64(kop, j)) + co
-                p = vbcast_f(ld_f(sp, so + j))
-                o0 = vfma(vload_f(vp, vo), p, o0)
-                o1 = vfma(vload_f(vp, vo + U(16)), p, o1)
-                o2 = vfma(vload_f(vp, vo + U(32)), p, o2)
-                o3 = vfma(vload_f(vp, vo + U(48)), p, o3)
-            oo = po + U(64) * ch
-            vstore_f(pp, oo, o0)
-            vstore_f(pp, oo + U(16), o1)
-            vstore_f(pp, oo + U(32), o2)
-            vstore_f(pp, oo + U(48), o3)
+            _weighted_v64(vp, kop, U(64) * ch + vh, sp, so, n, pp, po + U(64) * ch, vbcast_f(F(1.0)))
         st_f(pp, po + U(dh), m)
         st_f(pp, po + U(dh + 1), total)
 
