@@ -24,7 +24,7 @@ if os.environ.get("ISA_PROBE_TRIPLE"):
 
 from numba import types  # noqa: E402
 
-from engine.backends import cpu_claims, cpu_isa, cpu_matmul, cpu_ops, cpu_transforms  # noqa: E402
+from engine.backends import cpu_claims, cpu_isa, cpu_attention, cpu_matmul, cpu_transforms  # noqa: E402
 
 
 def _arr(dtype, ndim):
@@ -50,9 +50,9 @@ KERNELS = {
                                                    types.uint64)),
     "gelu_mul_row": (cpu_transforms.gelu_mul_row, (types.uint64, types.uint64, types.int64, types.uint64,
                                                    types.uint64)),
-    "attention_scores16": (cpu_ops._scores16, (types.uint64,) * 6),
+    "attention_scores16": (cpu_attention._scores16, (types.uint64,) * 6),
     # one part of a one-token attention split over its keys (its K and V rows read ahead into L2)
-    "attention_part": (cpu_ops._attend_part, (types.int64, _F2, _arr(types.float32, 4), _arr(types.float32, 4),
+    "attention_part": (cpu_attention._attend_part, (types.int64, _F2, _arr(types.float32, 4), _arr(types.float32, 4),
                                               _arr(types.int32, 2), _arr(types.int32, 1), _arr(types.int32, 1),
                                               types.int64, types.int64, types.float32, _arr(types.float32, 3),
                                               types.int64, _arr(types.float32, 1))),

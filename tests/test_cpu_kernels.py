@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from engine.backends import cpu_attention as attention
 from engine.backends import cpu_matmul as L
 from engine.backends import cpu_norm_act as norm_act
-from engine.backends import cpu_ops as ops
 from engine.backends.cpu import CpuBackend, CpuLinear
 from models.formats import BLOCK_FORMATS
 from models.rope import rope_tables
@@ -291,12 +291,12 @@ def test_rmsnorm_and_silu_and_gelu_mul(rng):
         x = _nonzero(rng, (5, d), 2.0)
         w = _nonzero(rng, d)
         out = np.empty_like(x)
-        ops.rmsnorm(x, w, 1e-5, out)
+        norm_act.rmsnorm(x, w, 1e-5, out)
         assert _rel(out, R.rmsnorm(x, w, 1e-5)) < 2e-6, _msg(f"rmsnorm d={d}")
         gu = _nonzero(rng, (5, 2 * d), 4.0)
         gu[0, :4] = [-100.0, 100.0, -30.0, 30.0]  # saturated exponentials
         out = np.empty((5, d), np.float32)
-        ops.silu_mul(gu, out)
+        norm_act.silu_mul(gu, out)
         assert _rel(out, R.silu_mul(gu)) < 2e-6, _msg(f"silu_mul d={d}")
         gu[0, d - 4:d] = [-100.0, 100.0, -12.0, 12.0]   # in the scalar tail too where d is not a multiple of 16
         norm_act.gelu_mul(gu, out)
@@ -314,7 +314,7 @@ def test_rope_store_kv(rng):
     kc = np.zeros((12, bs, hkv, dh), np.float32)
     vc = np.zeros_like(kc)
     cos, sin = rope_tables(64, dh, 10000.0)
-    ops.rope_store_kv(qkv, positions, cos, sin, kc, vc, slots, h, hkv)
+    attention.rope_store_kv(qkv, positions, cos, sin, kc, vc, slots, h, hkv)
     q = R.rope(orig[:, :h * dh].reshape(t, h, dh), positions, 10000.0)
     k = R.rope(orig[:, h * dh:(h + hkv) * dh].reshape(t, hkv, dh), positions, 10000.0)
     v = orig[:, (h + hkv) * dh:].reshape(t, hkv, dh)
@@ -347,7 +347,7 @@ def _attention_case(rng, seqs, h, hkv, dh, bs):
     qkv = _nonzero(rng, (t, (h + 2 * hkv) * dh))
     out = np.full((t, h * dh), np.nan, np.float32)
     scale = dh ** -0.5
-    ops.paged_attention(qkv, kc, vc, tables, np.array(positions, np.int32), np.array(token_seq, np.int32),
+    attention.paged_attention(qkv, kc, vc, tables, np.array(positions, np.int32), np.array(token_seq, np.int32),
                         h, hkv, np.float32(scale), out)
     q = qkv[:, :h * dh].reshape(t, h, dh)
     ref = R.paged_attention(q, kc, vc, tables, np.array([n for n, _ in seqs]), np.array(qsl), scale)
@@ -372,8 +372,8 @@ def test_rope_attention_with_and_without_warming_the_next_weights(rng):
                                     out, next_linear=warm)
         outs.append((q, k, v, out))
     q2, k2, v2, out2 = qkv.copy(), kc.copy(), vc.copy(), np.empty((1, h * dh), np.float32)
-    ops.rope_store_kv(q2, pos, cos, sin, k2, v2, slots, h, hkv)
-    ops.paged_attention(q2, k2, v2, table, pos, np.zeros(1, np.int32), h, hkv, np.float32(0.125), out2)
+    attention.rope_store_kv(q2, pos, cos, sin, k2, v2, slots, h, hkv)
+    attention.paged_attention(q2, k2, v2, table, pos, np.zeros(1, np.int32), h, hkv, np.float32(0.125), out2)
     for q, k, v, out in outs:
         for a, b in ((q, q2), (k, k2), (v, v2), (out, out2)):
             np.testing.assert_array_equal(a, b)
@@ -389,7 +389,7 @@ def test_paged_attention_mixed_batch(rng, bs):
 
 def test_paged_attention_short_decode_runs_serially_and_long_in_parallel(rng):
     small = [(5, 1)]
-    assert 5 * 4 < ops.ATTN_PARALLEL_MIN_WORK
+    assert 5 * 4 < attention.ATTN_PARALLEL_MIN_WORK
     got, ref = _attention_case(rng, small, h=4, hkv=2, dh=16, bs=4)
     assert _rel(got, ref) < 2e-5, _msg("serial attention")
     big = [(300, 40), (200, 1)]
@@ -412,12 +412,14 @@ def test_paged_attention_splits_a_long_one_token_context(rng, h, hkv, dh, bs, n,
     kc, vc = _nonzero(rng, (max_blocks + 3, bs, hkv, dh)), _nonzero(rng, (max_blocks + 3, bs, hkv, dh))
     qkv = _nonzero(rng, (1, (h + 2 * hkv) * dh))
     pos = np.array([n - 1], np.int32)
-    how, parts, _ = ops._attention_plan(qkv, pos, kc, h, hkv, window, ops._NOTHING, ops._NOTHING,
-                                        len(ops.split_scratch(pos, h, dh)))
+    none = attention.NOTHING_TO_WARM
+    how, parts, _ = attention._attention_plan(qkv, pos, kc, h, hkv, window, none, none,
+                                              len(attention.split_scratch(pos, h, dh)))
     keys = min(n, window) if window else n
-    assert (how, parts) == (ops._SPLIT, -(-keys // ops.SPLIT_PART_KEYS))
+    assert (how, parts) == (attention._SPLIT, -(-keys // attention.SPLIT_PART_KEYS))
     out = np.full((1, h * dh), np.nan, np.float32)
-    ops.paged_attention(qkv, kc, vc, tables, pos, np.zeros(1, np.int32), h, hkv, np.float32(dh ** -0.5), out, window)
+    attention.paged_attention(qkv, kc, vc, tables, pos, np.zeros(1, np.int32), h, hkv, np.float32(dh ** -0.5), out,
+                              window)
     ref = R.paged_attention(qkv[:, :h * dh].reshape(1, h, dh), kc, vc, tables, np.array([n]), np.array([0, 1]),
                             dh ** -0.5, window=window)
     assert _rel(out.reshape(ref.shape), ref) < 2e-5, _msg(f"split attention n={n}")
@@ -426,12 +428,13 @@ def test_paged_attention_splits_a_long_one_token_context(rng, h, hkv, dh, bs, n,
 def test_attention_splits_only_one_token_with_more_keys_than_a_part(rng):
     kc = np.zeros((40, 16, 3, 64), np.float32)
     qkv = np.zeros((2, 15 * 64), np.float32)
-    for rows, position, room, want in ((1, ops.SPLIT_PART_KEYS - 1, 2, ops._ONE_ITEM),   # one part's keys
-                                       (1, ops.SPLIT_PART_KEYS, 2, ops._SPLIT),
-                                       (1, 300, 2, ops._ONE_ITEM),                      # no room for its parts
-                                       (2, 300, 8, ops._CHUNKS)):                       # two tokens
+    part, none = attention.SPLIT_PART_KEYS, attention.NOTHING_TO_WARM
+    for rows, position, room, want in ((1, part - 1, 2, attention._ONE_ITEM),   # one part's keys
+                                       (1, part, 2, attention._SPLIT),
+                                       (1, 300, 2, attention._ONE_ITEM),        # no room for its parts
+                                       (2, 300, 8, attention._CHUNKS)):         # two tokens
         pos = np.full(rows, position, np.int32)
-        how = ops._attention_plan(qkv[:rows], pos, kc, 9, 3, 0, ops._NOTHING, ops._NOTHING, room)[0]
+        how = attention._attention_plan(qkv[:rows], pos, kc, 9, 3, 0, none, none, room)[0]
         assert how == want, (rows, position, room)
 
 
@@ -568,7 +571,7 @@ def test_raw_addresses_are_of_arrays_that_stay_alive():
     import inspect
 
     from engine.backends import cpu_claims
-    found = [b for mod in (L, ops, cpu_claims) for b in _dangling_addresses(inspect.getsource(mod))]
+    found = [b for mod in (L, attention, norm_act, cpu_claims) for b in _dangling_addresses(inspect.getsource(mod))]
     assert found == [], f"addresses of arrays numba may free while they are in use: {found}"
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.backends import cpu_ops as ops
+from engine.backends import cpu_attention as attention
 from engine.backends.cpu import CpuBackend
 from engine.llm import LLM
 from engine.sampling import SamplingParams
@@ -267,7 +267,7 @@ def test_layer_stack_matches_the_layer_loop_bit_for_bit(monkeypatch):
     assert any(len(ly.qkv.parts) > 1 for ly in model.layers)
     # the layers read the packed weights: one copy, not two
     assert all(np.shares_memory(p.arrays[0], stack.codes) for p in parts)
-    tokens = list(np.random.default_rng(4).integers(0, w.config.vocab_size, ops.SPLIT_PART_KEYS + 8))
+    tokens = list(np.random.default_rng(4).integers(0, w.config.vocab_size, attention.SPLIT_PART_KEYS + 8))
     regions = []
     claimed = cpu_gemma3_layers.run_gemma3_layers_claimed
     monkeypatch.setattr(cpu_gemma3_layers, "run_gemma3_layers_claimed",

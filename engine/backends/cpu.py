@@ -4,10 +4,10 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from engine.backends import cpu_attention as attention
 from engine.backends import cpu_dequant as dq
 from engine.backends import cpu_matmul as mm
 from engine.backends import cpu_norm_act as norm_act
-from engine.backends import cpu_ops as ops
 from engine.backends.cpu_gemma3_layers import Gemma3LayerStack
 from engine.backends.cpu_layers import LayerStack
 from engine.backends.cpu_repack import QUANT_FAMILIES, TILE, repack
@@ -129,7 +129,7 @@ class CpuLinear(StackedLinear):
         # the first part's bytes, for rope_attention to pull into the caches ahead of this product
         first = self.parts[0].arrays
         self.warm = (first[0].reshape(-1).view(np.uint8),
-                     first[1].reshape(-1).view(np.uint8) if len(first) > 1 else ops._NOTHING)
+                     first[1].reshape(-1).view(np.uint8) if len(first) > 1 else attention.NOTHING_TO_WARM)
 
     def release_scratch(self) -> None:
         self._scratch.buf = np.empty(0, np.float32)
@@ -226,21 +226,21 @@ class CpuBackend:
         out[:] = table.gather(tokens)
 
     def rmsnorm(self, x, w, eps, out) -> None:
-        ops.rmsnorm(x, w, eps, out)
+        norm_act.rmsnorm(x, w, eps, out)
 
     def matmul(self, x, lin: CpuLinear, out, accumulate: bool = False) -> None:
         lin(x, out, accumulate)
 
     def rope_store_kv(self, qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads):
-        ops.rope_store_kv(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
+        attention.rope_store_kv(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
 
     def attention(self, qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads,
                   scale, out, window: int = 0):
-        ops.paged_attention(qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads,
+        attention.paged_attention(qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads,
                             np.float32(scale), out, np.int64(window))
 
     def silu_mul(self, gate_up, out) -> None:
-        ops.silu_mul(gate_up, out)
+        norm_act.silu_mul(gate_up, out)
 
     def gelu_mul(self, gate_up, out) -> None:
         norm_act.gelu_mul(gate_up, out)
@@ -272,8 +272,8 @@ class CpuBackend:
                        window: int = 0) -> None:
         """rope_store_kv, then attention. next_linear: the matmul that comes next, whose weights an idle
         thread reads into the caches while a short decode attention runs."""
-        wa, wb = next_linear.warm if next_linear is not None else (ops._NOTHING, ops._NOTHING)
-        ops.rope_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables, token_seq,
+        wa, wb = next_linear.warm if next_linear is not None else (attention.NOTHING_TO_WARM, attention.NOTHING_TO_WARM)
+        attention.rope_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables, token_seq,
                            num_heads, num_kv_heads, np.float32(scale), out, wa, wb, np.int64(window))
 
     def sample(self, logits: np.ndarray, batch: SamplingBatch) -> SampleResult:

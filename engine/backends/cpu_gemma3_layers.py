@@ -18,7 +18,7 @@ from numba import get_num_threads, njit, prange
 from numba.core.errors import NumbaPerformanceWarning
 
 from engine.backends import cpu_claims, cpu_int8, cpu_matmul, cpu_norm_act, cpu_simd, cpu_transforms
-from engine.backends import cpu_ops as ops
+from engine.backends import cpu_attention as attention
 from engine.backends.cpu_cache import flush_stale_caches
 from engine.backends.cpu_claims import chunk_of, claim, finish, phase_counters, wait
 from engine.backends.cpu_matmul import matmul_q4_i8, matmul_q5_i8, matmul_q8_i8, matmul_q8h_i8, prepare_x, tiles_i8
@@ -120,8 +120,8 @@ def run_gemma3_layers(h, qkv, attn, gate_up, branch, positions, token_seq, slot_
         _linear(h, layout, i, QKV, parts, codes, s16, qkv, False, passes, X_RMSNORM, norms[i, 0], eps)
         head_rmsnorm(qkv, head_norms[i, 0], head_norms[i, 1], num_heads, num_kv_heads, np.float32(eps))
         o_codes, o_scales = _o_warm(parts, layout, i, codes, s16)
-        ops.rope_attention(qkv, positions, cos[rope[i]], sin[rope[i]], k_cache[slot], v_cache[slot], slots, tables,
-                           token_seq, num_heads, num_kv_heads, scale, attn, o_codes, o_scales, window[i])
+        attention.rope_attention(qkv, positions, cos[rope[i]], sin[rope[i]], k_cache[slot], v_cache[slot], slots,
+                                 tables, token_seq, num_heads, num_kv_heads, scale, attn, o_codes, o_scales, window[i])
         _linear(attn, layout, i, O, parts, codes, s16, branch, False, passes, X_PLAIN, no_aux, eps)
         rmsnorm_add(branch, norms[i, 1], np.float32(eps), h)
         _linear(h, layout, i, GATE_UP, parts, codes, s16, gate_up, False, passes, X_RMSNORM, norms[i, 2], eps)
@@ -193,9 +193,9 @@ def run_gemma3_layers_claimed(h, qkv, attn, gate_up, branch, positions, token_se
                 finish(counters, ph + 1, 1)
             wait(counters, ph + 1, 1)
             o_codes, o_scales = _o_warm(parts, layout, i, codes, s16)
-            ops.rope_attention_claimed(qkv, positions, cos[rope[i]], sin[rope[i]], k_cache[slot], v_cache[slot], slots,
-                                       tables, token_seq, num_heads, num_kv_heads, scale, attn, o_codes, o_scales,
-                                       window[i], partial, counters, ph + 2)
+            attention.rope_attention_claimed(qkv, positions, cos[rope[i]], sin[rope[i]], k_cache[slot], v_cache[slot],
+                                             slots, tables, token_seq, num_heads, num_kv_heads, scale, attn, o_codes,
+                                             o_scales, window[i], partial, counters, ph + 2)
             _slot_claimed(attn, layout, i, O, parts, codes, s16, branch, False, passes, X_PLAIN, no_aux, eps,
                           counters, ph + 5, threads)
             if claim(counters, ph + 6, 1) == 0:
@@ -287,11 +287,11 @@ class Gemma3LayerStack:
                 np.float32(scale), float(eps), self.passes, self.layer_kv, self.rope, self.window, self.norms,
                 self.head_norms, self.layout, self.parts, self.codes, self.s16)
         if h.shape[0] <= cpu_claims.CLAIMED_MAX_ROWS:
-            partial = ops.split_scratch(step.positions, num_heads, k_cache.shape[-1])
+            partial = attention.split_scratch(step.positions, num_heads, k_cache.shape[-1])
             run_gemma3_layers_claimed(*args, partial, phase_counters(_PHASES * len(self.layer_kv)), get_num_threads())
         else:
             run_gemma3_layers(*args)
 
 
 flush_stale_caches(globals(), "cpu_gemma3_layers", cpu_simd.__file__, cpu_int8.__file__, cpu_transforms.__file__,
-                   cpu_matmul.__file__, cpu_norm_act.__file__, ops.__file__, cpu_claims.__file__)
+                   cpu_matmul.__file__, cpu_norm_act.__file__, attention.__file__, cpu_claims.__file__)

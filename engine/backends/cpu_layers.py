@@ -19,7 +19,7 @@ from numba import get_num_threads, njit, prange
 from numba.core.errors import NumbaPerformanceWarning
 
 from engine.backends import cpu_claims, cpu_int8, cpu_matmul, cpu_simd, cpu_transforms
-from engine.backends import cpu_ops as ops
+from engine.backends import cpu_attention as attention
 from engine.backends.cpu_cache import flush_stale_caches
 from engine.backends.cpu_claims import phase_counters
 from engine.backends.cpu_matmul import matmul_i8_claimed, matmul_q4_i8, matmul_q5_i8, matmul_q8_i8
@@ -56,8 +56,8 @@ def run_layers(h, qkv, attn, gate_up, positions, cos, sin, k_cache, v_cache, slo
     no_aux = attn_norm[0, :1]   # the aux argument of a product without a fused transform (unused)
     for i in range(attn_norm.shape[0]):
         _linear(h, qkv_qs[i], qkv_sc[i], qkv, rows[0], False, passes, X_RMSNORM, attn_norm[i], eps)
-        ops.rope_attention(qkv, positions, cos, sin, k_cache[i], v_cache[i], slot_mapping, block_tables, token_seq,
-                           num_heads, num_kv_heads, scale, attn, warm_a[i], warm_b[i], np.int64(0))
+        attention.rope_attention(qkv, positions, cos, sin, k_cache[i], v_cache[i], slot_mapping, block_tables,
+                                 token_seq, num_heads, num_kv_heads, scale, attn, warm_a[i], warm_b[i], np.int64(0))
         _linear(attn, o_qs[i], o_sc[i], h, rows[1], True, passes, X_PLAIN, no_aux, eps)
         _linear(h, gu_qs[i], gu_sc[i], gate_up, rows[2], False, passes, X_RMSNORM, ffn_norm[i], eps)
         _linear(gate_up, down_qs[i], down_sc[i], h, rows[3], True, passes, X_SILU_MUL, no_aux, eps)
@@ -80,9 +80,9 @@ def run_layers_claimed(h, qkv, attn, gate_up, positions, cos, sin, k_cache, v_ca
             p = i * _PHASES
             matmul_i8_claimed(h, qkv_qs[i], qkv_sc[i], qkv, rows[0], False, passes, X_RMSNORM, attn_norm[i], eps,
                               counters, p, threads)
-            ops.rope_attention_claimed(qkv, positions, cos, sin, k_cache[i], v_cache[i], slot_mapping, block_tables,
-                                       token_seq, num_heads, num_kv_heads, scale, attn, warm_a[i], warm_b[i],
-                                       np.int64(0), partial, counters, p + 1)
+            attention.rope_attention_claimed(qkv, positions, cos, sin, k_cache[i], v_cache[i], slot_mapping,
+                                             block_tables, token_seq, num_heads, num_kv_heads, scale, attn, warm_a[i],
+                                             warm_b[i], np.int64(0), partial, counters, p + 1)
             matmul_i8_claimed(attn, o_qs[i], o_sc[i], h, rows[1], True, passes, X_PLAIN, no_aux, eps,
                               counters, p + 4, threads)
             matmul_i8_claimed(h, gu_qs[i], gu_sc[i], gate_up, rows[2], False, passes, X_RMSNORM, ffn_norm[i], eps,
@@ -139,11 +139,11 @@ class LayerStack:
                 a["o"][1], a["gate_up"][0], a["gate_up"][1], a["down"][0], a["down"][1], *self.o_warm)
         if h.shape[0] <= cpu_claims.CLAIMED_MAX_ROWS:
             threads = get_num_threads()
-            partial = ops.split_scratch(step.positions, num_heads, k_cache.shape[-1])
+            partial = attention.split_scratch(step.positions, num_heads, k_cache.shape[-1])
             run_layers_claimed(*args, partial, phase_counters(_PHASES * len(self.attn_norm)), threads)
         else:
             run_layers(*args)
 
 
 flush_stale_caches(globals(), "cpu_layers", cpu_simd.__file__, cpu_int8.__file__, cpu_transforms.__file__,
-                   cpu_matmul.__file__, ops.__file__, cpu_claims.__file__)
+                   cpu_matmul.__file__, attention.__file__, cpu_claims.__file__)

@@ -1,5 +1,5 @@
 """Row transforms that a matmul applies to x on the way in (one kernel call instead of two): rmsnorm(x) * w,
-silu(gate) * up and gelu_tanh(gate) * up; the row functions also serve the standalone ops of cpu_ops and
+silu(gate) * up and gelu_tanh(gate) * up; the row functions also serve the standalone ops of
 cpu_norm_act."""
 from __future__ import annotations
 

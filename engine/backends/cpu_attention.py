@@ -1,14 +1,16 @@
-"""Non-matmul ops of the forward pass as numba kernels for the CPU (layouts: tests/reference.py).
+"""Attention over the paged KV cache as numba kernels for the CPU (layouts: tests/reference.py): RoPE and
+the cache write, then each query token's causal attention over its sequence's blocks, split into items that
+threads take (_attention_plan), inside a parallel region of its own or the layer loop's (cpu_claims).
 
-They use the 16-lane SIMD values of cpu_simd (accumulators in registers, a vector exp), with scalar
-tails for sizes that are not multiples of 16.
+The kernels use the 16-lane SIMD values of cpu_simd (accumulators in registers, a vector exp), with plain
+code for head sizes that are not multiples of 16.
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
 
-from engine.backends import cpu_claims, cpu_simd, cpu_transforms
+from engine.backends import cpu_claims, cpu_simd
 from engine.backends.cpu_cache import flush_stale_caches
 from engine.backends.cpu_claims import claim, finish, wait
 from engine.backends.cpu_simd import (
@@ -16,7 +18,8 @@ from engine.backends.cpu_simd import (
     vpairsum2, vpairsum4, vpairsum8, vstore_f, vsub, vsum, vzero_f,
 )
 
-_NOTHING = np.zeros(0, np.uint8)
+# No weights to read ahead (warm_a, warm_b) during an attention
+NOTHING_TO_WARM = np.zeros(0, np.uint8)
 
 # Attention runs on one thread below this much work (query heads x context positions of the step):
 # a parallel region costs more than a short decode context's whole attention.
@@ -24,14 +27,6 @@ ATTN_PARALLEL_MIN_WORK = 4096
 # A one-token step whose context has more than SPLIT_PART_KEYS keys splits its attention over the keys, in
 # parts of SPLIT_PART_KEYS (a multiple of 16) that every thread takes, and combines the parts after.
 SPLIT_PART_KEYS = 64
-
-
-@njit(cache=True, nogil=True, fastmath=True)
-def rmsnorm(x, w, eps, out):
-    """out[t] = x[t] / rms(x[t]) * w."""
-    d = x.shape[1]
-    for t in range(x.shape[0]):
-        cpu_transforms.rmsnorm_row(addr(x), U(t) * U(d), addr(w), d, eps, addr(out), U(t) * U(d))
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -317,11 +312,16 @@ def _combine_parts(parts, partial, out):
             out[0, h * dh + i] *= inv
 
 
+@njit(cache=True, nogil=True, inline="always")
+def split_parts(positions):
+    """The most parts a split attention can have at a step's positions (the room split_scratch and
+    paged_attention give it): none unless the step has one token."""
+    return (positions.max() + SPLIT_PART_KEYS) // SPLIT_PART_KEYS if positions.shape[0] == 1 else 0
+
+
 def split_scratch(positions: np.ndarray, num_heads: int, head_dim: int) -> np.ndarray:
-    """Room for the parts of a split attention (rope_attention_claimed's `partial`) at a step's positions:
-    none unless the step has one token."""
-    parts = (int(positions.max()) + SPLIT_PART_KEYS) // SPLIT_PART_KEYS if positions.shape[0] == 1 else 0
-    return np.empty((parts, num_heads, head_dim + 2), np.float32)
+    """Room for the parts of a split attention (rope_attention_claimed's `partial`) at a step's positions."""
+    return np.empty((split_parts(positions), num_heads, head_dim + 2), np.float32)
 
 
 # How a step's attention is split into items (_attention_plan): one (token, kv head) an item in plain
@@ -392,8 +392,7 @@ def _paged_attention(qkv, k_cache, v_cache, block_tables, positions, token_seq, 
     attends to that sequence's positions 0..positions[t] (the last `window` of them when window > 0),
     found through its block table. Its items (_attention_plan) in parallel."""
     dh = k_cache.shape[3]
-    room = (positions.max() + SPLIT_PART_KEYS) // SPLIT_PART_KEYS if positions.shape[0] == 1 else 0
-    partial = np.empty((room, num_heads, dh + 2), np.float32)
+    partial = np.empty((split_parts(positions), num_heads, dh + 2), np.float32)
     how, items, mx = _attention_plan(qkv, positions, k_cache, num_heads, num_kv_heads, window, warm_a, warm_b,
                                      partial.shape[0])
     # the helpers get exactly one signature each (a prange index is unsigned; literals are not)
@@ -434,7 +433,7 @@ def paged_attention(qkv, k_cache, v_cache, block_tables, positions, token_seq, n
     attends to that sequence's positions 0..positions[t] (the last `window` of them when window > 0),
     found through its block table."""
     _paged_attention(qkv, k_cache, v_cache, block_tables, positions, token_seq, num_heads, num_kv_heads, scale, out,
-                     _NOTHING, _NOTHING, np.zeros(1, np.int64), window)
+                     NOTHING_TO_WARM, NOTHING_TO_WARM, np.zeros(1, np.int64), window)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
@@ -521,12 +520,4 @@ def _attend_scalar(item, qkv, k_cache, v_cache, block_tables, positions, token_s
             out[t, h * dh + i] = o[i] / total
 
 
-@njit(cache=True, nogil=True, fastmath=True)
-def silu_mul(gate_up, out):
-    """out = silu(gate) * up, with gate_up = [gate | up]."""
-    f = out.shape[1]
-    for t in range(gate_up.shape[0]):
-        cpu_transforms.silu_mul_row(addr(gate_up), U(t) * U(2 * f), f, addr(out), U(t) * U(f))
-
-
-flush_stale_caches(globals(), "cpu_ops", cpu_simd.__file__, cpu_transforms.__file__, cpu_claims.__file__)
+flush_stale_caches(globals(), "cpu_attention", cpu_simd.__file__, cpu_claims.__file__)
