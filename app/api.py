@@ -140,7 +140,9 @@ def build_request(body: Mapping[str, Any], kind: str) -> tuple[InferenceRequest,
     stop = params.stop_sequences(body)
     stop_ids = params.stop_token_ids(body)
     bias = params.logit_bias(body)
-    ignore_eos = params.boolean(body, "ignore_eos")
+    flags = {"ignore_eos": params.boolean(body, "ignore_eos"),
+             "skip_special_tokens": params.boolean(body, "skip_special_tokens", True),
+             "include_stop_str_in_output": params.boolean(body, "include_stop_str_in_output")}
     params.string(body, "user")
 
     model = _catalog().resolve(alias, caller.tier)
@@ -170,8 +172,8 @@ def build_request(body: Mapping[str, Any], kind: str) -> tuple[InferenceRequest,
                         f"for {entries}: stream it, or lower max_tokens, n or the alternatives",
                         "top_logprobs" if kind == CHAT else "logprobs")
     theta = sampling_params(max_tokens=max_tokens, max_tokens_default=max_param is None, min_tokens=min_tokens, stop=stop,
-                            stop_token_ids=stop_ids, logit_bias=bias, ignore_eos=ignore_eos,
-                            n=n, logprobs=logprobs, structured_output=constraint, **sampling)
+                            stop_token_ids=stop_ids, logit_bias=bias, n=n, logprobs=logprobs,
+                            structured_output=constraint, **flags, **sampling)
     req = InferenceRequest(model=model, inputs=batch[0], params=theta, latency_class=latency_class,
                            org=caller.org, request_id=g.request_id, stream=stream, tool_calls=tools.parse,
                            batch=tuple(batch) if len(batch) > 1 else ())

@@ -97,6 +97,10 @@ def _request_schema(kind: str, max_n: int, max_prompts: int = 1) -> dict:
                        "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
                        "description": "Token id (as a string of digits) → bias."},
         "ignore_eos": {"type": "boolean", "nullable": True},
+        "skip_special_tokens": {"type": "boolean", "nullable": True,
+                                "description": "Leave special tokens out of the text (default true; vLLM extension)."},
+        "include_stop_str_in_output": {"type": "boolean", "nullable": True,
+                                       "description": "Keep the stop string that ended the text in it (vLLM extension)."},
         "user": {"type": "string", "nullable": True},
         "response_format": {"type": "object", "nullable": True, "required": ["type"], "properties": {
             "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},

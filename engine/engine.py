@@ -72,7 +72,7 @@ class _Output:
         p = seq.request.sampling
         self.detok = IncrementalDetokenizer(tokenizer, seq.token_ids[:seq.num_prompt_tokens],
                                             skip_special_tokens=p.skip_special_tokens)
-        self.stop = StopChecker(p.stop or [])
+        self.stop = StopChecker(p.stop or [], p.include_stop_str_in_output)
         self.stop_ids = set(p.stop_token_ids or [])
 
 

@@ -191,7 +191,8 @@ def optional_str(body: Mapping, name: str, max_len: int = 256) -> str | None:
 
 
 # Sent only when set away from their defaults, which most requests keep.
-_SENT_WHEN_SET = frozenset({"best_of", "skip_special_tokens", "structured_output", "max_tokens_default"})
+_SENT_WHEN_SET = frozenset({"best_of", "skip_special_tokens", "include_stop_str_in_output", "structured_output",
+                            "max_tokens_default"})
 
 
 def sampling_to_json(params: "SamplingParams") -> dict:

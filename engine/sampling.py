@@ -139,6 +139,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None                # top alternatives, 0..20; 0 = only the chosen token's
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # the stop string that ended the text stays in it (vLLM)
     structured_output: dict | None = None      # {"type": json|regex|choice|grammar, "value": ...}: see below
 
     def __post_init__(self):
@@ -173,6 +174,7 @@ class SamplingParams:
         self.ignore_eos = _bool("ignore_eos", self.ignore_eos)
         self.logprobs = _int("logprobs", self.logprobs, 0, MAX_LOGPROBS, optional=True)
         self.skip_special_tokens = _bool("skip_special_tokens", self.skip_special_tokens)
+        self.include_stop_str_in_output = _bool("include_stop_str_in_output", self.include_stop_str_in_output)
         self.structured_output = check_structured_output(self.structured_output)
 
     @staticmethod

@@ -2,7 +2,8 @@
 
 A stop string may arrive split over several text deltas. The checker emits text as soon as it cannot
 be part of a stop string, holds back the longest tail that is the beginning of one, and on a match
-emits only the text before it (the stop string and everything after it are dropped).
+emits only the text before it (the stop string and everything after it are dropped), or with `include`
+(vLLM's include_stop_str_in_output) the text up to the stop string's end.
 """
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ class StopChecker:
     """push(delta) -> (text safe to emit, stopped); flush() -> held-back text when the sequence ends
     for another reason. After a stop, push returns ("", True). `matched` is the stop string hit."""
 
-    __slots__ = ("stop", "matched", "_held", "_done")
+    __slots__ = ("stop", "include", "matched", "_held", "_done")
 
-    def __init__(self, stop: list[str]):
+    def __init__(self, stop: list[str], include: bool = False):
         self.stop = [s for s in stop if s]
+        self.include = include
         self.matched: str | None = None
         self._held = ""
         self._done = False
@@ -42,13 +44,13 @@ class StopChecker:
         # held part was already safe.
         buf = self._held + delta_text
         first, hit = -1, None
-        for s in self.stop if may_stop else ():
+        for s in self.stop if may_stop else ():   # the earliest; of two there, the one that ends first
             i = buf.find(s, max(0, len(self._held) - len(s) + 1))
-            if i >= 0 and (first < 0 or i < first):
+            if i >= 0 and (first < 0 or i < first or (i == first and len(s) < len(hit))):
                 first, hit = i, s
         if hit is not None:
             self._done, self.matched, self._held = True, hit, ""
-            return buf[:first], True
+            return buf[:first + len(hit) if self.include else first], True
         keep = self._longest_partial(buf)
         self._held = buf[len(buf) - keep:] if keep else ""
         return buf[:len(buf) - keep], False

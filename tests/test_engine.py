@@ -545,6 +545,20 @@ def test_stop_strings_min_tokens_and_ignore_eos(tiny_gguf):
     assert len(late[0]) > len(cut[0]) and late[2].startswith(text[:text.index(stop) + len(stop)])
 
 
+def test_include_stop_str_in_output_keeps_the_stop_string_and_nothing_after_it(tiny_gguf):
+    eng = make_engine(tiny_gguf)
+    base = run(eng, [req("base", prompt(90, 8), max_tokens=30, ignore_eos=True)])["base"][0]
+    text = base[2]
+    stop = text[5:8]
+    kept = run(eng, [req("kept", prompt(90, 8), max_tokens=30, ignore_eos=True, stop=[stop],
+                         include_stop_str_in_output=True)])["kept"][0]
+    end = text.index(stop) + len(stop)
+    assert kept[1] == "stop" and kept[2] == text[:end]
+    # generation ends at the same token as without the option: the one whose text completed the stop string
+    cut = run(eng, [req("cut", prompt(90, 8), max_tokens=30, ignore_eos=True, stop=[stop])])["cut"][0]
+    assert kept[0] == cut[0] == base[0][:len(kept[0])] and kept[2] == cut[2] + stop
+
+
 def test_a_stop_string_begun_under_min_tokens_stops_once_it_ends_after_them(tiny_gguf):
     eng = make_engine(tiny_gguf)
     c = 3 + ord("c")   # the tiny tokenizer's byte token for "c": greedy emits it every step with this bias
@@ -991,3 +1005,19 @@ def test_the_token_completing_a_stop_string_with_none_of_its_own_text_output_end
             texts.append(d.text)
             entries += d.logprobs
     assert "".join(texts) == "Hel" and [e.skipped for e in entries] == [False, True]
+
+
+def test_with_the_stop_string_kept_the_token_completing_it_is_not_skipped(tiny_gguf):
+    eng = make_engine(tiny_gguf)
+    eng.add_request(req("kept", prompt(70, 4), max_tokens=8, stop=["lo!"], logprobs=0, ignore_eos=True,
+                        include_stop_str_in_output=True))
+    pieces = iter(["Hel", "lo!"])
+    for seq in eng._requests["kept"]:
+        eng._outputs[seq.seq_id].detok.push = lambda token: next(pieces)
+    texts, entries, finish = [], [], None
+    while eng.has_unfinished():
+        for d in eng.step():
+            texts.append(d.text)
+            entries += d.logprobs
+            finish = d.finish_reason or finish
+    assert ("".join(texts), finish) == ("Hello!", "stop") and [e.skipped for e in entries] == [False, False]

@@ -113,6 +113,16 @@ def test_defaults_sent_to_the_node(client, auth, node):
     s = node.received[-1]["sampling"]
     assert s["max_tokens"] == 512 and s["n"] == 1 and s["logprobs"] is None
     assert s["temperature"] == 1.0 and s["top_k"] == -1 and s["seed"] is None
+    assert "skip_special_tokens" not in s and "include_stop_str_in_output" not in s
+
+
+@pytest.mark.parametrize("path, body", [(CHAT, chat_body()), (COMPLETIONS, {"model": "zen-small", "prompt": "x"})])
+def test_vllm_text_flags_reach_the_node(client, auth, node, path, body):
+    r = client.post(path, headers=auth, json={**body, "skip_special_tokens": False,
+                                              "include_stop_str_in_output": True})
+    assert r.status_code == 200, r.get_json()
+    s = node.received[-1]["sampling"]
+    assert s["skip_special_tokens"] is False and s["include_stop_str_in_output"] is True
 
 
 @pytest.mark.parametrize("field, expected", [
@@ -844,6 +854,8 @@ BAD_CHAT = [
     (chat_body(stream_options={"include_usage": True}), "stream_options"),
     (chat_body(stream=True, stream_options=[1]), "stream_options"),
     (chat_body(ignore_eos="no"), "ignore_eos"),
+    (chat_body(skip_special_tokens=0), "skip_special_tokens"),
+    (chat_body(include_stop_str_in_output="yes"), "include_stop_str_in_output"),
     (chat_body(user=7), "user"),
     (chat_body(tools=[{"type": "function", "function": {"name": "no spaces"}}]), "tools"),
     (chat_body(tools=[{"type": "function", "function": {"name": "trailing_newline\n"}}]), "tools"),

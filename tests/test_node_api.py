@@ -110,6 +110,18 @@ def test_stream_text_matches_json_text(node):
     assert [e["token_id"] for e in events if e["type"] == "token"] == whole["token_ids"]
 
 
+def test_a_stop_string_ends_the_text_before_it_or_with_it_kept_after_it(node):
+    body = {"model": "tiny-a", "prompt": "and the", "sampling": {"max_tokens": 12, "temperature": 0,
+                                                              "ignore_eos": True}}
+    text = post(node, body).json()["choices"][0]["text"]
+    stop = text[3:5]
+    assert len(stop) == 2
+    for kept in (False, True):
+        c = post(node, {**body, "sampling": {**body["sampling"], "stop": [stop],
+                                             "include_stop_str_in_output": kept}}).json()["choices"][0]
+        assert c["finish_reason"] == "stop" and c["text"] == text[:text.index(stop) + (2 if kept else 0)]
+
+
 def test_state_shape(node):
     s = state(node)
     assert s["healthy"] is True and s["node_id"]

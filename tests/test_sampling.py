@@ -518,6 +518,7 @@ def test_degenerate_rows_still_give_a_valid_token():
     (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-5), "max_tokens"), (dict(max_tokens=1.5), "max_tokens"),
     (dict(min_tokens=-1), "min_tokens"), (dict(min_tokens=20, max_tokens=10), "min_tokens"),
     (dict(ignore_eos=1), "ignore_eos"), (dict(skip_special_tokens="yes"), "skip_special_tokens"),
+    (dict(include_stop_str_in_output=1), "include_stop_str_in_output"),
     (dict(logprobs=21), "logprobs"), (dict(logprobs=-1), "logprobs"), (dict(logprobs=True), "logprobs"),
     (dict(best_of=0), "best_of"),
 ])

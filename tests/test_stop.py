@@ -8,9 +8,9 @@ import pytest
 from engine.stop import StopChecker
 
 
-def run(stop, pieces):
+def run(stop, pieces, include=False):
     """Emitted text, whether it stopped, and what flush returns at the end."""
-    sc = StopChecker(stop)
+    sc = StopChecker(stop, include)
     out, stopped = [], False
     for p in pieces:
         text, stopped = sc.push(p)
@@ -41,6 +41,17 @@ def test_overlapping_prefix_ababc():
     assert emitted == [("", False), ("", False), ("ab", False), ("", False), ("", True)]
     assert run(["abc"], ["ab", "ab", "c"]) == ("ab", True, "")
     assert run(["aab"], ["a", "a", "a", "b"]) == ("a", True, "")
+
+
+def test_with_include_the_stop_string_ends_the_text():
+    assert run(["STOP"], ["hello STOP world"], include=True) == ("hello STOP", True, "")
+    sc = StopChecker(["</s>"], include=True)
+    assert [sc.push(p) for p in ("abc<", "/", "s", ">tail")] == [("abc", False), ("", False), ("", False),
+                                                                 ("</s>", True)]
+    assert sc.push("more") == ("", True) and sc.flush() == ""
+    # the earliest stop string wins, whole; of two that begin there, the one that ends first
+    assert run(["lo world", "lo w"], ["hello world"], include=True) == ("hello w", True, "")
+    assert run(["world", "lo w"], ["hello world"], include=True) == ("hello w", True, "")
 
 
 def test_false_start_is_released_as_soon_as_it_cannot_match():
@@ -93,14 +104,16 @@ def test_unicode_and_empty_deltas():
     assert sc.push("」後") == ("", True)
 
 
-def _model(stops, pieces):
-    """Brute force: after each push, cut at the earliest stop occurrence in all text so far."""
+def _model(stops, pieces, include=False):
+    """Brute force: after each push, cut at the earliest stop occurrence in all text so far (after it, with
+    include: the first of the stop strings found there that ends soonest)."""
     text = ""
     for p in pieces:
         text += p
-        hits = [text.find(s) for s in stops if s in text]
+        hits = [(text.find(s), len(s)) for s in stops if s in text]
         if hits:
-            return text[:min(hits)], True
+            at = min(i for i, _ in hits)
+            return text[:at + min(n for i, n in hits if i == at)] if include else text[:at], True
     return text, False
 
 
@@ -113,7 +126,8 @@ def test_random_streams_match_brute_force(trial):
         text = "".join(r.choice("abc") for _ in range(r.randint(0, 20)))
         cuts = sorted(r.sample(range(len(text) + 1), min(len(text) + 1, r.randint(0, 8))))
         pieces = [text[i:j] for i, j in zip([0] + cuts, cuts + [len(text)])]
-        sc = StopChecker(stops)
+        include = r.random() < 0.5
+        sc = StopChecker(stops, include)
         emitted, stopped, so_far = "", False, ""
         for p in pieces:
             so_far += p
@@ -129,4 +143,4 @@ def test_random_streams_match_brute_force(trial):
             assert len(held) == longest, (seed, stops, pieces, emitted)
         if not stopped:
             emitted += sc.flush()
-        assert (emitted, stopped) == _model(stops, pieces), (seed, stops, pieces)
+        assert (emitted, stopped) == _model(stops, pieces, include), (seed, stops, pieces, include)
