@@ -44,7 +44,7 @@ try:
     threads = count_from_env("GATEWAY_THREADS", _cfg.server.threads)
 except ConfigError as exc:
     _refuse(f"error: {exc}")
-worker_class = "gthread"
+worker_class = "engine.buffered_worker.BufferedThreadWorker"   # gthread; a thread takes a request once it is whole
 timeout = 120            # heartbeat of the worker process, not a limit on stream length
 graceful_timeout = 30    # on SIGTERM a worker stops accepting and open streams get this long to finish
 keepalive = 5

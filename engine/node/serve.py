@@ -77,7 +77,7 @@ def serve(config: NodeConfig) -> None:
     class NodeApplication(BaseApplication):
         def load_config(self):
             settings = {
-                "bind": bind_address(config), "workers": 1, "worker_class": "gthread",
+                "bind": bind_address(config), "workers": 1, "worker_class": "engine.buffered_worker.BufferedThreadWorker",
                 "threads": config.threads, "timeout": 120, "keepalive": 5,
                 "graceful_timeout": math.ceil(config.drain_grace_s) + DRAIN_MARGIN_S, "post_worker_init": _post_worker_init,
                 "accesslog": None, "errorlog": "-", "loglevel": config.log_level, "preload_app": False,
