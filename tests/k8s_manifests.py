@@ -1,7 +1,8 @@
 """The Kubernetes manifests of deploy/k8s/ as Python objects, for the deployment tests.
 
 `resources()` is every Kubernetes object in the YAML files (kustomization files and the cpu/ overlay's
-JSON patch are not objects); `find(kind, name)` one of them; `container(obj, name)` a container of a
+JSON patch are not objects) and every ConfigMap a kustomization generates (`configMapGenerator`, as
+kustomize makes it but for the hash it adds to the name); `find(kind, name)` one of them; `container(obj, name)` a container of a
 workload; `cpu_node_statefulset()` the node StatefulSet with the cpu/ overlay's patch applied.
 """
 from __future__ import annotations
@@ -33,10 +34,25 @@ def is_resource(doc: Any) -> bool:
             and not doc["apiVersion"].startswith("kustomize.config.k8s.io/"))
 
 
+def generated_config_maps(kustomization: Path) -> list[dict]:
+    """The ConfigMaps of a kustomization's configMapGenerator: each file's content under its name."""
+    out = []
+    for gen in documents(kustomization)[0].get("configMapGenerator", []):
+        meta = {"name": gen["name"], "labels": gen.get("options", {}).get("labels", {})}
+        if "namespace" in gen:
+            meta["namespace"] = gen["namespace"]
+        data = {Path(f).name: (kustomization.parent / f).read_text() for f in gen.get("files", [])}
+        out.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": data})
+    return out
+
+
 def resources() -> Iterator[tuple[Path, dict]]:
     for path in manifest_files():
         for doc in documents(path):
             if is_resource(doc):
+                yield path, doc
+        if path.name == "kustomization.yaml":
+            for doc in generated_config_maps(path):
                 yield path, doc
 
 

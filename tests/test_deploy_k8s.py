@@ -73,9 +73,13 @@ def test_cpu_overlay_gives_a_valid_node_statefulset_without_a_gpu():
 
 
 def test_kustomizations_name_every_manifest_but_the_secret():
-    listed = documents(BASE_DIR / "kustomization.yaml")[0]["resources"]
+    base = documents(BASE_DIR / "kustomization.yaml")[0]
+    listed = base["resources"]
     on_disk = {p.name for p in BASE_DIR.glob("*.yaml")} - {"kustomization.yaml", "secret.yaml"}
     assert sorted(listed) == sorted(on_disk)
+    # every other file of base/ is a generated ConfigMap's
+    generated = [f for g in base["configMapGenerator"] for f in g["files"]]
+    assert sorted(generated) == sorted(p.name for p in BASE_DIR.iterdir() if p.suffix != ".yaml")
     assert documents(K8S_DIR / "kustomization.yaml")[0]["resources"] == ["base"]
     assert documents(K8S_DIR / "cpu" / "kustomization.yaml")[0]["resources"] == ["../base"]
     assert {p.parent.name for p in manifest_files()} == {"k8s", "base", "cpu"}
@@ -87,6 +91,16 @@ def test_secret_has_the_three_secrets_with_placeholders_that_are_not_the_develop
     development = {s.env: s.value for s in DEVELOPMENT_SECRETS}
     for key, value in placeholders.items():
         assert value and value != development[key], key
+
+
+def test_the_gateway_config_map_is_generated_so_that_a_change_rolls_the_gateway():
+    """kustomize names a generated ConfigMap with a hash of its content and puts that name wherever the
+    kustomization's objects refer to it: the Deployment's pods change with the configuration."""
+    (gen,) = documents(BASE_DIR / "kustomization.yaml")[0]["configMapGenerator"]
+    volumes = pod_spec(find("Deployment", "zen-gateway"))["volumes"]
+    assert [v["configMap"]["name"] for v in volumes if "configMap" in v] == [gen["name"]]
+    assert not gen.get("options", {}).get("disableNameSuffixHash", False)
+    assert [doc["metadata"]["name"] for _, doc in resources() if doc["kind"] == "ConfigMap"] == [gen["name"]]
 
 
 def _gateway_toml() -> str:
