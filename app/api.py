@@ -26,7 +26,8 @@ from app.limits import TokenLimiter, request_limit_headers, token_headers
 from app.metrics import GatewayMetrics
 from app.org_share import CONCURRENCY_KEY
 from app.node_client import PING, NodeClient, NodeStream, NodeStreamError, collect_result
-from app.priority import LATENCY_CLASS_HEADER, latency_class_for
+from app.priority import (AUTO_TIER, LATENCY_CLASS_HEADER, SERVICE_TIERS, ConflictingTier, latency_class_for,
+                          service_tier)
 from app.prompt_batch import PromptBatch
 from app.responses import (CHAT, COMPLETIONS, SSE_DONE, ChunkWriter, chat_completion,
                            text_completion, usage_of)
@@ -144,6 +145,7 @@ def build_request(body: Mapping[str, Any], kind: str) -> tuple[InferenceRequest,
              "skip_special_tokens": params.boolean(body, "skip_special_tokens", True),
              "include_stop_str_in_output": params.boolean(body, "include_stop_str_in_output")}
     params.string(body, "user")
+    tier = params.one_of(body, "service_tier", (AUTO_TIER, *SERVICE_TIERS))
 
     model = _catalog().resolve(alias, caller.tier)
     if kind == CHAT:
@@ -161,7 +163,9 @@ def build_request(body: Mapping[str, Any], kind: str) -> tuple[InferenceRequest,
                             f"in the completion).", param="prompt", code="context_length_exceeded")
     try:
         latency_class = latency_class_for(request.headers.get(LATENCY_CLASS_HEADER),
-                                          caller.max_latency_class, caller.default_latency_class)
+                                          caller.max_latency_class, caller.default_latency_class, tier)
+    except ConflictingTier as exc:
+        raise bad_value(str(exc), "service_tier") from None
     except ValueError as exc:
         raise bad_value(f"`{LATENCY_CLASS_HEADER}` header {exc}", LATENCY_CLASS_HEADER) from None
     entries = len(batch) * n * max_tokens * ((logprobs or 0) + 1)
@@ -365,7 +369,8 @@ def _answer_json(req: InferenceRequest, kind: str, node: str, result: dict, rese
                  logprobs_top: int | None, started: float) -> Response:
     build = chat_completion if kind == CHAT else text_completion
     m = req.model
-    body = build(req.request_id, m.alias, m.model, m.quantization, result, logprobs_top, req.tool_calls)
+    body = build(req.request_id, m.alias, m.model, m.quantization, result, logprobs_top, req.tool_calls,
+                 service_tier(req.latency_class))
     usage = body["usage"]
     metrics = _metrics()
     _settle_usage(_tokens(), metrics, req, reservation, usage, time.perf_counter() - started)
@@ -383,7 +388,7 @@ def _answer_stream(req: InferenceRequest, kind: str, outcome: NodeStream | Promp
                    gone: Callable[[], bool]) -> Response:
     m = req.model
     writer = ChunkWriter(kind, req.request_id, m.alias, m.model, m.quantization, req.num_choices,
-                         include_usage, logprobs_top, req.tool_calls)
+                         include_usage, logprobs_top, req.tool_calls, service_tier(req.latency_class))
     tokens, metrics = _tokens(), _metrics()
     endpoint = request.endpoint
     log_fields = {"event": "request", "method": request.method, "path": request.path,

@@ -10,7 +10,7 @@ from typing import Any
 from flask import Blueprint, current_app, jsonify
 
 from app import params
-from app.priority import LATENCY_CLASS_HEADER
+from app.priority import AUTO_TIER, LATENCY_CLASS_HEADER, SERVICE_TIERS
 from engine.protocol import LatencyClass
 
 bp = Blueprint("openapi", __name__)
@@ -102,6 +102,10 @@ def _request_schema(kind: str, max_n: int, max_prompts: int = 1) -> dict:
         "include_stop_str_in_output": {"type": "boolean", "nullable": True,
                                        "description": "Keep the stop string that ended the text in it (vLLM extension)."},
         "user": {"type": "string", "nullable": True},
+        "service_tier": {"type": "string", "nullable": True, "enum": [AUTO_TIER, *SERVICE_TIERS],
+                         "description": "The latency class: priority (realtime), default (standard), flex (batch) "
+                                        "or auto (the org's default); capped by the org's SLA, as "
+                                        f"{LATENCY_CLASS_HEADER}."},
         "response_format": {"type": "object", "nullable": True, "required": ["type"], "properties": {
             "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
             "json_schema": {"type": "object", "required": ["name"], "properties": {
@@ -259,6 +263,7 @@ def build_openapi(max_n: int, max_prompts: int = 1) -> dict:
                                               "enum": ["chat.completion", "text_completion"]},
                                    "created": {"type": "integer"},
                                    "model": {"type": "string"},
+                                   "service_tier": {"type": "string", "enum": list(SERVICE_TIERS)},
                                    "system_fingerprint": {"type": "string"},
                                    "choices": {"type": "array", "items": {"type": "object"}},
                                    "usage": {"$ref": "#/components/schemas/Usage"}}},

@@ -121,6 +121,13 @@ def string(body: Mapping[str, Any], name: str, *, required: bool = False) -> str
     return value
 
 
+def one_of(body: Mapping[str, Any], name: str, allowed: tuple[str, ...]) -> str | None:
+    value = string(body, name)
+    if value is not None and value not in allowed:
+        raise bad_value(f"`{name}` must be one of {', '.join(allowed)}", name, "invalid_value")
+    return value
+
+
 def check_object(body: Any) -> Mapping[str, Any]:
     if not isinstance(body, dict):
         raise bad_value("The request body must be a JSON object", None, "invalid_json")

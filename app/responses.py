@@ -117,8 +117,9 @@ def _fingerprint(model_id: str, quantization: str) -> str:
 
 
 def chat_completion(rid: str, alias: str, model_id: str, quantization: str, body: dict,
-                    logprobs_top: int | None, tool_calls: str | None = None) -> dict:
-    """tool_calls ("single" or "parallel"): the text is parsed for calls (app/tool_responses)."""
+                    logprobs_top: int | None, tool_calls: str | None = None, service_tier: str = "default") -> dict:
+    """tool_calls ("single" or "parallel"): the text is parsed for calls (app/tool_responses); service_tier:
+    the latency class the request was served in, by OpenAI's name (app/priority.py)."""
     choices = []
     for c in sorted(body.get("choices", []), key=lambda c: c.get("index", 0)):
         logprobs = None
@@ -138,6 +139,7 @@ def chat_completion(rid: str, alias: str, model_id: str, quantization: str, body
         "object": "chat.completion",
         "created": int(time.time()),
         "model": alias,
+        "service_tier": service_tier,
         "system_fingerprint": _fingerprint(model_id, quantization),
         "choices": choices,
         "usage": usage_of(body.get("usage")),
@@ -145,7 +147,7 @@ def chat_completion(rid: str, alias: str, model_id: str, quantization: str, body
 
 
 def text_completion(rid: str, alias: str, model_id: str, quantization: str, body: dict,
-                    logprobs_top: int | None, tool_calls: str | None = None) -> dict:
+                    logprobs_top: int | None, tool_calls: str | None = None, service_tier: str = "default") -> dict:
     choices = []
     for c in sorted(body.get("choices", []), key=lambda c: c.get("index", 0)):
         logprobs = None
@@ -162,6 +164,7 @@ def text_completion(rid: str, alias: str, model_id: str, quantization: str, body
         "object": "text_completion",
         "created": int(time.time()),
         "model": alias,
+        "service_tier": service_tier,
         "system_fingerprint": _fingerprint(model_id, quantization),
         "choices": choices,
         "usage": usage_of(body.get("usage")),
@@ -172,12 +175,14 @@ class ChunkWriter:
     """Node stream events → OpenAI chunks (SSE strings) for one request."""
 
     def __init__(self, kind: str, rid: str, alias: str, model_id: str, quantization: str,
-                 n: int, include_usage: bool, logprobs_top: int | None, tool_calls: str | None = None) -> None:
+                 n: int, include_usage: bool, logprobs_top: int | None, tool_calls: str | None = None,
+                 service_tier: str = "default") -> None:
         self.kind = kind
         self.id = f"chatcmpl-{rid}" if kind == CHAT else f"cmpl-{rid}"
         self.object = "chat.completion.chunk" if kind == CHAT else "text_completion"
         self.created = int(time.time())
         self.alias = alias
+        self.service_tier = service_tier
         self.fingerprint = _fingerprint(model_id, quantization)
         self.n = n
         self.include_usage = include_usage
@@ -199,7 +204,8 @@ class ChunkWriter:
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> str:
         out = {"id": self.id, "object": self.object, "created": self.created,
-               "model": self.alias, "system_fingerprint": self.fingerprint, "choices": choices}
+               "model": self.alias, "service_tier": self.service_tier, "system_fingerprint": self.fingerprint,
+               "choices": choices}
         if self.include_usage:
             out["usage"] = usage
         return sse(out)

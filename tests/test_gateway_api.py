@@ -807,6 +807,32 @@ def test_latency_class_header_is_capped_by_the_sla(client, gateway, node):
                              json=chat_body()), 400, "X-Latency-Class")
 
 
+def test_service_tier_names_the_latency_class_and_the_answer_names_the_one_served(client, gateway, node):
+    cfg = gateway[1]
+    acme, globex = bearer(cfg, "acme"), bearer(cfg, "globex")
+    for headers, tier, sent, answered in [(acme, "flex", "batch", "flex"), (acme, "priority", "realtime", "priority"),
+                                          (acme, None, "standard", "default"), (acme, "auto", "standard", "default"),
+                                          (globex, "priority", "standard", "default"),   # capped by globex's SLA
+                                          (globex, "auto", "batch", "flex")]:           # globex's default
+        body = chat_body() if tier is None else chat_body(service_tier=tier)
+        r = client.post(CHAT, headers=headers, json=body)
+        assert r.status_code == 200 and node.received[-1]["latency_class"] == sent, tier
+        assert r.get_json()["service_tier"] == answered and r.headers["x-latency-class"] == sent
+    # a stream's chunks name it too, on both endpoints
+    r = client.post(CHAT, headers=acme, json=chat_body(service_tier="flex", stream=True))
+    chunks = [json.loads(line[6:]) for line in r.get_data(as_text=True).splitlines()
+              if line.startswith("data: {")]
+    assert chunks and {c["service_tier"] for c in chunks} == {"flex"}
+    r = client.post(COMPLETIONS, headers=acme, json={"model": "zen-small", "prompt": "x", "service_tier": "priority"})
+    assert r.get_json()["service_tier"] == "priority" and node.received[-1]["latency_class"] == "realtime"
+    # the header and the tier may agree; disagreeing, or a tier of no class, is the client's error
+    r = client.post(CHAT, headers={**acme, "X-Latency-Class": "batch"}, json=chat_body(service_tier="flex"))
+    assert r.status_code == 200 and node.received[-1]["latency_class"] == "batch"
+    assert_error(client.post(CHAT, headers={**acme, "X-Latency-Class": "realtime"}, json=chat_body(service_tier="flex")),
+                 400, "service_tier")
+    assert_error(client.post(CHAT, headers=acme, json=chat_body(service_tier="scale")), 400, "service_tier")
+
+
 # -- bad input -----------------------------------------------------------------------------------
 
 BAD_CHAT = [
@@ -1349,13 +1375,14 @@ def test_a_token_chunk_is_its_full_serialisation(kind, include_usage):
     name that holds the template's own marker."""
     marker = "\x00text\x00"
     for alias in ("zen-small", marker, '"' + marker):
-        writer = responses.ChunkWriter(kind, "req_1", alias, MODEL_ID, "q4_1", 2, include_usage, None)
+        writer = responses.ChunkWriter(kind, "req_1", alias, MODEL_ID, "q4_1", 2, include_usage, None,
+                                       service_tier="flex")
         for index, text in [(0, "Hé \"quoted\"\n\\ \u2028 😀"), (1, marker), (0, ""), (1, "</s>")]:
             choice = ({"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
                       if kind == responses.CHAT else
                       {"index": index, "text": text, "logprobs": None, "finish_reason": None})
             chunk = {"id": writer.id, "object": writer.object, "created": writer.created, "model": alias,
-                     "system_fingerprint": writer.fingerprint, "choices": [choice]}
+                     "service_tier": "flex", "system_fingerprint": writer.fingerprint, "choices": [choice]}
             if include_usage:
                 chunk["usage"] = None
             assert writer.token({"index": index, "text": text}) == responses.sse(chunk)
