@@ -11,23 +11,27 @@ thread, and gunicorn's worker_connections bounds how many a worker holds.
 
 Bodies above MAX_BUFFERED_BODY_BYTES, heads above MAX_HEAD_BYTES and what does not parse go to a thread
 as they are (the application's size limit or gunicorn's parser answers them), as do TLS and HTTP/2
-connections, which gunicorn reads itself.
+connections, which gunicorn reads itself. What gunicorn answers itself (a bad request line, headers too
+large, ...) is in OpenAI's error shape, as every other error of the gateway and the node, not HTML.
 """
 from __future__ import annotations
 
+import json
 import selectors
 import time
 from functools import partial
 
+from gunicorn import util
 from gunicorn.http2 import negotiation
 from gunicorn.workers.gthread import STOP_KEEPALIVE_LINGER, ThreadWorker
+
+from engine.protocol import error_body
 
 REQUEST_READ_TIMEOUT_S = 30.0
 MAX_HEAD_BYTES = 64 << 10
 MAX_BUFFERED_BODY_BYTES = 16 << 20
 RECV_BYTES = 64 << 10
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-_TIMEOUT = b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
 
 
 def _chunked_body_complete(buf: bytes, start: int) -> bool:
@@ -81,6 +85,20 @@ def request_complete(buf: bytes) -> tuple[bool, bool]:
     return len(buf) - body >= int(length), expect
 
 
+def error_response(status_int: int, reason: str, message: str) -> bytes:
+    """A whole HTTP answer that closes the connection, its body in OpenAI's error shape."""
+    kind = "invalid_request_error" if status_int < 500 else "server_error"
+    body = json.dumps(error_body(message or reason, type=kind, code=reason.lower().replace(" ", "_"))).encode()
+    head = (f"HTTP/1.1 {status_int} {reason}\r\nConnection: close\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n")
+    return head.encode("latin-1") + body
+
+
+def write_error(sock, status_int: int, reason: str, mesg: str) -> None:
+    """gunicorn's answer to a request it could not read (its util.write_error, in JSON)."""
+    util.write_nonblock(sock, error_response(status_int, reason, mesg))
+
+
 class _Reading:
     __slots__ = ("buf", "deadline", "continued")
 
@@ -95,6 +113,7 @@ class BufferedThreadWorker(ThreadWorker):
 
     def init_process(self):
         self._reading: dict = {}   # conn -> _Reading, in the order reading began (so by deadline)
+        util.write_error = write_error   # gunicorn's workers answer what they cannot parse through it
         super().init_process()
 
     def enqueue_req(self, conn):
@@ -175,7 +194,8 @@ class BufferedThreadWorker(ThreadWorker):
                 continue
             if reading.buf:
                 try:
-                    conn.sock.send(_TIMEOUT)
+                    conn.sock.send(error_response(408, "Request Timeout", f"the request did not arrive whole "
+                                                                          f"within {REQUEST_READ_TIMEOUT_S:g} s"))
                 except OSError:
                     pass
             self._drop(conn)

@@ -4,6 +4,7 @@ that requests read in pieces, pipelined or after 100-continue reach the applicat
 request not whole by its deadline gets a 408."""
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -158,3 +159,18 @@ def test_a_request_not_whole_by_its_deadline_gets_a_408_and_the_connection_close
         waited = time.monotonic() - started
         assert s.recv(1) == b""   # closed
     assert out.startswith(b"HTTP/1.1 408") and READ_TIMEOUT_S - 0.2 < waited < READ_TIMEOUT_S + 2.5
+    assert json.loads(out.partition(b"\r\n\r\n")[2])["error"]["code"] == "request_timeout"
+
+
+@pytest.mark.parametrize("request_bytes, status, code", [
+    (b"NOT A REQUEST\r\n\r\n", 400, "bad_request"),
+    (b"GET /" + b"a" * 5000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 414, "uri_too_long"),   # past limit_request_line
+])
+def test_what_gunicorn_cannot_read_is_answered_in_openais_error_shape(server, request_bytes, status, code):
+    with _connect(server) as s:
+        s.sendall(request_bytes)
+        out = _read_responses(s, 1)
+    head, _, body = out.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 %d" % status) and b"Content-Type: application/json" in head
+    error = json.loads(body)["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == code and error["message"]
