@@ -70,6 +70,8 @@ def request_complete(buf: bytes) -> tuple[bool, bool]:
         name, _, value = line.partition(b":")
         name, value = name.strip().lower(), value.strip().lower()
         if name == b"content-length":
+            if length is not None:   # two lengths: the parser refuses the request, at once
+                return True, expect
             length = value
         elif name == b"transfer-encoding":
             chunked = value.endswith(b"chunked")

@@ -43,6 +43,7 @@ def test_a_request_is_whole_only_at_its_last_byte(request_bytes):
 
 @pytest.mark.parametrize("request_bytes", [
     b"POST / HTTP/1.1\r\nContent-Length: abc\r\n\r\n",                             # the parser answers these
+    b"POST / HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 9\r\n\r\n",
     b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
     b"POST / HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % (MAX_BUFFERED_BODY_BYTES + 1),   # the app's 413
     b"GET /" + b"a" * MAX_HEAD_BYTES,
