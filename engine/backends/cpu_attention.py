@@ -36,6 +36,14 @@ def first_key(position, window):
     return max(0, position + 1 - window) if window > 0 else 0
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _item_keys(item, num_kv_heads, token_seq, positions, window):
+    """Item `item` of the (token, kv head) grid: (its token t, kv head, sequence, first key, one past its
+    last key)."""
+    t = item // num_kv_heads
+    return t, item % num_kv_heads, token_seq[t], first_key(positions[t], window), positions[t] + 1
+
+
 @njit(cache=True, nogil=True, fastmath=True, inline="always")
 def _rotate(v, off, cos, sin, p, half):
     """Rotate-half RoPE of v[off : off + 2*half] at table row p, in place."""
@@ -105,11 +113,7 @@ def _attend_items(c, stride, qkv, k_cache, v_cache, block_tables, positions, tok
     nv = U(dh // 16)
     pos_stride = U(num_kv_heads * dh)  # items between consecutive positions of one block
     for item in range(c, nitems, stride):
-        t = item // num_kv_heads
-        kvh = item % num_kv_heads
-        s = token_seq[t]
-        end = positions[t] + 1
-        lo = first_key(positions[t], window)
+        t, kvh, s, lo, end = _item_keys(item, num_kv_heads, token_seq, positions, window)
         n = end - lo
         q0 = U(t) * qld + U(kvh * group * dh)
         # scores = q . k_j * scale, j counted from the first key in the window
@@ -215,11 +219,7 @@ def _attend_items64(c, stride, qkv, k_cache, v_cache, block_tables, positions, t
     pos_stride = num_kv_heads * dh
     vscale = vbcast_f(scale)
     for item in range(c, nitems, stride):
-        t = item // num_kv_heads
-        kvh = item % num_kv_heads
-        s = token_seq[t]
-        end = positions[t] + 1
-        lo = first_key(positions[t], window)
+        t, kvh, s, lo, end = _item_keys(item, num_kv_heads, token_seq, positions, window)
         n = end - lo
         n16 = (n + 15) // 16 * 16
         # item offsets of each key's k (and v) in the cache, from the window's first; the padding repeats the last
@@ -491,11 +491,8 @@ def _attend_scalar(item, qkv, k_cache, v_cache, block_tables, positions, token_s
     """The plain form of one (token, kv head) item, for head sizes that are not multiples of 16."""
     bs, dh = k_cache.shape[1], k_cache.shape[3]
     group = num_heads // num_kv_heads
-    t = item // num_kv_heads
-    kvh = item % num_kv_heads
-    s = token_seq[t]
-    lo = first_key(positions[t], window)
-    n = positions[t] + 1 - lo
+    t, kvh, s, lo, end = _item_keys(item, num_kv_heads, token_seq, positions, window)
+    n = end - lo
     scores = np.empty(n, np.float32)
     o = np.empty(dh, np.float32)
     for h in range(kvh * group, (kvh + 1) * group):
