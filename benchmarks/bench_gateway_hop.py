@@ -36,11 +36,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.process_cpu import cpu_seconds  # noqa: E402
 from benchmarks.serving_report import log, machine_info  # noqa: E402
 from benchmarks.serving_stats import dist  # noqa: E402
 from scripts.local_processes import Service, free_port, wait_http  # noqa: E402
@@ -162,13 +162,6 @@ class Endpoint:
         if sample is None:
             raise SystemExit("error: the stream carried no token")
         return sample
-
-
-def cpu_seconds(pid: int) -> float:
-    """User and system CPU seconds of a process and its children (the gunicorn master and its workers)."""
-    procs = [psutil.Process(pid)]
-    procs += procs[0].children(recursive=True)
-    return sum(sum(p.cpu_times()[:2]) for p in procs)
 
 
 def _head_commit(checkout: str) -> str | None:

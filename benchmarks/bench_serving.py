@@ -339,7 +339,7 @@ def peer_settings(args) -> PeerSettings | None:
 
 
 async def bench(args, base_url: str, token: str, node_url: str | None, node_secret: str,
-                peer: PeerSettings | None = None) -> dict:
+                peer: PeerSettings | None = None, stack_pids: list[int] | None = None) -> dict:
     concurrency = parse_list(args.concurrency, int)
     lengths = set(parse_list(args.lengths, str))
     prompts = [p for p in load_prompts(Path(args.prompts)) if p["length"] in lengths]
@@ -371,7 +371,7 @@ async def bench(args, base_url: str, token: str, node_url: str | None, node_secr
             result["overhead"] = await run_overhead(args, base_url, token, node_url, node_secret, model_id, quant,
                                                     prompts)
         if peer is not None:
-            result["peer"] = await compare_with_peer(driver, peer, order, args, Path(args.output).parent)
+            result["peer"] = await compare_with_peer(driver, peer, order, args, Path(args.output).parent, stack_pids)
         result["model"] = {"alias": args.model, "id": model_id, "quantization": quant}
     finally:
         await driver.close()
@@ -419,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
         token = get_token(args, env)
         log(f"benchmarking {base_url} (model {args.model}, latency class {args.latency_class})")
         ru0 = resource.getrusage(resource.RUSAGE_SELF)
-        result = asyncio.run(bench(args, base_url, token, node_url, node_secret, peer))
+        stack_pids = [s.proc.pid for s in cluster.services()] if cluster is not None else None
+        result = asyncio.run(bench(args, base_url, token, node_url, node_secret, peer, stack_pids))
         ru1 = resource.getrusage(resource.RUSAGE_SELF)
     finally:
         if cluster is not None:

@@ -7,12 +7,16 @@ import json
 import os
 import stat
 import subprocess
+import sys
 import tarfile
+import time
 
 import numpy as np
+import psutil
 import pytest
 
 from benchmarks import bench_peers, llama_cpp_build
+from benchmarks.process_cpu import CpuMeter
 from benchmarks.serving_peer import pooled, ratio
 from benchmarks.serving_report import targets
 from benchmarks.serving_stats import RequestRecord
@@ -78,6 +82,37 @@ def test_pooled_passes_divide_all_tokens_by_the_summed_durations():
     assert s["output_tokens_per_s"] == pytest.approx(160 / 3.0)
     assert s["ttft_s"]["p50"] == pytest.approx(0.2)
     assert ratio(None, 1.0) is None and ratio(1.0, 0.0) is None and ratio(3.0, 2.0) == 1.5
+
+
+def test_pooled_cpu_is_the_passes_cpu_over_their_summed_time_and_tokens():
+    first = ([_record(64, 0.1), _record(64, 0.3)], 10.0, 12.0)
+    second = ([_record(32, 0.2)], 50.0, 51.0)
+    s = pooled([first, second], [{"server": 3.0, "client": 0.5}, {"server": 1.5, "client": 0.25}])
+    assert s["cpu"]["server"]["cpu_s"] == pytest.approx(4.5)
+    assert s["cpu"]["server"]["cores"] == pytest.approx(4.5 / 3.0)
+    assert s["cpu"]["client"]["ms_per_output_token"] == pytest.approx(750.0 / 160)
+    assert "cpu" not in pooled([first, second])
+
+
+def test_cpu_meter_counts_a_servers_children_and_the_client_alone():
+    busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < 5: pass\n"
+    server = subprocess.Popen([sys.executable, "-c",
+                               f"import subprocess, sys; subprocess.run([sys.executable, '-c', {busy!r}])"])
+    try:
+        deadline = time.monotonic() + 20
+        while not psutil.Process(server.pid).children() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        meter = CpuMeter({"server": [(server.pid, True)], "client": [(os.getpid(), False)]})
+        before = meter.read()
+        time.sleep(0.4)   # the grandchild burns CPU meanwhile; this process sleeps
+        used = meter.since(before)
+    finally:
+        for p in psutil.Process(server.pid).children(recursive=True):
+            p.kill()
+        server.kill()
+        server.wait(30)
+    assert used["server"] > 0.15            # the grandchild's time, counted with its server
+    assert used["client"] < used["server"] / 2   # none of the children's time is this process's own
 
 
 def _level(c: int, tokens_ratio: float, ttft_ratio: float) -> dict:
