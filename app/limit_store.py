@@ -1,14 +1,19 @@
-"""The embedded limits store: one SQLite file shared by every worker process of a gateway.
+"""The embedded limits store: one LMDB file shared by every worker process of a gateway.
 
 It also holds the router's records of model loads in progress (app/load_records.py), so that every
 worker routes on the loads the others started.
 
 With `[limits] storage_url = "embedded://"` (the shipped default) both limits live here: the
 requests-per-minute windows (EmbeddedStorage, a `limits` storage, so the configured strategy keeps
-its meaning) and the token buckets (EmbeddedTokenBuckets). Every change is one `BEGIN IMMEDIATE`
-transaction, which holds the database's write lock from its first read to its commit: a
-read-modify-write that no other process or thread interleaves with, so N workers admit what one
-would. WAL mode keeps reads off that lock.
+its meaning) and the token buckets (EmbeddedTokenBuckets). Every operation, a read too, is one
+transaction under an exclusive lock: a `flock` on a lock file beside the database across processes,
+a mutex across the threads of one process. A read-modify-write that no other process or thread
+interleaves with, so N workers admit what one would. LMDB's own locking is off: the lock is ours so
+that a wait for another process has a deadline, past which the call fails (the failure policy).
+
+LMDB rather than SQLite: an operation here is a B-tree lookup and a copy-on-write of a page or two,
+with no SQL to run, and the gateway pays it on every request with caches the node's kernels left cold
+(docs/limits.md).
 
 The file lives in LIMITS_DIR_ENV, a directory the gunicorn master creates at start (in /dev/shm where
 it exists: memory, no disk writes) and every worker inherits; without it (an app built outside
@@ -17,44 +22,47 @@ store spans the processes of one host; replicas on several hosts share limits th
 """
 from __future__ import annotations
 
+import fcntl
+import json
 import math
 import os
 import shutil
-import sqlite3
+import struct
 import tempfile
 import threading
 import time
 import weakref
+from array import array
+from bisect import bisect_left
 from contextlib import contextmanager
 from typing import Iterator
 
 import limits.storage
+import lmdb
 from limits.storage.base import MovingWindowSupport, SlidingWindowCounterSupport, TimestampedSlidingWindow
 
 from app.token_buckets import BucketResult, TokenBuckets, apply_to_bucket, bucket_ttl_s
 from engine.memory_dir import memory_dir
 
 LIMITS_DIR_ENV = "ZEN_LIMITS_DIR"
-DB_NAME = "limits.sqlite3"
+DB_NAME = "limits.mdb"
+LOCK_NAME = "limits.lock"
 DIR_PREFIX = "zen-gateway-limits-"
 LOCK_WAIT_S = 2.0        # past this wait for another process's transaction, the call fails (the failure policy)
-SWEEP_S = 10.0           # how often a process deletes expired rows (they are never read: only memory)
+SWEEP_S = 10.0           # how often a process deletes expired entries (they are never read: only space)
+MAP_SIZE = 1 << 30       # address space each process maps; the file grows with what is written
 
-# Small pages: a commit writes each page it changed to the WAL, and an admission changes a few rows.
-_SCHEMA = """
-PRAGMA page_size = 1024;
-CREATE TABLE IF NOT EXISTS counters (
-    key TEXT PRIMARY KEY, value INTEGER NOT NULL, expires_at REAL NOT NULL) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS window_entries (
-    key TEXT NOT NULL, atime REAL NOT NULL, n INTEGER NOT NULL, PRIMARY KEY (key, atime, n)) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS window_totals (
-    key TEXT PRIMARY KEY, held INTEGER NOT NULL, newest REAL NOT NULL, expiry REAL NOT NULL) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS buckets (
-    key TEXT PRIMARY KEY, tokens REAL NOT NULL, updated REAL NOT NULL, expires_at REAL NOT NULL) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS model_loads (
-    model TEXT NOT NULL, node TEXT NOT NULL, started_at REAL NOT NULL, expected_s REAL NOT NULL,
-    done_at REAL, expires_at REAL NOT NULL, PRIMARY KEY (model, node)) WITHOUT ROWID;
-"""
+# Every value starts with the time it expires at (what the sweep reads), then its kind's fields.
+_EXPIRES = struct.Struct("<d")
+_COUNTER = struct.Struct("<dq")           # expires_at, value
+_WINDOW = struct.Struct("<dd")            # expires_at, window length; then the entries' times, oldest first
+_BUCKET = struct.Struct("<ddd")           # expires_at, tokens, updated
+COUNTER, WINDOW, BUCKET, LOADS = b"c:", b"w:", b"b:", b"l:"   # key prefixes
+LIMIT_PREFIXES = (COUNTER, WINDOW, BUCKET)
+
+
+class StoreError(lmdb.Error):
+    """The store could not be opened, or another process held it for longer than LOCK_WAIT_S."""
 
 
 def new_limits_dir() -> str:
@@ -62,27 +70,51 @@ def new_limits_dir() -> str:
     return tempfile.mkdtemp(prefix=DIR_PREFIX, dir=memory_dir())
 
 
-def _is_lock_error(exc: sqlite3.OperationalError) -> bool:
-    return "locked" in str(exc) or "busy" in str(exc)
+class _Files:
+    """A process's open database and lock file for one directory, shared by its stores there (LMDB
+    forbids opening one file twice in a process)."""
+
+    def __init__(self, directory: str) -> None:
+        self.lock_fd = os.open(os.path.join(directory, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            self.env = lmdb.open(os.path.join(directory, DB_NAME), map_size=MAP_SIZE, subdir=False, lock=False,
+                                 sync=False, metasync=False, readahead=False, max_dbs=0)
+        except BaseException:
+            os.close(self.lock_fd)
+            raise
+        self.thread_lock = threading.Lock()
+        self.users = 0
+        self.next_sweep = 0.0
+
+    def close(self) -> None:
+        self.env.close()
+        os.close(self.lock_fd)
 
 
-_STORES: "weakref.WeakSet[LimitStore]" = weakref.WeakSet()
-# SQLite's rule: a connection is neither used nor closed in a forked child (closing it there could
-# checkpoint or remove the parent's WAL); the child's stores open their own and keep these unused.
-_INHERITED_CONNECTIONS: list[sqlite3.Connection] = []
+_OPEN: dict[str, _Files] = {}
+_OPEN_LOCK = threading.Lock()
+# A forked child must not use its parent's files: the lock file's open file is the parent's (a flock
+# there would be the parent's lock), and LMDB's map is a copy. The child's stores open their own: the
+# parent's database is closed in the child first (LMDB opens a file once per process; with its locking
+# off that releases nothing of the parent's), its lock files are kept open and unused.
+_INHERITED_LOCK_FDS: list[int] = []
 
 
 def _after_fork_in_child() -> None:
-    for store in list(_STORES):
-        store._forget_parent_connection()
+    global _OPEN_LOCK
+    for files in _OPEN.values():
+        _INHERITED_LOCK_FDS.append(files.lock_fd)
+        files.env.close()
+    _OPEN.clear()
+    _OPEN_LOCK = threading.Lock()     # another thread of the parent may have held it at the fork
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class LimitStore:
-    """The SQLite file: one connection per process (a forked child opens its own), shared by the
-    process's threads under a lock, and `transaction()` for atomic read-modify-writes."""
+    """The LMDB file: opened once per process (a forked child opens its own) and shared by the process's
+    threads, `transaction()` for atomic read-modify-writes."""
 
     def __init__(self, directory: str | None = None, clock=time.time) -> None:
         owned = directory is None
@@ -90,102 +122,97 @@ class LimitStore:
         os.makedirs(self.directory, exist_ok=True)      # an operator's ZEN_LIMITS_DIR need not exist yet
         self.path = os.path.join(self.directory, DB_NAME)
         self.clock = clock
-        self._lock = threading.Lock()
-        self._conn: sqlite3.Connection | None = None
-        self._next_sweep = 0.0
+        self._files: _Files | None = None
+        self._pid = os.getpid()
         # A private directory goes with the store (also when it is dropped without close()).
         self._finalizer = weakref.finalize(self, _remove_dir, self.directory if owned else None, os.getpid())
-        _STORES.add(self)
 
-    def _connection(self, deadline: float) -> sqlite3.Connection:
-        if self._conn is None:
-            # timeout=0: lock waits are retried here at a finer grain than SQLite's busy handler (1 ms first).
-            conn = sqlite3.connect(self.path, timeout=0, isolation_level=None, check_same_thread=False)
-            self._retry(lambda: conn.executescript(_SCHEMA), deadline)
-            self._retry(lambda: conn.execute("PRAGMA journal_mode=WAL"), deadline)
-            conn.execute("PRAGMA synchronous=OFF")      # a process crash loses nothing; a power loss, limits
-            self._conn = conn
-        return self._conn
-
-    def _forget_parent_connection(self) -> None:
-        if self._conn is not None:
-            _INHERITED_CONNECTIONS.append(self._conn)
-        self._conn = None
-        self._lock = threading.Lock()          # another thread of the parent may have held it at the fork
+    def _open(self) -> _Files:
+        if self._files is None or self._pid != os.getpid():
+            with _OPEN_LOCK:
+                files = _OPEN.get(self.directory)
+                if files is None:
+                    try:
+                        files = _OPEN[self.directory] = _Files(self.directory)
+                    except OSError as exc:      # the lock file: an error of the store, as LMDB's own are
+                        raise StoreError(f"the limits store could not be opened: {exc}") from exc
+                files.users += 1
+            self._files, self._pid = files, os.getpid()
+        return self._files
 
     @contextmanager
-    def _locked(self) -> Iterator[float]:
-        """This process's turn on the connection, and the deadline of the call: LOCK_WAIT_S in all, the wait
+    def _locked(self) -> Iterator[_Files]:
+        """This process's turn on the file, then the file's across processes: LOCK_WAIT_S in all, the wait
         for other threads included (a store locked by another process fails each caller within it, not
         each after the callers queued before it)."""
+        files = self._open()
         deadline = time.monotonic() + LOCK_WAIT_S
-        if not self._lock.acquire(timeout=LOCK_WAIT_S):
-            raise sqlite3.OperationalError("database is locked (this process's other callers held it)")
+        if not files.thread_lock.acquire(timeout=LOCK_WAIT_S):
+            raise StoreError("the limits store is locked (this process's other callers held it)")
         try:
-            yield deadline
-        finally:
-            self._lock.release()
-
-    @staticmethod
-    def _retry(op, deadline: float):
-        """`op` until it gets past another process's lock, until `deadline` at most."""
-        pause = 50e-6
-        while True:
+            pause = 50e-6
+            while True:
+                try:
+                    fcntl.flock(files.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise StoreError("the limits store is locked (another process held it)") from None
+                time.sleep(pause)
+                pause = min(pause * 2, 2e-3)
             try:
-                return op()
-            except sqlite3.OperationalError as exc:
-                if not _is_lock_error(exc) or time.monotonic() > deadline:
-                    raise
-            time.sleep(pause)
-            pause = min(pause * 2, 2e-3)
+                yield files
+            finally:
+                fcntl.flock(files.lock_fd, fcntl.LOCK_UN)
+        finally:
+            files.thread_lock.release()
 
     @contextmanager
-    def transaction(self) -> Iterator[tuple[sqlite3.Connection, float]]:
-        """(connection, now) inside `BEGIN IMMEDIATE ... COMMIT`: no other writer until it ends. `now` is
+    def transaction(self) -> Iterator[tuple[lmdb.Transaction, float]]:
+        """(write transaction, now), committed at the end: no other reader or writer until it ends. `now` is
         read once the lock is held, so times go up in the order the transactions commit."""
-        with self._locked() as deadline:
-            conn = self._connection(deadline)
-            self._retry(lambda: conn.execute("BEGIN IMMEDIATE"), deadline)
-            try:
+        with self._locked() as files:
+            with files.env.begin(write=True) as txn:   # aborted on an exception
                 now = self.clock()
-                yield conn, now
-                if now >= self._next_sweep:
-                    self._sweep(conn, now)
-                conn.execute("COMMIT")
-            except BaseException:
-                if conn.in_transaction:
-                    conn.execute("ROLLBACK")
-                raise
+                yield txn, now
+                if now >= files.next_sweep:
+                    files.next_sweep = now + SWEEP_S
+                    _sweep(txn, now)
 
-    def read(self, sql: str, args: tuple) -> tuple:
-        """One row of one query (its own snapshot: WAL readers do not wait for the writer)."""
-        with self._locked() as deadline:
-            conn = self._connection(deadline)
-            return self._retry(lambda: conn.execute(sql, args).fetchone(), deadline)
-
-    def _sweep(self, conn: sqlite3.Connection, now: float) -> None:
-        """Delete what expired; a hit deletes its own key's old window entries, so here only those of keys
-        no longer hit remain, and their totals go down with them."""
-        self._next_sweep = now + SWEEP_S
-        conn.execute("DELETE FROM counters WHERE expires_at < ?", (now,))
-        conn.execute("DELETE FROM buckets WHERE expires_at < ?", (now,))
-        conn.execute("DELETE FROM model_loads WHERE expires_at < ?", (now,))
-        idle = "SELECT key FROM window_totals WHERE newest < ?1 - expiry"     # every entry out of its window
-        conn.execute(f"DELETE FROM window_entries WHERE key IN ({idle})", (now,))
-        conn.execute("DELETE FROM window_totals WHERE newest < ?1 - expiry", (now,))
+    @contextmanager
+    def reading(self) -> Iterator[tuple[lmdb.Transaction, float]]:
+        """(read transaction, now): a consistent view, under the same lock (LMDB's reader table is off)."""
+        with self._locked() as files:
+            with files.env.begin(write=False) as txn:
+                yield txn, self.clock()
 
     def clear_all(self) -> int:
-        """Forget every limit; how many rows went."""
-        with self.transaction() as (conn, _):
-            return sum(conn.execute(f"DELETE FROM {table}").rowcount
-                       for table in ("counters", "window_entries", "window_totals", "buckets"))
+        """Forget every limit; how many entries went."""
+        with self.transaction() as (txn, _):
+            return _delete_where(txn, lambda key, value: key[:2] in LIMIT_PREFIXES)
 
     def close(self) -> None:
-        with self._lock:
-            if self._conn is not None:
-                self._conn.close()
-            self._conn = None
+        files, self._files = self._files, None
+        if files is not None and self._pid == os.getpid():
+            with _OPEN_LOCK:
+                files.users -= 1
+                if files.users == 0 and _OPEN.get(self.directory) is files:
+                    del _OPEN[self.directory]
+                    files.close()
         self._finalizer()
+
+
+def _delete_where(txn: lmdb.Transaction, doomed) -> int:
+    keys = [bytes(key) for key, value in txn.cursor() if doomed(key, value)]
+    for key in keys:
+        txn.delete(key)
+    return len(keys)
+
+
+def _sweep(txn: lmdb.Transaction, now: float) -> None:
+    """Delete what expired: a window whose newest entry left it, a counter or bucket past its time, a
+    model's load records all past theirs."""
+    _delete_where(txn, lambda key, value: _EXPIRES.unpack_from(value)[0] < now)
 
 
 def _remove_dir(directory: str | None, owner_pid: int) -> None:
@@ -215,74 +242,79 @@ class EmbeddedStorage(limits.storage.Storage, MovingWindowSupport, SlidingWindow
 
     @property
     def base_exceptions(self) -> type[Exception]:
-        return sqlite3.Error
+        return lmdb.Error
 
     # counters (fixed window, sliding window counter)
 
     @staticmethod
-    def _count(conn: sqlite3.Connection, key: str, now: float) -> int:
-        row = conn.execute("SELECT value FROM counters WHERE key = ? AND expires_at > ?", (key, now)).fetchone()
-        return row[0] if row else 0
+    def _counter(txn: lmdb.Transaction, key: str, now: float) -> tuple[int, float] | None:
+        """(value, expires_at) of a counter that has not expired."""
+        raw = txn.get(COUNTER + key.encode())
+        if raw is None:
+            return None
+        expires_at, value = _COUNTER.unpack(raw)
+        return (value, expires_at) if expires_at > now else None
 
-    @staticmethod
-    def _add(conn: sqlite3.Connection, key: str, expiry: float, amount: int, now: float) -> int:
+    @classmethod
+    def _add(cls, txn: lmdb.Transaction, key: str, expiry: float, amount: int, now: float) -> int:
         """The counter plus `amount`; a counter that had expired starts again with a new expiry."""
-        row = conn.execute("SELECT value, expires_at FROM counters WHERE key = ?", (key,)).fetchone()
-        value, expires_at = ((row[0] + amount, row[1]) if row and row[1] > now else (amount, now + expiry))
-        conn.execute("INSERT OR REPLACE INTO counters (key, value, expires_at) VALUES (?, ?, ?)",
-                     (key, value, expires_at))
+        live = cls._counter(txn, key, now)
+        value, expires_at = (live[0] + amount, live[1]) if live else (amount, now + expiry)
+        txn.put(COUNTER + key.encode(), _COUNTER.pack(expires_at, value))
         return value
 
     def incr(self, key: str, expiry: float, amount: int = 1) -> int:
-        with self.store.transaction() as (conn, now):
-            return self._add(conn, key, expiry, amount, now)
+        with self.store.transaction() as (txn, now):
+            return self._add(txn, key, expiry, amount, now)
 
     def get(self, key: str) -> int:
-        return self.store.read("SELECT COALESCE(MAX(value), 0) FROM counters WHERE key = ? AND expires_at > ?",
-                               (key, self.store.clock()))[0]
+        with self.store.reading() as (txn, now):
+            live = self._counter(txn, key, now)
+        return live[0] if live else 0
 
     def get_expiry(self, key: str) -> float:
-        now = self.store.clock()
-        row = self.store.read("SELECT MAX(expires_at) FROM counters WHERE key = ?", (key,))
-        return row[0] if row[0] is not None else now
+        with self.store.reading() as (txn, now):
+            raw = txn.get(COUNTER + key.encode())
+        return _COUNTER.unpack(raw)[0] if raw is not None else now
 
-    # moving window: one entry per unit acquired (as in MemoryStorage), and each key's count of them in
-    # window_totals, so that a hit costs the same with 3 entries in its window or 3000
+    # moving window: the times of the admitted units, oldest first, as MemoryStorage keeps them; a hit
+    # drops those that left the window, so a window holds at most `limit`
+
+    @staticmethod
+    def _window(txn: lmdb.Transaction, key: str, expiry: float, now: float) -> array:
+        """The entries still in the window (within `expiry` of now)."""
+        entries = array("d")
+        raw = txn.get(WINDOW + key.encode())
+        if raw is not None:
+            entries.frombytes(raw[_WINDOW.size:])
+        return entries[bisect_left(entries, now - expiry):]
 
     def acquire_entry(self, key: str, limit: int, expiry: int, amount: int = 1) -> bool:
         if amount > limit:
             return False
-        with self.store.transaction() as (conn, now):
-            left = conn.execute("DELETE FROM window_entries WHERE key = ? AND atime < ?", (key, now - expiry)).rowcount
-            row = conn.execute("SELECT held, newest FROM window_totals WHERE key = ?", (key,)).fetchone()
-            held, newest = (row[0] - left, row[1]) if row else (0, now)
-            admitted = held + amount <= limit
+        with self.store.transaction() as (txn, now):
+            entries = self._window(txn, key, expiry, now)
+            admitted = len(entries) + amount <= limit
             if admitted:
-                # n tells apart entries of one instant: the count before each, which no other entry at that
-                # instant had (the count only falls by entries a whole window older).
-                conn.executemany("INSERT INTO window_entries (key, atime, n) VALUES (?, ?, ?)",
-                                 [(key, now, held + i) for i in range(amount)])
-                held, newest = held + amount, now
-            if admitted or left:
-                conn.execute("INSERT OR REPLACE INTO window_totals (key, held, newest, expiry) VALUES (?, ?, ?, ?)",
-                             (key, held, newest, expiry))
+                entries.extend([now] * amount)
+            if entries:
+                txn.put(WINDOW + key.encode(), _WINDOW.pack(entries[-1] + expiry, expiry) + entries.tobytes())
+            else:
+                txn.delete(WINDOW + key.encode())
             return admitted
 
     def get_moving_window(self, key: str, limit: int, expiry: int) -> tuple[float, int]:
-        now = self.store.clock()
-        held, left, oldest = self.store.read(
-            "SELECT (SELECT held FROM window_totals WHERE key = ?1),"
-            " (SELECT COUNT(*) FROM window_entries WHERE key = ?1 AND atime < ?2),"
-            " (SELECT MIN(atime) FROM window_entries WHERE key = ?1 AND atime >= ?2)", (key, now - expiry))
-        held = (held or 0) - left
-        return (oldest, held) if held > 0 else (now, 0)
+        with self.store.reading() as (txn, now):
+            entries = self._window(txn, key, expiry, now)
+        return (entries[0], len(entries)) if entries else (now, 0)
 
     # sliding window counter
 
-    def _sliding_window(self, conn: sqlite3.Connection, key: str, expiry: int,
+    def _sliding_window(self, txn: lmdb.Transaction, key: str, expiry: int,
                         now: float) -> tuple[int, float, int, float]:
         previous_key, current_key = self.sliding_window_keys(key, expiry, now)
-        previous, current = self._count(conn, previous_key, now), self._count(conn, current_key, now)
+        previous, current = ((live or (0, 0.0))[0] for live in (self._counter(txn, previous_key, now),
+                                                                  self._counter(txn, current_key, now)))
         previous_ttl = 0.0 if previous == 0 else (1 - (((now - expiry) / expiry) % 1)) * expiry
         current_ttl = (1 - ((now / expiry) % 1)) * expiry + expiry
         return previous, previous_ttl, current, current_ttl
@@ -290,17 +322,17 @@ class EmbeddedStorage(limits.storage.Storage, MovingWindowSupport, SlidingWindow
     def acquire_sliding_window_entry(self, key: str, limit: int, expiry: int, amount: int = 1) -> bool:
         if amount > limit:
             return False
-        with self.store.transaction() as (conn, now):
-            previous, previous_ttl, current, _ = self._sliding_window(conn, key, expiry, now)
+        with self.store.transaction() as (txn, now):
+            previous, previous_ttl, current, _ = self._sliding_window(txn, key, expiry, now)
             if math.floor(previous * previous_ttl / expiry + current) + amount > limit:
                 return False
             # A window's counter lives two windows: it is the previous one during the next.
-            self._add(conn, self.sliding_window_keys(key, expiry, now)[1], 2 * expiry, amount, now)
+            self._add(txn, self.sliding_window_keys(key, expiry, now)[1], 2 * expiry, amount, now)
             return True
 
     def get_sliding_window(self, key: str, expiry: int) -> tuple[int, float, int, float]:
-        with self.store.transaction() as (conn, now):
-            return self._sliding_window(conn, key, expiry, now)
+        with self.store.reading() as (txn, now):
+            return self._sliding_window(txn, key, expiry, now)
 
     def clear_sliding_window(self, key: str, expiry: int) -> None:
         for window_key in self.sliding_window_keys(key, expiry, self.store.clock()):
@@ -309,13 +341,14 @@ class EmbeddedStorage(limits.storage.Storage, MovingWindowSupport, SlidingWindow
     # administration
 
     def clear(self, key: str) -> None:
-        with self.store.transaction() as (conn, _):
-            conn.execute("DELETE FROM counters WHERE key = ?", (key,))
-            conn.execute("DELETE FROM window_entries WHERE key = ?", (key,))
-            conn.execute("DELETE FROM window_totals WHERE key = ?", (key,))
+        with self.store.transaction() as (txn, _):
+            txn.delete(COUNTER + key.encode())
+            txn.delete(WINDOW + key.encode())
 
     def check(self) -> bool:
-        return self.store.read("SELECT 1", ()) == (1,)
+        with self.store.reading() as (txn, _):
+            txn.get(COUNTER)   # the file opens, its lock is taken and its root page reads
+        return True
 
     def reset(self) -> int | None:
         return self.store.clear_all()
@@ -332,11 +365,27 @@ class EmbeddedTokenBuckets(TokenBuckets):
         self._prefix = prefix
 
     def _apply(self, key: str, amount: float, capacity: int, rate: float, reserve: bool) -> BucketResult:
-        key = self._prefix + key
-        with self.store.transaction() as (conn, now):
-            row = conn.execute("SELECT tokens, updated FROM buckets WHERE key = ?", (key,)).fetchone()
-            tokens, last = row if row else (float(capacity), now)
+        key_bytes = BUCKET + (self._prefix + key).encode()
+        with self.store.transaction() as (txn, now):
+            raw = txn.get(key_bytes)
+            tokens, last = _BUCKET.unpack(raw)[1:] if raw is not None else (float(capacity), now)
             result = apply_to_bucket(tokens, last, now, amount, capacity, rate, reserve)
-            conn.execute("INSERT OR REPLACE INTO buckets (key, tokens, updated, expires_at) VALUES (?, ?, ?, ?)",
-                         (key, result.tokens, now, now + bucket_ttl_s(result.tokens, capacity, rate)))
+            txn.put(key_bytes, _BUCKET.pack(now + bucket_ttl_s(result.tokens, capacity, rate), result.tokens, now))
             return result
+
+
+# -- model loads (app/load_records.py) -------------------------------------------------------------------
+
+def read_loads(txn: lmdb.Transaction, model: str) -> dict[str, list]:
+    """A model's load records: node -> [started_at, expected_s, done_at, expires_at]."""
+    raw = txn.get(LOADS + model.encode())
+    return json.loads(raw[_EXPIRES.size:]) if raw is not None else {}
+
+
+def write_loads(txn: lmdb.Transaction, model: str, records: dict[str, list]) -> None:
+    """The model's records, kept until the last of them expires."""
+    if records:
+        expires_at = max(r[3] for r in records.values())
+        txn.put(LOADS + model.encode(), _EXPIRES.pack(expires_at) + json.dumps(records).encode())
+    else:
+        txn.delete(LOADS + model.encode())

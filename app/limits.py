@@ -7,7 +7,7 @@ request reserves its prompts' estimated tokens plus max_tokens for every choice 
 prompt; a completions request may carry several prompts) when admitted and is settled with
 its real usage when it ends (the unused part goes back into the bucket).
 
-Storage (`[limits] storage_url`): `embedded://`, the default, is a SQLite file shared by
+Storage (`[limits] storage_url`): `embedded://`, the default, is an LMDB file shared by
 every worker of the gateway (app/limit_store.py); Redis is shared by every replica too, the
 bucket updated by one Lua script; `memory://` counts in each process alone (one-process use
 and tests). Every change is atomic in the store, so concurrent workers and replicas never
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import math
-import sqlite3
 import threading
 import time
 import weakref
@@ -30,6 +29,7 @@ import limits
 import limits.errors
 import limits.storage
 import limits.strategies
+import lmdb
 import redis
 from flask import Flask, Response, g, request
 from prometheus_client import Counter
@@ -46,7 +46,7 @@ REQUESTS_KEY = "zen.requests"
 STORE_KEY = "zen.limit_store"
 KEY_PREFIX, SCOPE = "zen", "requests"    # a window's key in the storage: LIMITER/zen/<org>/requests/...
 # What a shared storage raises when it fails (limits wraps its own; the buckets do not).
-STORAGE_ERRORS = (redis.RedisError, sqlite3.Error, limits.errors.StorageError)
+STORAGE_ERRORS = (redis.RedisError, lmdb.Error, limits.errors.StorageError)
 # Unregistered: the gateway runs under gunicorn in Prometheus multiprocess mode, where every value is
 # written to PROMETHEUS_MULTIPROC_DIR and /metrics reads them all (deploy/prometheus/rules.yml alerts on it).
 STORAGE_FAILURES = Counter("zen_gateway_limits_storage_failures",

@@ -4,7 +4,7 @@ per worker).
 
 A record (model, node) says "a load of this model started on this node at started_at and should take
 expected_s", or, once a worker saw the node answer with the model resident, "it is there since
-done_at". Records live where the limits do: the embedded SQLite store shared by a gateway's workers,
+done_at". Records live where the limits do: the embedded store shared by a gateway's workers,
 Redis shared by every replica, or this process's memory (`memory://`). Each expires: a load in
 progress after LOAD_EXPIRY_FACTOR times its expected time plus LOAD_EXPIRY_SLACK_S (a node that died
 while loading blocks nothing for long), a finished one after the hold the pool gives (by then every
@@ -18,15 +18,15 @@ from __future__ import annotations
 
 import json
 import logging
-import sqlite3
 import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
 
+import lmdb
 import redis
 
-from app.limit_store import LimitStore
+from app.limit_store import LimitStore, read_loads, write_loads
 
 log = logging.getLogger("zen.gateway")
 
@@ -131,34 +131,36 @@ class MemoryLoadRecords(LoadRecordStore):
 
 
 class EmbeddedLoadRecords(LoadRecordStore):
-    """Records in the gateway's SQLite store (the model_loads table), one transaction per operation."""
+    """Records in the gateway's embedded store (one entry per model), one transaction per operation."""
 
     def __init__(self, store: LimitStore, hold_s: float) -> None:
         self.store, self.hold_s = store, hold_s
 
     def claim(self, model: ModelKey, node: str, expected_s: float, known: frozenset[str]) -> Claim:
         name = _model_name(model)
-        with self.store.transaction() as (conn, now):
-            rows = conn.execute("SELECT node, started_at, expected_s, done_at FROM model_loads "
-                                "WHERE model = ? AND expires_at >= ?", (name, now)).fetchall()
-            answer, new = claim_in({r[0]: LoadRecord(*r) for r in rows}, node, expected_s, known, now)
+        with self.store.transaction() as (txn, now):
+            stored = {n: r for n, r in read_loads(txn, name).items() if r[3] >= now}
+            answer, new = claim_in({n: LoadRecord(n, *r[:3]) for n, r in stored.items()}, node, expected_s,
+                                   known, now)
             if new is not None:
-                conn.execute("INSERT OR REPLACE INTO model_loads VALUES (?, ?, ?, ?, NULL, ?)",
-                             (name, node, new.started_at, new.expected_s, new.expires_at(self.hold_s)))
+                stored[node] = [new.started_at, new.expected_s, None, new.expires_at(self.hold_s)]
+                write_loads(txn, name, stored)
             return answer
 
     def finish(self, model: ModelKey, node: str) -> None:
         name = _model_name(model)
-        with self.store.transaction() as (conn, now):
-            row = conn.execute("SELECT started_at, expected_s FROM model_loads WHERE model = ? AND node = ?",
-                               (name, node)).fetchone()
-            started, expected = row if row else (now, 0.0)
-            conn.execute("INSERT OR REPLACE INTO model_loads VALUES (?, ?, ?, ?, ?, ?)",
-                         (name, node, started, expected, now, now + self.hold_s))
+        with self.store.transaction() as (txn, now):
+            stored = read_loads(txn, name)
+            started, expected = stored[node][:2] if node in stored else (now, 0.0)
+            stored[node] = [started, expected, now, now + self.hold_s]
+            write_loads(txn, name, stored)
 
     def drop(self, model: ModelKey, node: str) -> None:
-        with self.store.transaction() as (conn, _):
-            conn.execute("DELETE FROM model_loads WHERE model = ? AND node = ?", (_model_name(model), node))
+        name = _model_name(model)
+        with self.store.transaction() as (txn, _):
+            stored = read_loads(txn, name)
+            if stored.pop(node, None) is not None:
+                write_loads(txn, name, stored)
 
 
 # claim in Redis: the same rule as claim_in, in Lua (it runs inside Redis, atomic). A model's records
@@ -236,7 +238,7 @@ class RedisLoadRecords(LoadRecordStore):
         self._redis.hdel(self._key(model), node)
 
 
-STORE_ERRORS = (redis.RedisError, sqlite3.Error, OSError)
+STORE_ERRORS = (redis.RedisError, lmdb.Error, OSError)
 
 
 class LoadRecords:

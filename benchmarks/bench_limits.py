@@ -2,7 +2,7 @@
 window for the response headers, and the token bucket's reserve and settle, as the gateway does them for
 every generation (app/limits.py's RequestLimiter and TokenLimiter, called straight, no HTTP).
 
-Stores: `memory://` (each process alone) and `embedded://` (the SQLite file shared by a gateway's
+Stores: `memory://` (each process alone) and `embedded://` (the LMDB file shared by a gateway's
 workers, in /dev/shm where it exists). Cases: an empty window; a window that already holds most of an
 enterprise tier's 3000 requests a minute; and the embedded store hit by several processes at once (the
 gateway's workers), each timing its own admissions. Prints a table of medians and p99 in microseconds and

@@ -6,7 +6,7 @@ any worker imports prometheus_client; it is emptied at start and a dead worker's
 are marked dead so that /metrics on any worker reports the sum over all of them.
 The embedded limits store (`[limits] storage_url = "embedded://"`): ZEN_LIMITS_DIR is set here
 too, to a directory made at start (in /dev/shm where it exists) and removed at exit, so that
-every worker counts in the same SQLite file; set it yourself to keep limits across restarts.
+every worker counts in the same LMDB file; set it yourself to keep limits across restarts.
 Bind address and counts come from the gateway config ([server], PORT), and can be
 overridden with GATEWAY_WORKERS / GATEWAY_THREADS.
 """

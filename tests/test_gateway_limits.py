@@ -5,10 +5,10 @@ from __future__ import annotations
 import gc
 import logging
 import math
-import sqlite3
 import threading
 import time
 
+import lmdb
 import pytest
 
 from app import close_app, create_app
@@ -284,7 +284,7 @@ def test_a_refund_goes_to_the_bucket_that_holds_the_reservation(monkeypatch):
     assert limiter.reserve("acme", tier, 1000).shared   # the shared bucket is empty now
 
     def down(*args, **kwargs):
-        raise sqlite3.OperationalError("disk I/O error")
+        raise lmdb.DiskError("disk I/O error")
     with monkeypatch.context() as m:
         m.setattr(limiter._shared, "reserve", down)
         local = limiter.reserve("acme", tier, 900)      # the failure policy: the per-process bucket

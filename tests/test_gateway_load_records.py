@@ -3,12 +3,11 @@ SQLite store shared by a gateway's workers, Redis shared by replicas — and two
 on them: one load for a model no node holds, not one per worker."""
 from __future__ import annotations
 
-import sqlite3
 
 import pytest
 
 from app.catalog import ResolvedModel
-from app.limit_store import LimitStore
+from app.limit_store import LimitStore, StoreError
 from app.load_records import (LOAD_EXPIRY_FACTOR, LOAD_EXPIRY_SLACK_S, EmbeddedLoadRecords, LoadRecord,
                               LoadRecords, LoadRecordStore, MemoryLoadRecords, RedisLoadRecords)
 from app.router import NodePool, rank_nodes
@@ -118,7 +117,7 @@ def test_a_dropped_load_is_gone_and_models_are_apart(stores):
 
 class FailingStore(LoadRecordStore):
     def claim(self, *args):
-        raise sqlite3.OperationalError("database is locked")
+        raise StoreError("the limits store is locked (another process held it)")
 
     finish = drop = claim
 
@@ -148,7 +147,7 @@ def _pool(nodes, records, **kw) -> NodePool:
 
 
 def test_two_workers_route_a_model_no_node_holds_to_one_node(two_nodes, tmp_path):
-    stores = [LimitStore(str(tmp_path)) for _ in range(2)]       # one file, a connection each: two workers
+    stores = [LimitStore(str(tmp_path)) for _ in range(2)]       # one file, two stores on it: two workers
     pools = [_pool(two_nodes, LoadRecords(EmbeddedLoadRecords(s, HOLD_S), HOLD_S)) for s in stores]
     try:
         first = pools[0].rank(Q8, 10, 10)
