@@ -110,10 +110,26 @@ class _Reading:
         self.continued = False
 
 
+class SettledConfig:
+    """gunicorn's Config as a worker reads it: each setting resolved once, then a plain attribute. Config
+    resolves every read through its settings table, and a request reads some forty (its parse, its WSGI
+    environ, its response). A worker's settings never change: the master applies new ones by starting new
+    workers."""
+
+    def __init__(self, cfg) -> None:
+        self._cfg = cfg
+
+    def __getattr__(self, name):
+        value = getattr(self._cfg, name)
+        self.__dict__[name] = value
+        return value
+
+
 class BufferedThreadWorker(ThreadWorker):
     """ThreadWorker whose connections reach a thread with their whole request read (module docstring)."""
 
     def init_process(self):
+        self.cfg = SettledConfig(self.cfg)
         self._reading: dict = {}   # conn -> _Reading, in the order reading began (so by deadline)
         util.write_error = write_error   # gunicorn's workers answer what they cannot parse through it
         super().init_process()

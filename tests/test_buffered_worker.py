@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from engine.buffered_worker import MAX_BUFFERED_BODY_BYTES, MAX_HEAD_BYTES, request_complete
+from engine.buffered_worker import MAX_BUFFERED_BODY_BYTES, MAX_HEAD_BYTES, SettledConfig, request_complete
 from scripts.local_processes import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,6 +31,18 @@ def echo_app(environ, start_response):
 
 POST = b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello"
 CHUNKED = b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n4;ext=1\r\n you\r\n0\r\n\r\n"
+
+
+def test_a_worker_reads_each_setting_once_and_keeps_it():
+    from gunicorn.config import Config
+    cfg = Config()
+    settled = SettledConfig(cfg)
+    assert settled.keepalive == cfg.keepalive == 2
+    assert settled.forwarded_allow_networks() == cfg.forwarded_allow_networks()
+    cfg.set("keepalive", 9)            # what a master's reload does: its workers keep what they started with
+    assert settled.keepalive == 2 and cfg.keepalive == 9
+    with pytest.raises(AttributeError):
+        settled.no_such_setting
 
 
 @pytest.mark.parametrize("request_bytes", [b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", POST, CHUNKED,
