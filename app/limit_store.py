@@ -128,8 +128,11 @@ class LimitStore:
         self._finalizer = weakref.finalize(self, _remove_dir, self.directory if owned else None, os.getpid())
 
     def _open(self) -> _Files:
-        if self._files is None or self._pid != os.getpid():
-            with _OPEN_LOCK:
+        files = self._files
+        if files is not None and self._pid == os.getpid():
+            return files
+        with _OPEN_LOCK:
+            if self._files is None or self._pid != os.getpid():   # another thread may have opened it
                 files = _OPEN.get(self.directory)
                 if files is None:
                     try:
@@ -137,8 +140,8 @@ class LimitStore:
                     except OSError as exc:      # the lock file: an error of the store, as LMDB's own are
                         raise StoreError(f"the limits store could not be opened: {exc}") from exc
                 files.users += 1
-            self._files, self._pid = files, os.getpid()
-        return self._files
+                self._files, self._pid = files, os.getpid()
+            return self._files
 
     @contextmanager
     def _locked(self) -> Iterator[_Files]:
@@ -281,31 +284,32 @@ class EmbeddedStorage(limits.storage.Storage, MovingWindowSupport, SlidingWindow
     # drops those that left the window, so a window holds at most `limit`
 
     @staticmethod
-    def _window(txn: lmdb.Transaction, key: str, expiry: float, now: float) -> array:
-        """The entries still in the window (within `expiry` of now)."""
+    def _window(txn: lmdb.Transaction, key: str, expiry: float, now: float) -> tuple[array, int]:
+        """The entries still in the window (within `expiry` of now), and how many have left it."""
         entries = array("d")
         raw = txn.get(WINDOW + key.encode())
         if raw is not None:
             entries.frombytes(raw[_WINDOW.size:])
-        return entries[bisect_left(entries, now - expiry):]
+        left = bisect_left(entries, now - expiry)
+        return entries[left:], left
 
     def acquire_entry(self, key: str, limit: int, expiry: int, amount: int = 1) -> bool:
         if amount > limit:
             return False
         with self.store.transaction() as (txn, now):
-            entries = self._window(txn, key, expiry, now)
+            entries, left = self._window(txn, key, expiry, now)
             admitted = len(entries) + amount <= limit
             if admitted:
                 entries.extend([now] * amount)
-            if entries:
+            if entries and (admitted or left):
                 txn.put(WINDOW + key.encode(), _WINDOW.pack(entries[-1] + expiry, expiry) + entries.tobytes())
-            else:
+            elif left:
                 txn.delete(WINDOW + key.encode())
             return admitted
 
     def get_moving_window(self, key: str, limit: int, expiry: int) -> tuple[float, int]:
         with self.store.reading() as (txn, now):
-            entries = self._window(txn, key, expiry, now)
+            entries, _ = self._window(txn, key, expiry, now)
         return (entries[0], len(entries)) if entries else (now, 0)
 
     # sliding window counter
