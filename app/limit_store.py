@@ -120,7 +120,6 @@ class LimitStore:
         owned = directory is None
         self.directory = new_limits_dir() if owned else directory
         os.makedirs(self.directory, exist_ok=True)      # an operator's ZEN_LIMITS_DIR need not exist yet
-        self.path = os.path.join(self.directory, DB_NAME)
         self.clock = clock
         self._files: _Files | None = None
         self._pid = os.getpid()

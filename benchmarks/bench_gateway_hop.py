@@ -36,7 +36,6 @@ import time
 from pathlib import Path
 from typing import Callable
 
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
