@@ -244,3 +244,20 @@ def test_a_request_waiting_for_a_cold_load_is_sent_elsewhere_when_the_node_drain
     status, code, answered = answers[0]
     assert (status, code) == (503, "node_draining") and answered - began < 1.0
     assert node.admission.waiting == 0 and node.drain.in_flight == 0
+
+
+def test_a_streams_bookkeeping_runs_once_its_body_has_ended(node_app, caplog):
+    # The body ends with its last event, so the server writes the end of the chunked body before the
+    # bookkeeping: a gateway reading to that end to reuse the connection does not wait for it.
+    node = node_app.extensions["zen_node"]
+    client = node_app.test_client()
+    resp = client.post("/v1/generate", headers={SECRET_HEADER: node.config.secret}, buffered=False, json={
+        "model": "tiny-a", "prompt": "short", "stream": True, "sampling": {"max_tokens": 3, "ignore_eos": True}})
+    with caplog.at_level("INFO", logger="engine.node"):
+        events = _events(list(resp.response))   # the whole body, to its end
+        assert events[-1]["type"] == "done"
+        assert node.drain.in_flight == 1 and not [r for r in caplog.records if r.msg == "generation"]
+        resp.close()
+    assert node.drain.in_flight == 0
+    logged = [r for r in caplog.records if r.msg == "generation"]
+    assert len(logged) == 1 and logged[0].outcome == "ok" and logged[0].completion_tokens == 3

@@ -259,10 +259,14 @@ class Generation:
 
 class SSEBody:
     """The WSGI iterable of a stream. close() — called by the server when the response ends, when a
-    write fails or when the client went away — always runs the cleanup, even if iteration never began."""
+    write fails or when the client went away — always runs the cleanup, even if iteration never began.
+    The cleanup waits for it: the body ends with its last event, so the server writes the end of the
+    chunked body at once, and a gateway that reads to that end to reuse the connection does not wait
+    for the node's bookkeeping."""
 
     def __init__(self, gen: Generation):
         self.gen = gen
+        self.outcome = "client_closed"   # what close() records: set as the stream reaches its end
         self._it = self._events()
 
     def __iter__(self):
@@ -272,7 +276,7 @@ class SSEBody:
         try:
             self._it.close()
         finally:
-            self.gen.close("client_closed")
+            self.gen.close(self.outcome)
 
     @staticmethod
     def _event(obj: dict) -> bytes:
@@ -280,7 +284,6 @@ class SSEBody:
 
     def _events(self):
         gen = self.gen
-        outcome = "client_closed"
         yield b""   # sends the headers now: the client knows the node took the request
         try:
             for d in gen.deltas(heartbeat_s=HEARTBEAT_S):
@@ -300,30 +303,28 @@ class SSEBody:
                 if chunk:
                     yield b"".join(chunk)
             if gen.timed_out_before_start:
-                outcome = "queue_timeout"
+                self.outcome = "queue_timeout"
                 yield self._event(stream_error_event(
                     "the request waited past its queue_timeout_s before it was scheduled", "server_error",
                     "queue_timeout"))
                 return
-            outcome = "ok"
+            self.outcome = "ok"
             yield self._event({"type": "done", "request_id": gen.req.request_id,
                                "choices": [{"index": c.index, "finish_reason": c.finish_reason} for c in gen.choices],
                                "usage": gen.usage(), "timings": gen.timings(),
                                STATE_FIELD: gen.node.state().to_brief()})
         except ClientGone:
-            outcome = "client_closed"
+            self.outcome = "client_closed"
         except NodeShutdown as e:
-            outcome = "node_shutdown"
+            self.outcome = "node_shutdown"
             yield self._event(stream_error_event(str(e), "server_error", NODE_SHUTDOWN))
         except RequestError as e:
-            outcome = "error"
+            self.outcome = "error"
             yield self._event(stream_error_event(str(e), "invalid_request_error", e.code or "invalid_value", e.param))
         except Exception as e:   # noqa: BLE001 — an engine failure ends this stream with an error event
-            outcome = "error"
+            self.outcome = "error"
             log.exception("stream failed", extra={"request_id": gen.req.request_id, "org": gen.call.org})
             yield self._event(stream_error_event(f"engine failure: {e}", "server_error", "engine_failure"))
-        finally:
-            gen.close(outcome)
 
 
 def collect(gen: Generation) -> Response:
