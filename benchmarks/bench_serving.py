@@ -289,9 +289,10 @@ async def run_overhead(args, base_url: str, token: str, node_url: str, node_secr
         overhead.append(o)
         d, e = o["ttft_diff_ms"], o["e2e_diff_ms"]
         if d["n"]:
+            lo, hi = o["ttft_diff_p50_ci95_ms"]
             log(f"overhead c={c:<3d} | {o['pairs_ok']}/{o['pairs']} pairs | gateway - direct: TTFT "
-                f"p50 {d['p50']:.2f} ms p99 {d['p99']:.2f} ms | E2E p50 {e['p50']:.2f} ms "
-                f"p99 {e['p99']:.2f} ms")
+                f"p50 {d['p50']:.2f} ms (95% interval {lo:.2f}-{hi:.2f}) p99 {d['p99']:.2f} ms | "
+                f"E2E p50 {e['p50']:.2f} ms p99 {e['p99']:.2f} ms")
             if o.get("node_side_diff_ms"):
                 n = o["node_side_diff_ms"]
                 log(f"               | of which at the node (its own timings, p50): queue "
@@ -461,8 +462,10 @@ def main(argv: list[str] | None = None) -> int:
         log(f"against llama-server -np {c}: {fmt_ratio(lv['output_tokens_per_s_ratio'])} its output tokens/s, "
             f"{fmt_ratio(lv['ttft_p50_ratio'])} its TTFT p50" + (f" ({', '.join(met)})" if met else ""))
     if "overhead_ttft_p50_ms" in t:
+        ci = t.get("overhead_ttft_p50_ci95_ms")
         log(f"gateway overhead at concurrency {t['overhead_concurrency']}: TTFT p50 "
-            f"{t['overhead_ttft_p50_ms']:.2f} ms, end-to-end p50 {t['overhead_e2e_p50_ms']:.2f} ms")
+            f"{t['overhead_ttft_p50_ms']:.2f} ms" + (f" (95% interval {ci[0]:.2f}-{ci[1]:.2f})" if ci else "")
+            + f", end-to-end p50 {t['overhead_e2e_p50_ms']:.2f} ms")
     if "constrained_ratio" in t:
         log(f"constrained decoding at {result['constrained']['concurrency']} streams: {t['constrained_ratio']:.3f} "
             f"of the unconstrained tokens/s (target >= {t['target_constrained_ratio']}); TTFT of a cached "

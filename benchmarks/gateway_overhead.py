@@ -11,7 +11,7 @@ import uuid
 from pathlib import Path
 
 from benchmarks.http_client import httpx
-from benchmarks.serving_stats import dist
+from benchmarks.serving_stats import dist, median_interval
 
 
 def gateway_body(p: dict, model: str, max_tokens: int) -> tuple[str, dict]:
@@ -144,6 +144,8 @@ async def measure_overhead(args, base_url: str, token: str, node_url: str, node_
         "token_count_mismatches": sum(1 for d, g in good if d["tokens"] != g["tokens"]),
         "errors": [x["error"] for d, g in pairs for x in (d, g) if not x["ok"]][:10],
         "ttft_diff_ms": dist([g["ttft"] - d["ttft"] for d, g in good], 1e3),
+        # each pair's difference spreads over tens of ms: its median is known to within this
+        "ttft_diff_p50_ci95_ms": median_interval([g["ttft"] - d["ttft"] for d, g in good], 1e3),
         "e2e_diff_ms": dist([g["e2e"] - d["e2e"] for d, g in good], 1e3),
         "direct_ttft_ms": dist([d["ttft"] for d, _ in good], 1e3),
         "gateway_ttft_ms": dist([g["ttft"] for _, g in good], 1e3),

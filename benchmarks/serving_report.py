@@ -81,6 +81,7 @@ def targets(result: dict) -> dict:
         out["c16_ttft_p50_s"] = c16["ttft_s"]["p50"]
     if o:
         out["overhead_ttft_p50_ms"] = o["ttft_diff_ms"]["p50"]
+        out["overhead_ttft_p50_ci95_ms"] = o.get("ttft_diff_p50_ci95_ms")
         out["overhead_e2e_p50_ms"] = o["e2e_diff_ms"]["p50"]
         out["overhead_concurrency"] = o["concurrency"]
     for lv in (result.get("peer") or {}).get("levels", []):

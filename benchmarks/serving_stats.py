@@ -16,6 +16,19 @@ def dist(values: list[float], scale: float = 1.0) -> dict:
             "p99": float(p99), "min": float(a.min()), "max": float(a.max())}
 
 
+def median_interval(values: list[float], scale: float = 1.0, level: float = 0.95, resamples: int = 2000,
+                    seed: int = 0) -> tuple[float, float] | None:
+    """A bootstrap confidence interval of the median of `values` (times `scale`): how far another run's
+    median of as many samples from the same spread may land; None if empty."""
+    if not values:
+        return None
+    a = np.asarray(values, dtype=np.float64) * scale
+    draws = np.random.default_rng(seed).integers(0, a.size, size=(resamples, a.size))
+    medians = np.median(a[draws], axis=1)
+    lo, hi = np.percentile(medians, [50 * (1 - level), 50 * (1 + level)])
+    return float(lo), float(hi)
+
+
 @dataclass
 class RequestRecord:
     prompt_id: str

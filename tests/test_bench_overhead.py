@@ -7,12 +7,14 @@ import threading
 import time
 from argparse import Namespace
 
+import numpy as np
 import pytest
 from werkzeug.serving import make_server
 
 from app import close_app, create_app
 from app.devtoken import mint_token
 from benchmarks.gateway_overhead import compare_gateways
+from benchmarks.serving_stats import median_interval
 from tests.test_gateway_support import MODEL_ID, NODE_SECRET, free_port, make_config, node  # noqa: F401
 
 
@@ -59,3 +61,15 @@ def test_every_prompt_goes_every_way_in_every_order(node, two_gateways):  # noqa
     measured = received[18:]
     direct_at = [[r["org"] for r in measured[3 * i:3 * i + 3]].index("bench") for i in range(6)]
     assert direct_at == [0, 0, 1, 2, 1, 2]
+
+
+def test_the_median_interval_holds_the_median_and_narrows_with_more_samples():
+    rng = np.random.default_rng(1)
+    few, many = rng.normal(2.0, 6.0, 128), rng.normal(2.0, 6.0, 2048)
+    lo, hi = median_interval(list(few))
+    assert lo < float(np.median(few)) < hi
+    # the median's standard error is 1.2533 sigma / sqrt(n) for a normal spread: 95% is about +-1.96 of it
+    assert hi - lo == pytest.approx(2 * 1.96 * 1.2533 * 6.0 / np.sqrt(few.size), rel=0.35)
+    lo2, hi2 = median_interval(list(many), scale=1e3)
+    assert lo2 < 1e3 * float(np.median(many)) < hi2 and (hi2 - lo2) < 1e3 * (hi - lo) / 2.5
+    assert median_interval([]) is None
