@@ -1,6 +1,7 @@
 """Liveness, readiness and the drain, in process: /health vs /ready on the node (loading, draining) and on
 the gateway (no ready node, draining); a draining node refuses new generations and ends the ones still
-running at the end of its grace period with the node_shutdown error event, freeing their blocks."""
+running at the end of its grace period with the node_shutdown error event, freeing their blocks; a
+stream leaves the drain's count (and has its bookkeeping done) once its body has ended."""
 from __future__ import annotations
 
 import json
