@@ -260,9 +260,9 @@ class Generation:
 class SSEBody:
     """The WSGI iterable of a stream. close() — called by the server when the response ends, when a
     write fails or when the client went away — always runs the cleanup, even if iteration never began.
-    The cleanup waits for it: the body ends with its last event, so the server writes the end of the
-    chunked body at once, and a gateway that reads to that end to reuse the connection does not wait
-    for the node's bookkeeping."""
+    The bookkeeping is close()'s alone: the body ends with its last event, so the server writes the end
+    of the chunked body first, and a gateway that reads to that end to reuse the connection does not
+    wait for it."""
 
     def __init__(self, gen: Generation):
         self.gen = gen
