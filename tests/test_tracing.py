@@ -7,11 +7,12 @@ import os
 import threading
 import time
 from http.server import BaseHTTPRequestHandler
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import pytest
 import requests
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from werkzeug.serving import make_server
 
 from app import close_app, create_app
 from app.config import load_config
@@ -35,6 +36,17 @@ def no_otel_environment(monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
 
+class ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    """Calls a body's close() however the response ends (PEP 3333), as gunicorn does; the node's spans
+    are made there. Werkzeug's development server skips it when the client resets the connection."""
+    daemon_threads = True
+
+
+class QuietHandler(WSGIRequestHandler):
+    def log_message(self, *args) -> None:
+        pass
+
+
 def serve_node(tiny_path: str, otlp_endpoint: str | None):
     """A real node app (CPU, the tiny model resident) on a loopback port, in this process."""
     from engine.node.app import create_app as create_node_app
@@ -42,7 +54,7 @@ def serve_node(tiny_path: str, otlp_endpoint: str | None):
                         secret=NODE_SECRET, port=free_port(), otlp_endpoint=otlp_endpoint)
     app = create_node_app(config)
     assert app.extensions["zen_node"].ready.wait(300)
-    server = make_server("127.0.0.1", config.port, app, threaded=True)
+    server = make_server("127.0.0.1", config.port, app, ThreadingWSGIServer, QuietHandler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return app, server, f"http://127.0.0.1:{config.port}"
 
