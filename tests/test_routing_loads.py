@@ -1,6 +1,7 @@
 """One cold load per model, not one per gateway worker (issue 25), with real processes: two engine nodes
 of the default model (A with zen-small resident, B empty, small KV budgets) behind one gateway under
-gunicorn with the shipped two workers, the shipped embedded store and the shipped poll interval.
+gunicorn with the shipped two workers, the shipped embedded store and the shipped poll interval; the
+cold load weighs a hundred times its seconds, so that no request is worth a second copy.
 
   * zen-small-q8 requests one after another: one load of q8_0 over both nodes (it was one per worker);
   * a burst of eight concurrent zen-small-f16 requests: one load of f16;
@@ -32,6 +33,9 @@ GATEWAY = {
     "limits": {"storage_url": "embedded://"},                 # the shipped store
     "nodes": {"poll_interval_s": 1.0, "state_ttl_s": 5.0},    # the shipped poll: a view is up to 1 s old
     "tiers": {"load": {"models": ALIASES}},
+    # a second copy never pays off here: the rule's exception (a second load when the first node's
+    # estimated wait exceeds a cold load) turns on the nodes' timings; tests/test_gateway_router.py has it
+    "routing": {"gamma": 100.0},
 }
 
 
