@@ -20,8 +20,11 @@ def log(msg: str) -> None:
 
 
 def machine_info() -> dict:
-    info = {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
-            "processor": platform.processor()}
+    # the interpreter itself, not just its version: a build without PGO and LTO runs the gateway's Python
+    # slower (docs/serving.md, The interpreter)
+    info = {"platform": platform.platform(), "python": platform.python_version(),
+            "python_executable": os.path.realpath(sys.executable), "python_build": " ".join(platform.python_build()),
+            "cpu_count": os.cpu_count(), "processor": platform.processor()}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
