@@ -112,16 +112,35 @@ def _download_source(package: str, download_dir: Path) -> Path:
     return archives[-1]
 
 
+def _stays_inside(root: Path, member: tarfile.TarInfo) -> bool:
+    """A file, a directory or a link whose path (and a link's target) resolves under root."""
+    target = (root / member.name).resolve()
+    if not target.is_relative_to(root):
+        return False
+    if member.issym():
+        return (target.parent / member.linkname).resolve().is_relative_to(root)
+    if member.islnk():
+        return (root / member.linkname).resolve().is_relative_to(root)
+    return member.isfile() or member.isdir()
+
+
 def _unpack_llama_cpp(archive: Path, source_dir: Path) -> Path:
     """Unpack the archive's vendor/llama.cpp tree into source_dir; the tree's path."""
     if source_dir.exists():
         shutil.rmtree(source_dir)
     source_dir.mkdir(parents=True)
+    root = source_dir.resolve()
     with tarfile.open(archive) as tar:
         members = [m for m in tar.getmembers() if "/vendor/llama.cpp/" in m.name + "/"]
         if not members:
             raise SystemExit(f"error: {archive.name} has no vendor/llama.cpp tree")
-        tar.extractall(source_dir, members=members, filter="data")
+        unsafe = [m.name for m in members if not _stays_inside(root, m)]
+        if unsafe:
+            raise SystemExit(f"error: {archive.name} has members that are not plain files, directories or "
+                             f"links inside the tree: {unsafe[:3]}")
+        # Python 3.11.0-3.11.3 have no extraction filters (the check above is ours on every version)
+        safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+        tar.extractall(source_dir, members=members, **safe)
     trees = list(source_dir.glob("*/vendor/llama.cpp"))
     if len(trees) != 1 or not (trees[0] / "CMakeLists.txt").exists():
         raise SystemExit(f"error: no llama.cpp CMakeLists.txt under {source_dir}")

@@ -49,6 +49,23 @@ def test_unpack_refuses_an_archive_without_llama_cpp(tmp_path):
         llama_cpp_build._unpack_llama_cpp(archive, tmp_path / "src")
 
 
+def test_unpack_refuses_members_that_would_land_outside_the_tree(tmp_path):
+    archive = tmp_path / "llama_cpp_python-9.9.9.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        _add(tar, "llama_cpp_python-9.9.9/vendor/llama.cpp/CMakeLists.txt", "project(llama.cpp)\n")
+        _add(tar, "llama_cpp_python-9.9.9/vendor/llama.cpp/../../../../escaped.txt", "out\n")
+    with pytest.raises(SystemExit, match="not plain files, directories or links inside"):
+        llama_cpp_build._unpack_llama_cpp(archive, tmp_path / "src")
+    assert not (tmp_path / "escaped.txt").exists()
+    link = tarfile.TarInfo("llama_cpp_python-9.9.9/vendor/llama.cpp/passwd")
+    link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
+    with tarfile.open(archive, "w:gz") as tar:
+        _add(tar, "llama_cpp_python-9.9.9/vendor/llama.cpp/CMakeLists.txt", "project(llama.cpp)\n")
+        tar.addfile(link)
+    with pytest.raises(SystemExit, match="not plain files"):
+        llama_cpp_build._unpack_llama_cpp(archive, tmp_path / "src")
+
+
 def _executable(path, script: str) -> None:
     path.write_text("#!/bin/sh\n" + script)
     path.chmod(path.stat().st_mode | stat.S_IXUSR)
